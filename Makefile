@@ -1,0 +1,49 @@
+# tokensvc developer commands. `make dev` and `make test` are the two commands a fresh machine needs.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+STATE_DIR ?= .tokensvc-dev
+PROTOS := $(wildcard protos/tokensvc/v1/*.proto)
+
+.PHONY: install dev test check lint typecheck protolint proto stubs-check pytest bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+dev: install  ## Install and run tokensvc on embedded defaults (PostgreSQL + dev certificates).
+	$(BIN)/tokensvc dev --state-dir $(STATE_DIR)
+
+test: install  ## Everything CI runs: lint, types, protos, stale stubs, the whole pytest suite.
+	$(MAKE) check
+	$(BIN)/pytest
+
+check: lint typecheck protolint
+
+lint: install
+	$(BIN)/ruff check tokensvc tests bench
+	$(BIN)/ruff format --check tokensvc tests bench
+
+typecheck: install
+	$(BIN)/mypy
+
+protolint: install
+	$(BIN)/buf lint
+	$(BIN)/buf format --diff --exit-code
+
+proto: install  ## Regenerate tokensvc/v1 from protos/ (never edit the stubs by hand).
+	$(PY) -m grpc_tools.protoc -I protos \
+		--plugin=protoc-gen-mypy=$(BIN)/protoc-gen-mypy \
+		--plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc \
+		--python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. $(PROTOS)
+
+bench: install
+	$(PY) -m bench.run
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

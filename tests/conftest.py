@@ -1,0 +1,58 @@
+"""Session fixtures: one real embedded PostgreSQL, the dev PKI, and tokensvc servers over mTLS."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Awaitable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import SharedDatabase, service_settings
+from tokensvc.app import Service, migrate
+from tokensvc.auth.devpki import DevPaths, ensure_dev_material
+from tokensvc.storage import Database, EmbeddedPostgres
+
+
+@pytest.fixture(scope="session")
+def dev(tmp_path_factory: pytest.TempPathFactory) -> DevPaths:
+    return ensure_dev_material(tmp_path_factory.mktemp("dev-state"))
+
+
+@pytest.fixture(scope="session")
+async def database(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[SharedDatabase]:
+    """A real PostgreSQL 18 + pgvector for the whole session, migrated once."""
+    server = EmbeddedPostgres(tmp_path_factory.mktemp("postgres"))
+    await server.start()
+    shared = SharedDatabase(server)
+    settings = service_settings(shared, ensure_dev_material(tmp_path_factory.mktemp("mig")), Path("."))
+    located = await Database.locate(settings)
+    await migrate(located, settings)
+    yield shared
+    await server.stop()
+
+
+ServiceFactory = Callable[..., Awaitable[Service]]
+
+
+@pytest.fixture
+async def start_service(
+    database: SharedDatabase, dev: DevPaths, tmp_path: Path
+) -> AsyncIterator[ServiceFactory]:
+    """Start tokensvc servers in-process on the shared database; all are stopped afterwards."""
+    started: list[Service] = []
+
+    async def start(**overrides: Any) -> Service:
+        service = Service(service_settings(database, dev, tmp_path, **overrides))
+        started.append(service)
+        await service.start()
+        return service
+
+    yield start
+    for service in started:
+        await service.stop(grace=0)
+
+
+@pytest.fixture
+async def service(start_service: ServiceFactory) -> Service:
+    return await start_service()

@@ -1,0 +1,163 @@
+"""Composition root: settings -> database -> domain -> servicers -> mTLS gRPC server.
+
+`Service` is what `tokensvc serve`/`dev` run and what tests start in-process. Lifecycle:
+`start()` opens the database (embedded or configured), checks the schema, binds the mTLS port
+and marks health SERVING; `stop()` flips health to NOT_SERVING, lets in-flight RPCs finish within
+the grace period, then closes the pool and the embedded database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import _async as health_aio  # re-exported as health.aio; named for mypy
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tokensvc.api.edge import CapabilityAuthenticator, EdgeInterceptor
+from tokensvc.api.servicers import register_servicers, service_names
+from tokensvc.auth.identity import IdentityPolicy
+from tokensvc.settings import Settings, SettingsError
+from tokensvc.storage import (
+    Database,
+    apply_migrations,
+    available_migrations,
+    connect_once,
+    schema_version,
+)
+
+__all__ = ["Service", "run_service"]
+
+_log = logging.getLogger(__name__)
+
+
+class SchemaOutdated(RuntimeError):
+    """The database schema is behind this tokensvc; `tokensvc migrate` fixes it."""
+
+
+@dataclass
+class Service:
+    """One tokensvc server: its database, gRPC server and health state."""
+
+    settings: Settings
+    extra_handlers: Sequence[grpc.GenericRpcHandler[Any, Any]] = ()
+    database: Database | None = None
+    server: grpc.aio.Server | None = None
+    health: Any = field(default_factory=lambda: health_aio.HealthServicer())  # noqa: PLW0108
+    port: int = 0
+
+    async def start(self) -> None:
+        cert_file, key_file, ca_file = self.settings.require_tls_files()
+        self.database = await Database.locate(self.settings)
+        if self.settings.migrate_on_start:
+            await migrate(self.database, self.settings)
+        await self.database.open_pool()
+        await self._check_schema()
+
+        self.server = grpc.aio.server(
+            interceptors=[EdgeInterceptor(self._identities(), self._authenticator())],
+            options=[
+                ("grpc.max_receive_message_length", self.settings.max_message_bytes),
+                ("grpc.max_send_message_length", self.settings.max_message_bytes),
+                # One process per port unless scaling on one host is asked for explicitly.
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        register_servicers(self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if self.settings.reflection:
+            reflection.enable_server_reflection(
+                [
+                    *service_names(),
+                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                    reflection.SERVICE_NAME,
+                ],
+                self.server,
+            )
+        for handler in self.extra_handlers:
+            self.server.add_generic_rpc_handlers((handler,))
+
+        credentials = grpc.ssl_server_credentials(
+            [(key_file.read_bytes(), cert_file.read_bytes())],
+            root_certificates=ca_file.read_bytes(),
+            require_client_auth=True,
+        )
+        self.port = self.server.add_secure_port(self.settings.listen_address, credentials)
+        if self.port == 0:
+            raise SettingsError(f"listen_address: cannot bind {self.settings.listen_address}")
+        await self.server.start()
+        for name in ("", *service_names()):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        _log.info("serving", extra={"address": self.settings.listen_address, "port": self.port})
+
+    def _identities(self) -> IdentityPolicy:
+        return IdentityPolicy(
+            trust_domain=self.settings.trust_domain,
+            launcher_template=self.settings.launcher_spiffe_template,
+            admin_ids=self.settings.admin_spiffe_ids,
+            control_plane_ids=self.settings.control_plane_spiffe_ids,
+        )
+
+    def _authenticator(self) -> CapabilityAuthenticator | None:
+        return None
+
+    async def _check_schema(self) -> None:
+        assert self.database is not None
+        async with self.database.pool.acquire() as conn:
+            have = await schema_version(conn)  # type: ignore[arg-type]
+        want = len(available_migrations())
+        if have < want:
+            raise SchemaOutdated(
+                f"the database schema is at version {have}, this tokensvc needs {want}: "
+                "run `tokensvc migrate` (or set migrate_on_start)"
+            )
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: NOT_SERVING first (so load balancers move on), then finish in-flight RPCs."""
+        grace = self.settings.shutdown_grace_seconds if grace is None else grace
+        await self.health.enter_graceful_shutdown()
+        if self.server is not None:
+            await self.server.stop(grace)
+        if self.database is not None:
+            await self.database.close()
+        _log.info("stopped")
+
+    async def wait(self) -> None:
+        assert self.server is not None
+        await self.server.wait_for_termination()
+
+
+async def migrate(database: Database, settings: Settings) -> list[str]:
+    """Apply pending migrations as the schema owner; returns the names applied."""
+    owner = database.target.owner_credentials
+    if owner is None:
+        raise SettingsError("database_owner_credential_dir: required to migrate")
+    conn = await connect_once(database.target, owner.read())
+    try:
+        applied = await apply_migrations(conn, app_role=settings.database_app_role)
+    finally:
+        await conn.close()
+    return [f"{m.version:04d}_{m.name}" for m in applied]
+
+
+async def run_service(
+    settings: Settings, *, extra_handlers: Sequence[grpc.GenericRpcHandler[Any, Any]] = ()
+) -> None:
+    """Serve until SIGTERM or SIGINT, then drain and exit."""
+    service = Service(settings, extra_handlers=extra_handlers)
+    stop_requested = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_requested.set)
+    try:
+        await service.start()
+        await stop_requested.wait()
+        _log.info("shutdown requested; draining", extra={"grace_seconds": settings.shutdown_grace_seconds})
+    finally:
+        await service.stop()

@@ -1,0 +1,3 @@
+"""Caller identity, capabilities, key sets and buckets."""
+
+__all__: list[str] = []

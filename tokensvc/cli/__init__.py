@@ -1,0 +1,5 @@
+"""The `tokensvc` command."""
+
+from tokensvc.cli.main import main
+
+__all__ = ["main"]

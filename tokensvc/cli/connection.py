@@ -1,0 +1,86 @@
+"""Client connection flags shared by every client command, and the mTLS channel they build.
+
+Explicit `--ca/--cert/--key` win over `--state-dir`; with only a state dir, each command picks
+the dev certificate of the role it needs (launcher, admin or control plane).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from tokensvc.auth.devpki import DevPaths
+
+__all__ = ["ClientFiles", "add_connection_flags", "client_files", "open_channel"]
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("connection")
+    group.add_argument(
+        "--target",
+        default=os.environ.get("TOKENSVC_TARGET", DEFAULT_TARGET),
+        help=f"host:port of tokensvc (default {DEFAULT_TARGET}, or $TOKENSVC_TARGET)",
+    )
+    group.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="take the CA and the role's certificate from a `tokensvc dev` state dir",
+    )
+    group.add_argument("--ca", type=Path, help="CA bundle that the server certificate chains to")
+    group.add_argument("--cert", type=Path, help="client certificate (PEM)")
+    group.add_argument("--key", type=Path, help="client private key (PEM)")
+    group.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds (default 10)")
+
+
+@dataclass(frozen=True)
+class ClientFiles:
+    ca: Path
+    cert: Path
+    key: Path
+
+
+class ConnectionError_(ValueError):
+    """Missing or unreadable connection flags."""
+
+
+def client_files(args: argparse.Namespace, role: str = "launcher") -> ClientFiles:
+    """Resolve CA, certificate and key from explicit flags, else from the dev state dir."""
+    state_dir: Path | None = args.state_dir
+    if state_dir is None and not (args.ca and args.cert and args.key):
+        default = Path(".tokensvc-dev")
+        state_dir = default if default.is_dir() else None
+    dev = DevPaths.for_state_dir(state_dir) if state_dir is not None else None
+    ca = args.ca or (dev.ca_cert if dev else None)
+    cert, key = args.cert, args.key
+    if dev is not None:
+        dev_cert, dev_key = dev.client(role)
+        cert = cert or dev_cert
+        key = key or dev_key
+    missing = [flag for flag, value in (("--ca", ca), ("--cert", cert), ("--key", key)) if value is None]
+    if missing:
+        raise ConnectionError_(
+            f"{', '.join(missing)} required (or --state-dir of a `tokensvc dev` state dir)"
+        )
+    assert ca is not None
+    assert cert is not None
+    assert key is not None
+    for flag, path in (("--ca", ca), ("--cert", cert), ("--key", key)):
+        if not path.is_file():
+            raise ConnectionError_(f"{flag}: {path} does not exist")
+    return ClientFiles(ca, cert, key)
+
+
+def open_channel(target: str, files: ClientFiles) -> grpc.aio.Channel:
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=files.ca.read_bytes(),
+        private_key=files.key.read_bytes(),
+        certificate_chain=files.cert.read_bytes(),
+    )
+    return grpc.aio.secure_channel(target, credentials)

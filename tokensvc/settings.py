@@ -1,0 +1,297 @@
+"""One frozen Settings object, loaded from defaults, a TOML file and `TOKENSVC_*` variables.
+
+Precedence, lowest first: field defaults, the config file (`--config` or `TOKENSVC_CONFIG`),
+environment variables, explicit overrides (CLI flags). Every value is validated at start and an
+error names the setting the way the operator wrote it (`TOKENSVC_POOL_MAX_SIZE`, or the file key).
+Secrets are never values here: settings hold *paths* to secret files, so a repr or a log of the
+settings cannot leak one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ENV_PREFIX", "Settings", "SettingsError", "load_settings"]
+
+ENV_PREFIX = "TOKENSVC_"
+
+_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_TRUST_DOMAIN = re.compile(r"^[a-z0-9._-]{1,255}$")
+
+
+class SettingsError(ValueError):
+    """A setting is missing or invalid; the message names it and says what is expected."""
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": text}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything tokensvc is configured with. Field names are the config-file keys."""
+
+    # --- serving ---------------------------------------------------------------------------
+    listen_address: str = field(default="127.0.0.1:50051", metadata=_doc("host:port to serve mTLS gRPC on."))
+    tls_cert_file: Path | None = field(default=None, metadata=_doc("Server certificate chain (PEM)."))
+    tls_key_file: Path | None = field(default=None, metadata=_doc("Server private key (PEM)."))
+    tls_client_ca_file: Path | None = field(
+        default=None, metadata=_doc("CA bundle that client certificates must chain to (PEM).")
+    )
+    trust_domain: str = field(default="dev.local", metadata=_doc("SPIFFE trust domain of callers."))
+    reflection: bool = field(default=False, metadata=_doc("Serve gRPC server reflection."))
+    shutdown_grace_seconds: float = field(
+        default=10.0, metadata=_doc("How long in-flight RPCs may run after SIGTERM.")
+    )
+    max_message_bytes: int = field(default=16 * 1024 * 1024, metadata=_doc("Largest gRPC message."))
+
+    # --- roles -----------------------------------------------------------------------------
+    admin_spiffe_ids: tuple[str, ...] = field(default=(), metadata=_doc("SPIFFE IDs of admins."))
+    control_plane_spiffe_ids: tuple[str, ...] = field(
+        default=(), metadata=_doc("SPIFFE IDs of the ctxmesh control plane.")
+    )
+    launcher_spiffe_template: str = field(
+        default="spiffe://{trust_domain}/ns/{namespace}/sa/{agent}",
+        metadata=_doc("How a launcher's SPIFFE ID is built from a capability's namespace and agent."),
+    )
+
+    # --- database --------------------------------------------------------------------------
+    state_dir: Path = field(
+        default=Path(".tokensvc-dev"),
+        metadata=_doc("Directory for the embedded database and dev material."),
+    )
+    database_dsn: str | None = field(
+        default=None,
+        metadata=_doc(
+            "postgresql://host:port/dbname of an external PostgreSQL, without credentials; "
+            "unset means the embedded PostgreSQL in state_dir."
+        ),
+    )
+    database_credential_dir: Path | None = field(
+        default=None,
+        metadata=_doc("Directory with `username` and `password` files of the serving role."),
+    )
+    database_owner_credential_dir: Path | None = field(
+        default=None,
+        metadata=_doc("Directory with `username` and `password` of the schema owner (migrations)."),
+    )
+    database_app_role: str = field(
+        default="tokensvc_app", metadata=_doc("Group role that holds the serving grants.")
+    )
+    pool_min_size: int = field(default=2, metadata=_doc("Connections kept open."))
+    pool_max_size: int = field(default=10, metadata=_doc("Most connections at once."))
+    database_connect_timeout_seconds: float = field(
+        default=5.0, metadata=_doc("Bound on one connection attempt.")
+    )
+    migrate_on_start: bool = field(default=False, metadata=_doc("Apply migrations when serving starts."))
+
+    # --- logging ---------------------------------------------------------------------------
+    log_level: str = field(default="INFO", metadata=_doc("DEBUG, INFO, WARNING or ERROR."))
+
+    @property
+    def embedded_database(self) -> bool:
+        return self.database_dsn is None
+
+    def validate(self) -> Settings:  # noqa: PLR0912 - one flat list of independent checks
+        """Check cross-field rules; returns self so calls chain."""
+        _check_address("listen_address", self.listen_address)
+        if not _TRUST_DOMAIN.match(self.trust_domain):
+            raise SettingsError(f"trust_domain: {self.trust_domain!r} is not a valid SPIFFE trust domain")
+        for name in ("admin_spiffe_ids", "control_plane_spiffe_ids"):
+            for spiffe_id in getattr(self, name):
+                if not spiffe_id.startswith("spiffe://") or len(spiffe_id) <= len("spiffe://"):
+                    raise SettingsError(f"{name}: {spiffe_id!r} is not a spiffe:// ID")
+        for placeholder in ("{namespace}", "{agent}"):
+            if placeholder not in self.launcher_spiffe_template:
+                raise SettingsError(f"launcher_spiffe_template: must contain {placeholder}")
+        if not _IDENTIFIER.match(self.database_app_role):
+            raise SettingsError("database_app_role: must be a lower-case SQL identifier")
+        if self.pool_min_size < 0 or self.pool_max_size < 1 or self.pool_min_size > self.pool_max_size:
+            raise SettingsError("pool_min_size/pool_max_size: need 0 <= min <= max and max >= 1")
+        for name in ("shutdown_grace_seconds", "database_connect_timeout_seconds"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"{name}: must be greater than 0")
+        if self.max_message_bytes < 64 * 1024:
+            raise SettingsError("max_message_bytes: must be at least 65536")
+        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise SettingsError(f"log_level: {self.log_level!r} is not DEBUG, INFO, WARNING or ERROR")
+        if self.database_dsn is not None:
+            if not self.database_dsn.startswith(("postgresql://", "postgres://")):
+                raise SettingsError("database_dsn: must start with postgresql://")
+            if "@" in self.database_dsn.split("//", 1)[1].split("/", 1)[0]:
+                raise SettingsError("database_dsn: must not carry credentials; use database_credential_dir")
+            if self.database_credential_dir is None:
+                raise SettingsError("database_credential_dir: required when database_dsn is set")
+        return self
+
+    def require_tls_files(self) -> tuple[Path, Path, Path]:
+        """The server's TLS files; there is no plaintext mode, so serving needs all three."""
+        missing = [
+            name
+            for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
+            if getattr(self, name) is None
+        ]
+        if missing:
+            raise SettingsError(f"{', '.join(missing)}: required to serve (mTLS only, no plaintext port)")
+        assert self.tls_cert_file is not None
+        assert self.tls_key_file is not None
+        assert self.tls_client_ca_file is not None
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+            path: Path = getattr(self, name)
+            if not path.is_file():
+                raise SettingsError(f"{name}: {path} does not exist or is not a file")
+        return self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file
+
+
+def _check_address(name: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise SettingsError(f"{name}: {value!r} is not host:port")
+
+
+# --- parsing -----------------------------------------------------------------------------------
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _parse_bool(raw: object) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str) and raw.strip().lower() in _TRUE | _FALSE:
+        return raw.strip().lower() in _TRUE
+    raise ValueError("expected true or false")
+
+
+def _parse_int(raw: object) -> int:
+    if isinstance(raw, bool):
+        raise ValueError("expected an integer")
+    if isinstance(raw, int):
+        return raw
+    if isinstance(raw, str) and re.fullmatch(r"\s*-?\d+\s*", raw):
+        return int(raw)
+    raise ValueError("expected an integer")
+
+
+def _parse_float(raw: object) -> float:
+    if isinstance(raw, bool):
+        raise ValueError("expected a number")
+    if isinstance(raw, int | float):
+        return float(raw)
+    if isinstance(raw, str):
+        try:
+            return float(raw)
+        except ValueError:
+            pass
+    raise ValueError("expected a number")
+
+
+def _parse_str(raw: object) -> str:
+    if isinstance(raw, str):
+        return raw
+    raise ValueError("expected a string")
+
+
+def _parse_path(raw: object) -> Path:
+    if isinstance(raw, Path):
+        return raw
+    if isinstance(raw, str) and raw.strip():
+        return Path(raw).expanduser()
+    raise ValueError("expected a path")
+
+
+def _parse_str_tuple(raw: object) -> tuple[str, ...]:
+    if isinstance(raw, str):
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
+    if isinstance(raw, list | tuple) and all(isinstance(item, str) for item in raw):
+        return tuple(raw)
+    raise ValueError("expected a comma-separated list or a list of strings")
+
+
+_PARSERS: dict[object, Callable[[object], Any]] = {
+    bool: _parse_bool,
+    int: _parse_int,
+    float: _parse_float,
+    str: _parse_str,
+    Path: _parse_path,
+    tuple[str, ...]: _parse_str_tuple,
+}
+
+
+def _parser_for(annotation: object) -> tuple[Callable[[object], Any], bool]:
+    """The parser for a field's type and whether the field accepts None."""
+    if isinstance(annotation, types.UnionType):
+        members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return _PARSERS[members[0]], True
+    return _PARSERS[annotation], False
+
+
+def _coerce(source_name: str, annotation: object, raw: object) -> object:
+    parser, optional = _parser_for(annotation)
+    if optional and (raw is None or (isinstance(raw, str) and raw == "")):
+        return None
+    try:
+        return parser(raw)
+    except ValueError as exc:
+        shown = "<empty>" if raw == "" else repr(raw)
+        raise SettingsError(f"{source_name}: {exc}, got {shown}") from None
+
+
+def load_settings(
+    *,
+    config_file: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> Settings:
+    """Build and validate Settings from a config file, the environment and overrides."""
+    env = os.environ if environ is None else environ
+    hints = typing.get_type_hints(Settings)
+    fields = {f.name: f for f in dataclasses.fields(Settings)}
+    values: dict[str, object] = {}
+
+    path = config_file or (Path(env[f"{ENV_PREFIX}CONFIG"]) if env.get(f"{ENV_PREFIX}CONFIG") else None)
+    if path is not None:
+        try:
+            document = tomllib.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise SettingsError(f"config file {path}: does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"config file {path}: not valid TOML ({exc})") from None
+        for key, raw in document.items():
+            if key not in fields:
+                raise SettingsError(f"config file {path}: unknown setting {key!r}")
+            values[key] = _coerce(f"{path}: {key}", hints[key], raw)
+
+    for name in fields:
+        env_name = f"{ENV_PREFIX}{name.upper()}"
+        if env_name in env:
+            values[name] = _coerce(env_name, hints[name], env[env_name])
+    unknown = sorted(
+        key
+        for key in env
+        if key.startswith(ENV_PREFIX)
+        and key != f"{ENV_PREFIX}CONFIG"
+        and key[len(ENV_PREFIX) :].lower() not in fields
+        and key not in _CLIENT_ONLY_VARIABLES
+    )
+    if unknown:
+        raise SettingsError(f"{unknown[0]}: unknown setting")
+
+    for name, raw in (overrides or {}).items():
+        if raw is not None:
+            values[name] = _coerce(f"--{name.replace('_', '-')}", hints[name], raw)
+
+    return Settings(**values).validate()  # type: ignore[arg-type]
+
+
+# Variables read by client commands, not by the service.
+_CLIENT_ONLY_VARIABLES = frozenset({f"{ENV_PREFIX}CAPABILITY", f"{ENV_PREFIX}TARGET"})

@@ -1,0 +1,149 @@
+"""The one asyncpg pool tokensvc owns, and where its connection details come from.
+
+Credentials are read from the secret source for every new connection (so a rotated credential is
+picked up without a restart); pgvector's binary codec is registered on every pooled connection
+(text encoding of a 1536-d vector costs ~0.7 ms, binary ~1 us).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import asyncpg
+from pgvector.asyncpg import register_vector
+
+from tokensvc.credentials import DatabaseCredential, FileCredentialSource
+from tokensvc.settings import Settings, SettingsError
+from tokensvc.storage.embedded import EmbeddedPostgres
+
+__all__ = ["MINIMUM_PGVECTOR", "MINIMUM_POSTGRES", "Database", "DatabaseTarget", "connect_once"]
+
+_log = logging.getLogger(__name__)
+
+MINIMUM_POSTGRES = 15
+MINIMUM_PGVECTOR = (0, 8, 0)
+SCHEMA = "tokensvc"
+_SERVER_SETTINGS = {"search_path": f"{SCHEMA}, public", "application_name": "tokensvc"}
+
+
+@dataclass(frozen=True)
+class DatabaseTarget:
+    """Where the database is (no secrets) and which secret sources log in to it."""
+
+    host: str
+    port: int
+    database: str
+    app_credentials: FileCredentialSource
+    owner_credentials: FileCredentialSource | None
+    connect_timeout: float
+
+    @classmethod
+    def from_dsn(
+        cls,
+        dsn: str,
+        app_dir: Path,
+        owner_dir: Path | None,
+        connect_timeout: float,
+    ) -> DatabaseTarget:
+        parts = urlsplit(dsn)
+        if not parts.hostname or not parts.path.strip("/"):
+            raise SettingsError("database_dsn: needs a host and a database name")
+        return cls(
+            host=parts.hostname,
+            port=parts.port or 5432,
+            database=parts.path.strip("/"),
+            app_credentials=FileCredentialSource(app_dir),
+            owner_credentials=FileCredentialSource(owner_dir) if owner_dir else None,
+            connect_timeout=connect_timeout,
+        )
+
+
+async def connect_once(
+    target: DatabaseTarget, credential: DatabaseCredential, **kwargs: Any
+) -> asyncpg.Connection:
+    """One connection with the given credential and our session settings."""
+    return await asyncpg.connect(
+        host=target.host,
+        port=target.port,
+        database=target.database,
+        user=credential.username,
+        password=credential.password,
+        timeout=target.connect_timeout,
+        server_settings=_SERVER_SETTINGS,
+        **kwargs,
+    )
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    await register_vector(conn, schema="public")
+
+
+class Database:
+    """Owns the embedded server (if any) and the serving pool."""
+
+    def __init__(
+        self, target: DatabaseTarget, embedded: EmbeddedPostgres | None, pool_sizes: tuple[int, int]
+    ):
+        self.target = target
+        self.embedded = embedded
+        self._pool_sizes = pool_sizes
+        self._pool: asyncpg.Pool | None = None
+
+    @classmethod
+    async def locate(cls, settings: Settings) -> Database:
+        """Start the embedded database when none is configured; nothing is connected yet."""
+        sizes = (settings.pool_min_size, settings.pool_max_size)
+        if settings.database_dsn is not None:
+            assert settings.database_credential_dir is not None
+            target = DatabaseTarget.from_dsn(
+                settings.database_dsn,
+                settings.database_credential_dir,
+                settings.database_owner_credential_dir,
+                settings.database_connect_timeout_seconds,
+            )
+            return cls(target, None, sizes)
+        embedded = EmbeddedPostgres(settings.state_dir)
+        await embedded.start()
+        paths = embedded.paths
+        target = DatabaseTarget.from_dsn(
+            embedded.dsn(),
+            settings.database_credential_dir or paths.credential_dir("app"),
+            settings.database_owner_credential_dir or paths.credential_dir("owner"),
+            settings.database_connect_timeout_seconds,
+        )
+        return cls(target, embedded, sizes)
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            raise RuntimeError("Database.open_pool() has not run")
+        return self._pool
+
+    async def open_pool(self) -> asyncpg.Pool:
+        target = self.target
+
+        def connect_with_current_credential(*args: Any, **kwargs: Any) -> Awaitable[asyncpg.Connection]:
+            # Re-read on every new connection: rotation needs no restart.
+            return connect_once(target, target.app_credentials.read(), **kwargs)
+
+        # asyncpg-stubs types `connect` as asyncpg.connect's full signature; ours forwards kwargs.
+        connect: Any = connect_with_current_credential
+        self._pool = await asyncpg.create_pool(
+            min_size=self._pool_sizes[0],
+            max_size=self._pool_sizes[1],
+            connect=connect,
+            init=_init_connection,
+        )
+        return self._pool
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+        if self.embedded is not None:
+            await self.embedded.stop()

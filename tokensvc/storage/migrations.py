@@ -1,0 +1,149 @@
+"""SQL migrations: numbered files applied in order, once, under an advisory lock.
+
+All pending files run in one transaction that first takes a transaction-scoped advisory lock, so
+concurrent `tokensvc migrate` runs (two replicas starting together) serialise and the second
+finds nothing to do. Each applied file is recorded with its checksum; an applied file that later
+changes is an error rather than a silent drift.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from importlib import resources
+
+import asyncpg
+
+__all__ = [
+    "Migration",
+    "MigrationError",
+    "apply_migrations",
+    "available_migrations",
+    "schema_version",
+]
+
+# Arbitrary but fixed: the lock id every tokensvc process agrees on.
+_LOCK_ID = 0x746F6B656E737663  # "tokensvc"
+_FILE_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+class MigrationError(RuntimeError):
+    """A migration cannot be applied, or the recorded history disagrees with the files."""
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.sql.encode("utf-8")).hexdigest()
+
+
+def available_migrations() -> list[Migration]:
+    """The migration files shipped in the package, in version order."""
+    found = []
+    for entry in resources.files("tokensvc.storage").joinpath("migrations").iterdir():
+        match = _FILE_NAME.match(entry.name)
+        if match:
+            found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
+    found.sort(key=lambda migration: migration.version)
+    versions = [migration.version for migration in found]
+    if versions != list(range(1, len(found) + 1)):
+        raise MigrationError(f"migration versions must be 1..n without gaps, found {versions}")
+    return found
+
+
+_BOOKKEEPING = """
+CREATE SCHEMA IF NOT EXISTS tokensvc;
+CREATE TABLE IF NOT EXISTS tokensvc.schema_migrations (
+    version    integer PRIMARY KEY,
+    name       text NOT NULL,
+    checksum   text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+"""
+
+
+async def apply_migrations(conn: asyncpg.Connection, *, app_role: str) -> list[Migration]:
+    """Apply every pending migration; returns those applied (empty when up to date)."""
+    if not _IDENTIFIER.match(app_role):
+        raise MigrationError(f"app role {app_role!r} is not a plain SQL identifier")
+    migrations = available_migrations()
+    applied: list[Migration] = []
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK_ID)
+        await _check_pgvector(conn)
+        await conn.execute(_BOOKKEEPING)
+        recorded = {
+            row["version"]: row["checksum"]
+            for row in await conn.fetch("SELECT version, checksum FROM tokensvc.schema_migrations")
+        }
+        for migration in migrations:
+            if migration.version in recorded:
+                if recorded[migration.version] != migration.checksum:
+                    raise MigrationError(
+                        f"migration {migration.version:04d}_{migration.name} was changed after it "
+                        "was applied; add a new migration instead"
+                    )
+                continue
+            await conn.execute(migration.sql.replace("{app_role}", app_role))
+            await conn.execute(
+                "INSERT INTO tokensvc.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
+                migration.version,
+                migration.name,
+                migration.checksum,
+            )
+            applied.append(migration)
+        unknown = sorted(set(recorded) - {m.version for m in migrations})
+        if unknown:
+            raise MigrationError(
+                f"the database has migrations {unknown} this tokensvc does not know; upgrade tokensvc"
+            )
+    return applied
+
+
+async def schema_version(conn: asyncpg.Connection) -> int:
+    """The highest applied migration, 0 when none (or the table is not readable yet)."""
+    try:
+        value = await conn.fetchval("SELECT max(version) FROM tokensvc.schema_migrations")
+    except (
+        asyncpg.UndefinedTableError,
+        asyncpg.InvalidSchemaNameError,
+        asyncpg.InsufficientPrivilegeError,
+    ):
+        return 0
+    return int(value or 0)
+
+
+async def _check_pgvector(conn: asyncpg.Connection) -> None:
+    from tokensvc.storage.database import MINIMUM_PGVECTOR, MINIMUM_POSTGRES
+
+    server = conn.get_server_version()
+    if server.major < MINIMUM_POSTGRES:
+        raise MigrationError(f"PostgreSQL {server.major} is too old; tokensvc needs >= {MINIMUM_POSTGRES}")
+    version = await conn.fetchval("SELECT extversion FROM pg_extension WHERE extname = 'vector'")
+    if version is None:
+        available = await conn.fetchval(
+            "SELECT default_version FROM pg_available_extensions WHERE name = 'vector'"
+        )
+        if available is None:
+            raise MigrationError("pgvector is not installed on the database server; install pgvector >= 0.8")
+        try:
+            await conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        except asyncpg.InsufficientPrivilegeError:
+            raise MigrationError(
+                "the pgvector extension is not created in this database and the migrating role may not "
+                "create it; run `CREATE EXTENSION vector` as a superuser"
+            ) from None
+        version = await conn.fetchval("SELECT extversion FROM pg_extension WHERE extname = 'vector'")
+    parsed = tuple(int(part) for part in re.findall(r"\d+", str(version))[:3])
+    if parsed < MINIMUM_PGVECTOR:
+        raise MigrationError(
+            f"pgvector {version} is too old; tokensvc needs >= {'.'.join(map(str, MINIMUM_PGVECTOR))} "
+            "(ALTER EXTENSION vector UPDATE)"
+        )
