@@ -39,9 +39,7 @@ class SharedDatabase:
         return self.server.paths.credential_dir("superuser")
 
 
-def service_settings(
-    database: SharedDatabase, dev: DevPaths, state_dir: Path, **overrides: Any
-) -> Settings:
+def service_settings(database: SharedDatabase, dev: DevPaths, state_dir: Path, **overrides: Any) -> Settings:
     """Settings for a tokensvc on the shared database with the dev PKI, on a free port."""
     values: dict[str, Any] = {
         "listen_address": "127.0.0.1:0",

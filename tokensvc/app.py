@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tokensvc.api.edge import CapabilityAuthenticator, EdgeInterceptor
+from tokensvc.api.policy import POLICIES, RpcPolicy
 from tokensvc.api.servicers import register_servicers, service_names
 from tokensvc.auth.identity import IdentityPolicy
 from tokensvc.settings import Settings, SettingsError
@@ -47,6 +48,8 @@ class Service:
 
     settings: Settings
     extra_handlers: Sequence[grpc.GenericRpcHandler[Any, Any]] = ()
+    # Who may call each extra handler's methods (extra handlers are deny-by-default too).
+    extra_policies: Mapping[str, RpcPolicy] = field(default_factory=dict)
     database: Database | None = None
     server: grpc.aio.Server | None = None
     health: Any = field(default_factory=lambda: health_aio.HealthServicer())  # noqa: PLW0108
@@ -61,7 +64,11 @@ class Service:
         await self._check_schema()
 
         self.server = grpc.aio.server(
-            interceptors=[EdgeInterceptor(self._identities(), self._authenticator())],
+            interceptors=[
+                EdgeInterceptor(
+                    self._identities(), self._authenticator(), {**POLICIES, **self.extra_policies}
+                )
+            ],
             options=[
                 ("grpc.max_receive_message_length", self.settings.max_message_bytes),
                 ("grpc.max_send_message_length", self.settings.max_message_bytes),
@@ -147,10 +154,13 @@ async def migrate(database: Database, settings: Settings) -> list[str]:
 
 
 async def run_service(
-    settings: Settings, *, extra_handlers: Sequence[grpc.GenericRpcHandler[Any, Any]] = ()
+    settings: Settings,
+    *,
+    extra_handlers: Sequence[grpc.GenericRpcHandler[Any, Any]] = (),
+    extra_policies: Mapping[str, RpcPolicy] | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then drain and exit."""
-    service = Service(settings, extra_handlers=extra_handlers)
+    service = Service(settings, extra_handlers=extra_handlers, extra_policies=extra_policies or {})
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

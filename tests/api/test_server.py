@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -194,5 +192,3 @@ async def test_stopping_flips_health_to_not_serving_before_the_port_closes(
     await service.health.enter_graceful_shutdown()
     status = await check_health(role_channel(service.port, dev, "launcher"))
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-
-

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol, cast
 
 import grpc
@@ -21,7 +21,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from tokensvc.api.context import CallContext, reset_call, use_call
-from tokensvc.api.policy import RpcPolicy, policy_for
+from tokensvc.api.policy import POLICIES, RpcPolicy
 from tokensvc.auth.identity import Caller, IdentityPolicy, caller_from_auth_context
 from tokensvc.errors import (
     ERROR_DOMAIN,
@@ -92,9 +92,15 @@ async def abort_with(context: grpc.aio.ServicerContext[Any, Any], info: StatusIn
 
 
 class EdgeInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    def __init__(self, identities: IdentityPolicy, authenticator: CapabilityAuthenticator | None):
+    def __init__(
+        self,
+        identities: IdentityPolicy,
+        authenticator: CapabilityAuthenticator | None,
+        policies: Mapping[str, RpcPolicy] = POLICIES,
+    ):
         self._identities = identities
         self._authenticator = authenticator
+        self._policies = policies
 
     async def intercept_service(
         self,
@@ -106,7 +112,7 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             return handler
         method: str = handler_call_details.method
         metadata = tuple(handler_call_details.invocation_metadata or ())
-        policy = policy_for(method)
+        policy = self._policies.get(method)
         edge = _Call(self, method, metadata, policy)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
