@@ -179,6 +179,7 @@ class _Call:
         self.policy = policy
         self.request_id = _request_id(metadata)
         self.code = grpc.StatusCode.OK
+        self.caller: str | None = None
 
     def wrap_unary(self, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
@@ -187,6 +188,7 @@ class _Call:
                 call = await self.edge.admit(
                     self.method, self.policy, self.metadata, context, self.request_id
                 )
+                self.caller = call.caller.spiffe_id
                 token = use_call(call)
                 try:
                     return await behavior(request, context)
@@ -207,6 +209,7 @@ class _Call:
                 call = await self.edge.admit(
                     self.method, self.policy, self.metadata, context, self.request_id
                 )
+                self.caller = call.caller.spiffe_id
                 token = use_call(call)
                 try:
                     async for response in behavior(request, context):
@@ -240,6 +243,7 @@ class _Call:
             extra={
                 "request_id": self.request_id,
                 "method": self.method,
+                "caller": self.caller,
                 "status": self.code.name,
                 "duration_ms": round((time.perf_counter() - started) * 1000, 3),
             },
