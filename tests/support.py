@@ -53,6 +53,9 @@ def service_settings(database: SharedDatabase, dev: DevPaths, state_dir: Path, *
         "trust_domain": DEV_TRUST_DOMAIN,
         "admin_spiffe_ids": [ADMIN_SPIFFE_ID],
         "control_plane_spiffe_ids": [CONTROL_PLANE_SPIFFE_ID],
+        "trust_bundle_file": str(dev.trust_bundle),
+        "pepper_dir": str(dev.pepper_dir),
+        "signing_key_file": str(dev.signing_key),
         "shutdown_grace_seconds": 5.0,
     }
     values.update(overrides)

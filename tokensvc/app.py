@@ -13,6 +13,7 @@ import logging
 import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -20,10 +21,17 @@ from grpc_health.v1 import _async as health_aio  # re-exported as health.aio; na
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tokensvc.api.edge import CapabilityAuthenticator, EdgeInterceptor
+from tokensvc.api.edge import EdgeInterceptor
 from tokensvc.api.policy import POLICIES, RpcPolicy
-from tokensvc.api.servicers import register_servicers, service_names
+from tokensvc.api.servicers import Domain, register_servicers, service_names
+from tokensvc.auth.authenticator import Authenticator
+from tokensvc.auth.buckets import PepperKeyring
+from tokensvc.auth.capabilities import CapabilityVerifier
 from tokensvc.auth.identity import IdentityPolicy
+from tokensvc.auth.issuer import CapabilityIssuer
+from tokensvc.auth.keyset import TrustBundle
+from tokensvc.auth.operations import CapabilityOperations
+from tokensvc.auth.revocation import RevocationList
 from tokensvc.settings import Settings, SettingsError
 from tokensvc.storage import (
     Database,
@@ -32,6 +40,7 @@ from tokensvc.storage import (
     connect_once,
     schema_version,
 )
+from tokensvc.storage.revocations import PostgresRevocationStore
 
 __all__ = ["Service", "run_service"]
 
@@ -54,20 +63,47 @@ class Service:
     server: grpc.aio.Server | None = None
     health: Any = field(default_factory=lambda: health_aio.HealthServicer())  # noqa: PLW0108
     port: int = 0
+    authenticator: Authenticator | None = None
+    revocations: RevocationList | None = None
 
     async def start(self) -> None:
         cert_file, key_file, ca_file = self.settings.require_tls_files()
+        bundle_file, pepper_dir = self.settings.require_capability_files()
+        bundle = TrustBundle(bundle_file)
+        bundle.load()
+        keyring = _load_keyring(pepper_dir)
+        issuer = self._issuer()
+
         self.database = await Database.locate(self.settings)
         if self.settings.migrate_on_start:
             await migrate(self.database, self.settings)
-        await self.database.open_pool()
+        pool = await self.database.open_pool()
         await self._check_schema()
+
+        self.revocations = RevocationList(
+            PostgresRevocationStore(pool), poll_seconds=self.settings.revocation_poll_seconds
+        )
+        await self.revocations.start()
+        identities = self._identities()
+        self.authenticator = Authenticator(
+            verifier=CapabilityVerifier(
+                bundle,
+                issuers=self.settings.capability_issuers,
+                audience=self.settings.capability_audience,
+                max_lifetime_seconds=self.settings.capability_max_lifetime_seconds,
+                leeway_seconds=self.settings.capability_leeway_seconds,
+            ),
+            bundle=bundle,
+            keyring=keyring,
+            revocations=self.revocations,
+            launcher_id=identities.launcher_id,
+            cache_size=self.settings.capability_cache_size,
+        )
+        domain = Domain(capabilities=CapabilityOperations(revocations=self.revocations, issuer=issuer))
 
         self.server = grpc.aio.server(
             interceptors=[
-                EdgeInterceptor(
-                    self._identities(), self._authenticator(), {**POLICIES, **self.extra_policies}
-                )
+                EdgeInterceptor(identities, self.authenticator, {**POLICIES, **self.extra_policies})
             ],
             options=[
                 ("grpc.max_receive_message_length", self.settings.max_message_bytes),
@@ -76,7 +112,7 @@ class Service:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        register_servicers(self.server)
+        register_servicers(self.server, domain)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.settings.reflection:
             reflection.enable_server_reflection(
@@ -103,6 +139,19 @@ class Service:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         _log.info("serving", extra={"address": self.settings.listen_address, "port": self.port})
 
+    def _issuer(self) -> CapabilityIssuer | None:
+        if self.settings.signing_key_file is None:
+            return None
+        try:
+            return CapabilityIssuer.from_file(
+                self.settings.signing_key_file,
+                issuer=self.settings.capability_issuers[0],
+                audience=self.settings.capability_audience,
+                max_lifetime=self.settings.capability_max_lifetime_seconds,
+            )
+        except (OSError, ValueError) as exc:
+            raise SettingsError(f"signing_key_file: {exc}") from None
+
     def _identities(self) -> IdentityPolicy:
         return IdentityPolicy(
             trust_domain=self.settings.trust_domain,
@@ -110,9 +159,6 @@ class Service:
             admin_ids=self.settings.admin_spiffe_ids,
             control_plane_ids=self.settings.control_plane_spiffe_ids,
         )
-
-    def _authenticator(self) -> CapabilityAuthenticator | None:
-        return None
 
     async def _check_schema(self) -> None:
         assert self.database is not None
@@ -131,6 +177,8 @@ class Service:
         await self.health.enter_graceful_shutdown()
         if self.server is not None:
             await self.server.stop(grace)
+        if self.revocations is not None:
+            await self.revocations.stop()
         if self.database is not None:
             await self.database.close()
         _log.info("stopped")
@@ -138,6 +186,13 @@ class Service:
     async def wait(self) -> None:
         assert self.server is not None
         await self.server.wait_for_termination()
+
+
+def _load_keyring(pepper_dir: Path) -> PepperKeyring:
+    try:
+        return PepperKeyring.load(pepper_dir)
+    except ValueError as exc:
+        raise SettingsError(f"pepper_dir: {exc}") from None
 
 
 async def migrate(database: Database, settings: Settings) -> list[str]:

@@ -64,6 +64,32 @@ class Settings:
         metadata=_doc("How a launcher's SPIFFE ID is built from a capability's namespace and agent."),
     )
 
+    # --- capabilities and buckets ------------------------------------------------------------
+    trust_bundle_file: Path | None = field(
+        default=None, metadata=_doc("JWKS of the Ed25519 keys capabilities are signed with.")
+    )
+    capability_issuers: tuple[str, ...] = field(
+        default=("ctxmesh-control-plane",), metadata=_doc("Accepted `iss` values.")
+    )
+    capability_audience: str = field(default="tokensvc", metadata=_doc("Required `aud` value."))
+    capability_max_lifetime_seconds: int = field(
+        default=12 * 3600, metadata=_doc("Longest accepted `exp - iat`.")
+    )
+    capability_leeway_seconds: int = field(
+        default=30, metadata=_doc("Clock skew allowed on exp/nbf/iat (at most 60).")
+    )
+    capability_cache_size: int = field(default=10_000, metadata=_doc("Verified capabilities cached."))
+    signing_key_file: Path | None = field(
+        default=None,
+        metadata=_doc("Private Ed25519 JWK for IssueCapability; unset means this server cannot mint."),
+    )
+    pepper_dir: Path | None = field(
+        default=None, metadata=_doc("Directory of versioned bucket peppers (files v1, v2, ...).")
+    )
+    revocation_poll_seconds: float = field(
+        default=1.0, metadata=_doc("How often revocations made by other replicas are picked up.")
+    )
+
     # --- database --------------------------------------------------------------------------
     state_dir: Path = field(
         default=Path(".tokensvc-dev"),
@@ -120,6 +146,16 @@ class Settings:
         for name in ("shutdown_grace_seconds", "database_connect_timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name}: must be greater than 0")
+        if not 0 <= self.capability_leeway_seconds <= 60:
+            raise SettingsError("capability_leeway_seconds: must be between 0 and 60")
+        if self.capability_max_lifetime_seconds < 60:
+            raise SettingsError("capability_max_lifetime_seconds: must be at least 60")
+        if not self.capability_issuers or not self.capability_audience:
+            raise SettingsError("capability_issuers/capability_audience: must not be empty")
+        if self.capability_cache_size < 0:
+            raise SettingsError("capability_cache_size: must not be negative")
+        if not 0 < self.revocation_poll_seconds <= 5:
+            raise SettingsError("revocation_poll_seconds: must be in (0, 5] so revocations apply within 5 s")
         if self.max_message_bytes < 64 * 1024:
             raise SettingsError("max_message_bytes: must be at least 65536")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
@@ -132,6 +168,15 @@ class Settings:
             if self.database_credential_dir is None:
                 raise SettingsError("database_credential_dir: required when database_dsn is set")
         return self
+
+    def require_capability_files(self) -> tuple[Path, Path]:
+        """The trust bundle and pepper directory every launcher RPC needs."""
+        missing = [name for name in ("trust_bundle_file", "pepper_dir") if getattr(self, name) is None]
+        if missing:
+            raise SettingsError(f"{', '.join(missing)}: required to serve")
+        assert self.trust_bundle_file is not None
+        assert self.pepper_dir is not None
+        return self.trust_bundle_file, self.pepper_dir
 
     def require_tls_files(self) -> tuple[Path, Path, Path]:
         """The server's TLS files; there is no plaintext mode, so serving needs all three."""

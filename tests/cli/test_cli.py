@@ -57,20 +57,26 @@ def settings_env(database: SharedDatabase, dev: DevPaths, state: Path, port: int
         "TOKENSVC_TLS_CERT_FILE": str(dev.server_cert),
         "TOKENSVC_TLS_KEY_FILE": str(dev.server_key),
         "TOKENSVC_TLS_CLIENT_CA_FILE": str(dev.ca_cert),
+        "TOKENSVC_TRUST_BUNDLE_FILE": str(dev.trust_bundle),
+        "TOKENSVC_PEPPER_DIR": str(dev.pepper_dir),
         "TOKENSVC_SHUTDOWN_GRACE_SECONDS": "10",
     }
 
 
-def wait_for_health(state_dir: Path, port: int, deadline_s: float = 60) -> float:
+def wait_for_health(
+    state_dir: Path, port: int, server: subprocess.Popen[str], deadline_s: float = 60
+) -> float:
     started = time.monotonic()
     while time.monotonic() - started < deadline_s:
+        if server.poll() is not None:
+            raise AssertionError(f"tokensvc exited with {server.returncode}")
         result = run(
             "health", "--state-dir", str(state_dir), "--target", f"127.0.0.1:{port}", "--timeout", "2"
         )
         if result.returncode == 0:
             return time.monotonic() - started
         time.sleep(0.3)
-    raise AssertionError("tokensvc did not become healthy")
+    raise AssertionError(f"tokensvc did not become healthy in {deadline_s} s")
 
 
 @pytest.fixture
@@ -138,12 +144,12 @@ def test_sigterm_drains_an_in_flight_rpc_before_exit(
         [sys.executable, "-m", "tests.cli.slow_server"],
         cwd=ROOT,
         env={**clean_env(), **settings_env(database, dev, tmp_path, port)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=(tmp_path / "stdout.log").open("w"),
+        stderr=(tmp_path / "stderr.log").open("w"),
         text=True,
     )
     process_cleanup.append(server)
-    wait_for_health(dev.state_dir, port)
+    wait_for_health(dev.state_dir, port, server)
 
     async def call_then_terminate() -> bytes:
         async with role_channel(port, dev, "launcher") as channel:
@@ -175,12 +181,12 @@ def test_dev_brings_the_service_up_on_embedded_defaults(
         [*TOKENSVC, "dev", "--state-dir", str(state), "--port", str(port)],
         cwd=ROOT,
         env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=(tmp_path / "stdout.log").open("w"),
+        stderr=(tmp_path / "stderr.log").open("w"),
         text=True,
     )
     process_cleanup.append(server)
-    waited = wait_for_health(state, port)
+    waited = wait_for_health(state, port, server)
     assert waited < 60
     for expected in ("pki/ca.crt", "pki/launcher.crt", "keys/trust-bundle.jwks", "secrets/peppers/v1"):
         assert (state / expected).is_file(), expected

@@ -1,0 +1,80 @@
+"""proto <-> domain conversions shared by servicers (no logic beyond the mapping)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from tokensvc.api.context import current_call
+from tokensvc.auth.scope import TenantScope
+from tokensvc.auth.session_keys import SessionScope
+from tokensvc.errors import InvalidArgument
+from tokensvc.v1 import capability_pb2
+
+__all__ = [
+    "current_scope",
+    "duration_seconds",
+    "scope_to_proto",
+    "session_scope_from_proto",
+    "session_scope_to_proto",
+    "timestamp",
+]
+
+
+def current_scope() -> TenantScope:
+    """The verified tenant scope of the current call (the edge put it there)."""
+    scope = current_call().capability
+    assert isinstance(scope, TenantScope), "RPC policy must require a capability"
+    return scope
+
+
+def timestamp(value: datetime | int | float) -> timestamp_pb2.Timestamp:
+    stamp = timestamp_pb2.Timestamp()
+    if isinstance(value, datetime):
+        stamp.FromDatetime(value.astimezone(UTC))
+    else:
+        stamp.FromSeconds(int(value))
+    return stamp
+
+
+def duration_seconds(value: duration_pb2.Duration, field: str) -> int:
+    if value.nanos or value.seconds < 0:
+        raise InvalidArgument(field, "must be a whole, non-negative number of seconds")
+    return int(value.seconds)
+
+
+def scope_to_proto(scope: TenantScope) -> capability_pb2.CapabilityScope:
+    return capability_pb2.CapabilityScope(
+        namespace=scope.namespace,
+        agent=scope.agent,
+        bucket_id=scope.bucket_id,
+        per_user=scope.per_user,
+        registry=scope.registry or "",
+        long_term_memory=scope.long_term_memory,
+        knowledge_bases=list(scope.knowledge_bases),
+        run_id=scope.run_id,
+        jti=scope.jti,
+        issued_at=timestamp(scope.issued_at),
+        expires_at=timestamp(scope.expires_at),
+    )
+
+
+_SESSION_SCOPES = {
+    capability_pb2.SESSION_SCOPE_UNSPECIFIED: SessionScope.SESSION,
+    capability_pb2.SESSION_SCOPE_SESSION: SessionScope.SESSION,
+    capability_pb2.SESSION_SCOPE_SHARED: SessionScope.SHARED,
+}
+
+
+def session_scope_from_proto(value: int) -> SessionScope:
+    try:
+        return _SESSION_SCOPES[value]  # type: ignore[index]
+    except KeyError:
+        raise InvalidArgument("scope", "must be SESSION_SCOPE_SESSION or SESSION_SCOPE_SHARED") from None
+
+
+def session_scope_to_proto(scope: SessionScope) -> capability_pb2.SessionScope.ValueType:
+    if scope is SessionScope.SHARED:
+        return capability_pb2.SESSION_SCOPE_SHARED
+    return capability_pb2.SESSION_SCOPE_SESSION

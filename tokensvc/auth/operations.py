@@ -1,0 +1,60 @@
+"""The capability service's domain operations: session keys, issuing, revoking.
+
+Servicers call exactly one of these per RPC. Inputs are already decoded; scope comes from the
+edge (`TenantScope`), never from request fields.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import datetime
+
+from tokensvc.auth.issuer import CapabilityIssuer, IssuedCapability, IssueRequest, signing_key_missing
+from tokensvc.auth.revocation import RevocationList
+from tokensvc.auth.scope import TenantScope
+from tokensvc.auth.session_keys import SessionKey, SessionScope, derive_session_key
+from tokensvc.errors import InvalidArgument
+from tokensvc.storage.revocations import RevocationKind
+
+__all__ = ["CapabilityOperations"]
+
+_MAX_REVOKE_VALUE = 256
+_MAX_REASON = 1024
+
+
+class CapabilityOperations:
+    def __init__(
+        self,
+        *,
+        revocations: RevocationList,
+        issuer: CapabilityIssuer | None,
+        clock: Callable[[], float] = time.time,
+    ):
+        self._revocations = revocations
+        self._issuer = issuer
+        self._clock = clock
+
+    def session_key(self, scope: TenantScope, conversation_id: str, requested: SessionScope) -> SessionKey:
+        return derive_session_key(
+            namespace=scope.namespace,
+            agent=scope.agent,
+            registry=scope.registry,
+            per_user=scope.per_user,
+            user_bucket=scope.bucket_id if scope.per_user else None,
+            conversation_id=conversation_id,
+            scope=requested,
+        )
+
+    def issue(self, request: IssueRequest) -> IssuedCapability:
+        if self._issuer is None:
+            raise signing_key_missing()
+        return self._issuer.issue(request, self._clock())
+
+    async def revoke(self, kind: RevocationKind, value: str, *, reason: str, revoked_by: str) -> datetime:
+        field = "jti" if kind == "jti" else "run_id"
+        if not value.strip() or len(value) > _MAX_REVOKE_VALUE:
+            raise InvalidArgument(field, f"must be 1..{_MAX_REVOKE_VALUE} characters")
+        if len(reason) > _MAX_REASON:
+            raise InvalidArgument("reason", f"must be at most {_MAX_REASON} characters")
+        return await self._revocations.revoke(kind, value, reason=reason, revoked_by=revoked_by)

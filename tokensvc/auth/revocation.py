@@ -1,0 +1,80 @@
+"""The revocation list every replica holds in memory, kept current by polling PostgreSQL.
+
+Checking a capability against it costs two set look-ups on the request path; the database is
+read only by the poller. A revocation made on this replica applies at once; one made on another
+replica applies within `poll_seconds` (the poll overlaps its previous window, so a row committed
+late is still seen).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+from tokensvc.storage.revocations import Revocation, RevocationKind, RevocationStore
+
+__all__ = ["RevocationList"]
+
+_log = logging.getLogger(__name__)
+_OVERLAP = timedelta(seconds=30)
+
+
+class RevocationList:
+    def __init__(self, store: RevocationStore, *, poll_seconds: float = 1.0):
+        self._store = store
+        self._poll_seconds = poll_seconds
+        self._jtis: set[str] = set()
+        self._runs: set[str] = set()
+        self._newest: datetime | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._listeners: list[Callable[[RevocationKind, str], None]] = []
+
+    def on_revoked(self, listener: Callable[[RevocationKind, str], None]) -> None:
+        """Call `listener(kind, value)` for every newly seen revocation (cache eviction)."""
+        self._listeners.append(listener)
+
+    def is_revoked(self, jti: str, run_id: str) -> bool:
+        return jti in self._jtis or run_id in self._runs
+
+    async def start(self) -> None:
+        self._apply(await self._store.all())
+        self._task = asyncio.create_task(self._poll_forever(), name="revocation-poller")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def revoke(self, kind: RevocationKind, value: str, *, reason: str, revoked_by: str) -> datetime:
+        revoked_at = await self._store.revoke(kind, value, reason=reason, revoked_by=revoked_by)
+        self._apply([Revocation(kind, value, revoked_at)])
+        return revoked_at
+
+    async def poll_once(self) -> None:
+        if self._newest is None:
+            self._apply(await self._store.all())
+        else:
+            self._apply(await self._store.since(self._newest - _OVERLAP))
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_seconds)
+            try:
+                await self.poll_once()
+            except Exception as exc:
+                _log.warning("revocation poll failed; retrying", extra={"error": type(exc).__name__})
+
+    def _apply(self, revocations: list[Revocation]) -> None:
+        for revocation in revocations:
+            target = self._jtis if revocation.kind == "jti" else self._runs
+            if revocation.value not in target:
+                target.add(revocation.value)
+                for listener in self._listeners:
+                    listener(revocation.kind, revocation.value)
+            if self._newest is None or revocation.revoked_at > self._newest:
+                self._newest = revocation.revoked_at

@@ -1,0 +1,79 @@
+"""Revocation storage: the contract and its PostgreSQL implementation.
+
+Contract (checked by tests/storage/test_revocations.py):
+- `revoke(kind, value, ...)` is idempotent: revoking twice keeps the first record and returns its
+  time.
+- `since(t)` returns every revocation whose `revoked_at >= t`, so a poller that asks with an
+  overlap never misses a row committed late.
+- `all()` returns every revocation (start-up load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal, Protocol
+
+import asyncpg
+
+__all__ = ["PostgresRevocationStore", "Revocation", "RevocationKind", "RevocationStore"]
+
+RevocationKind = Literal["jti", "run"]
+
+
+@dataclass(frozen=True)
+class Revocation:
+    kind: RevocationKind
+    value: str
+    revoked_at: datetime
+
+
+class RevocationStore(Protocol):
+    async def revoke(self, kind: RevocationKind, value: str, *, reason: str, revoked_by: str) -> datetime:
+        """Record a revocation (idempotent); returns when it was first revoked."""
+
+    async def since(self, moment: datetime) -> list[Revocation]:
+        """Revocations recorded at or after `moment`."""
+
+    async def all(self) -> list[Revocation]:
+        """Every revocation."""
+
+
+class PostgresRevocationStore:
+    def __init__(self, pool: asyncpg.Pool):
+        self._pool = pool
+
+    async def revoke(self, kind: RevocationKind, value: str, *, reason: str, revoked_by: str) -> datetime:
+        async with self._pool.acquire() as conn:
+            revoked_at: datetime = await conn.fetchval(
+                """
+                WITH inserted AS (
+                    INSERT INTO capability_revocations (kind, value, reason, revoked_by)
+                    VALUES ($1, $2, $3, $4)
+                    ON CONFLICT (kind, value) DO NOTHING
+                    RETURNING revoked_at
+                )
+                SELECT revoked_at FROM inserted
+                UNION ALL
+                SELECT revoked_at FROM capability_revocations WHERE kind = $1 AND value = $2
+                LIMIT 1
+                """,
+                kind,
+                value,
+                reason,
+                revoked_by,
+            )
+        return revoked_at
+
+    async def since(self, moment: datetime) -> list[Revocation]:
+        async with self._pool.acquire() as conn:
+            rows = await conn.fetch(
+                "SELECT kind, value, revoked_at FROM capability_revocations WHERE revoked_at >= $1",
+                moment,
+            )
+        return [Revocation(row["kind"], row["value"], row["revoked_at"]) for row in rows]
+
+    async def all(self) -> list[Revocation]:
+        async with self._pool.acquire() as conn:
+            rows = await conn.fetch("SELECT kind, value, revoked_at FROM capability_revocations")
+        return [Revocation(row["kind"], row["value"], row["revoked_at"]) for row in rows]
