@@ -35,16 +35,26 @@ class CapabilityOperations:
         self._issuer = issuer
         self._clock = clock
 
-    def session_key(self, scope: TenantScope, conversation_id: str, requested: SessionScope) -> SessionKey:
-        return derive_session_key(
-            namespace=scope.namespace,
-            agent=scope.agent,
-            registry=scope.registry,
-            per_user=scope.per_user,
-            user_bucket=scope.bucket_id if scope.per_user else None,
-            conversation_id=conversation_id,
-            scope=requested,
-        )
+    def session_key(
+        self, scope: TenantScope, conversation_id: str, requested: SessionScope
+    ) -> tuple[SessionKey, list[str]]:
+        """The key, and the same conversation's keys under older pepper versions (per-user only)."""
+
+        def derive(bucket: str) -> SessionKey:
+            return derive_session_key(
+                namespace=scope.namespace,
+                agent=scope.agent,
+                registry=scope.registry,
+                per_user=scope.per_user,
+                user_bucket=bucket if scope.per_user else None,
+                conversation_id=conversation_id,
+                scope=requested,
+            )
+
+        current = derive(scope.bucket_id)
+        if not current.per_user:
+            return current, []
+        return current, [derive(bucket).key for bucket in scope.previous_bucket_ids]
 
     def issue(self, request: IssueRequest) -> IssuedCapability:
         if self._issuer is None:

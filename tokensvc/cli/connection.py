@@ -7,15 +7,26 @@ the dev certificate of the role it needs (launcher, admin or control plane).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from tokensvc.auth.devpki import DevPaths
 
-__all__ = ["ClientFiles", "add_connection_flags", "client_files", "open_channel"]
+__all__ = [
+    "ClientFiles",
+    "RpcFailed",
+    "add_connection_flags",
+    "call_service",
+    "client_files",
+    "describe_rpc_error",
+    "open_channel",
+]
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -84,3 +95,44 @@ def open_channel(target: str, files: ClientFiles) -> grpc.aio.Channel:
         certificate_chain=files.cert.read_bytes(),
     )
     return grpc.aio.secure_channel(target, credentials)
+
+
+class RpcFailed(Exception):
+    """A call failed; the message carries the status code and the ErrorInfo reason."""
+
+
+def call_service(
+    args: argparse.Namespace,
+    role: str,
+    method: Callable[[grpc.aio.Channel], Callable[..., Any]],
+    request: Any,
+    capability: str | None = None,
+) -> Any:
+    """One unary call with the role's certificate (and a capability), as a plain function."""
+    files = client_files(args, role=role)
+    metadata = (("authorization", f"Bearer {capability}"),) if capability else ()
+
+    async def call() -> Any:
+        async with open_channel(args.target, files) as channel:
+            return await method(channel)(request, timeout=args.timeout, metadata=metadata)
+
+    try:
+        return asyncio.run(call())
+    except grpc.aio.AioRpcError as exc:
+        raise RpcFailed(describe_rpc_error(exc)) from None
+
+
+def describe_rpc_error(exc: grpc.aio.AioRpcError) -> str:
+    """`CODE (REASON): message`, reading the ErrorInfo from the status details."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    reason = ""
+    status = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    if status is not None:
+        for detail in status.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                reason = f" ({info.reason})"
+    return f"{exc.code().name}{reason}: {exc.details()}"

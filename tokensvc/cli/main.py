@@ -7,7 +7,9 @@ import sys
 from collections.abc import Sequence
 
 from tokensvc import __version__
+from tokensvc.cli.capability_commands import add_capability_commands
 from tokensvc.cli.client_commands import add_client_commands
+from tokensvc.cli.connection import RpcFailed
 from tokensvc.cli.server_commands import add_server_commands
 
 __all__ = ["build_parser", "main"]
@@ -22,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_server_commands(commands)
     add_client_commands(commands)
+    add_capability_commands(commands)
     return parser
 
 
@@ -40,21 +43,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         if message is None:
             raise
         print(f"tokensvc: error: {message}", file=sys.stderr)
-        return 2
+        # 1: the service answered with an error; 2: we could not even make the call.
+        return 1 if isinstance(exc, RpcFailed) else 2
     return code
 
 
 def _readable(exc: Exception) -> str | None:
     """The message of an error we expect users to hit; None for a bug (show the traceback)."""
     from tokensvc.auth.devpki import DevMaterialError
-    from tokensvc.cli.connection import ConnectionError_
+    from tokensvc.cli.connection import ConnectionError_, RpcFailed
     from tokensvc.errors import TokensvcError
     from tokensvc.settings import SettingsError
     from tokensvc.storage import EmbeddedPostgresError, MigrationError
 
     if isinstance(
         exc,
-        SettingsError | ConnectionError_ | DevMaterialError | EmbeddedPostgresError | MigrationError,
+        SettingsError
+        | ConnectionError_
+        | RpcFailed
+        | DevMaterialError
+        | EmbeddedPostgresError
+        | MigrationError,
     ):
         return str(exc)
     if isinstance(exc, TokensvcError):

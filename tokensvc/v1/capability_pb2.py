@@ -26,15 +26,15 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctokensvc/v1/capability.proto\x12\x0btokensvc.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x99\x02\n\x0f\x43\x61pabilityScope\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05\x61gent\x18\x02 \x01(\t\x12\x11\n\tbucket_id\x18\x03 \x01(\t\x12\x10\n\x08per_user\x18\x04 \x01(\x08\x12\x10\n\x08registry\x18\x05 \x01(\t\x12\x18\n\x10long_term_memory\x18\x06 \x01(\x08\x12\x17\n\x0fknowledge_bases\x18\x07 \x03(\t\x12\x0e\n\x06run_id\x18\x08 \x01(\t\x12\x0b\n\x03jti\x18\t \x01(\t\x12-\n\tissued_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x19\n\x17VerifyCapabilityRequest\"G\n\x18VerifyCapabilityResponse\x12+\n\x05scope\x18\x01 \x01(\x0b\x32\x1c.tokensvc.v1.CapabilityScope\"\\\n\x17\x44\x65riveSessionKeyRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12(\n\x05scope\x18\x02 \x01(\x0e\x32\x19.tokensvc.v1.SessionScope\"\x85\x02\n\x18\x44\x65riveSessionKeyResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x32\n\x0f\x65\x66\x66\x65\x63tive_scope\x18\x02 \x01(\x0e\x32\x19.tokensvc.v1.SessionScope\x12\x12\n\ndowngraded\x18\x03 \x01(\x08\x12\x10\n\x08per_user\x18\x04 \x01(\x08\x12\x1c\n\x14max_history_messages\x18\x05 \x01(\x05\x12\x1c\n\x14max_retained_entries\x18\x06 \x01(\x05\x12&\n\x03ttl\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1e\n\x16ttl_refreshed_on_write\x18\x08 \x01(\x08\"\xfb\x01\n\x16IssueCapabilityRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05\x61gent\x18\x02 \x01(\t\x12\x11\n\x04user\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x10\n\x08per_user\x18\x04 \x01(\x08\x12\x10\n\x08registry\x18\x05 \x01(\t\x12\x18\n\x10long_term_memory\x18\x06 \x01(\x08\x12\x17\n\x0fknowledge_bases\x18\x07 \x03(\t\x12\x0e\n\x06run_id\x18\x08 \x01(\t\x12&\n\x03ttl\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0c\x63nf_x5t_s256\x18\n \x01(\x0c\x42\x07\n\x05_user\"u\n\x17IssueCapabilityResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0b\n\x03jti\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12.\n\nexpires_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"T\n\x17RevokeCapabilityRequest\x12\r\n\x03jti\x18\x01 \x01(\tH\x00\x12\x10\n\x06run_id\x18\x02 \x01(\tH\x00\x12\x0e\n\x06reason\x18\x03 \x01(\tB\x08\n\x06target\"J\n\x18RevokeCapabilityResponse\x12.\n\nrevoked_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*b\n\x0cSessionScope\x12\x1d\n\x19SESSION_SCOPE_UNSPECIFIED\x10\x00\x12\x19\n\x15SESSION_SCOPE_SESSION\x10\x01\x12\x18\n\x14SESSION_SCOPE_SHARED\x10\x02\x32\x94\x03\n\x11\x43\x61pabilityService\x12_\n\x10VerifyCapability\x12$.tokensvc.v1.VerifyCapabilityRequest\x1a%.tokensvc.v1.VerifyCapabilityResponse\x12_\n\x10\x44\x65riveSessionKey\x12$.tokensvc.v1.DeriveSessionKeyRequest\x1a%.tokensvc.v1.DeriveSessionKeyResponse\x12\\\n\x0fIssueCapability\x12#.tokensvc.v1.IssueCapabilityRequest\x1a$.tokensvc.v1.IssueCapabilityResponse\x12_\n\x10RevokeCapability\x12$.tokensvc.v1.RevokeCapabilityRequest\x1a%.tokensvc.v1.RevokeCapabilityResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctokensvc/v1/capability.proto\x12\x0btokensvc.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x99\x02\n\x0f\x43\x61pabilityScope\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05\x61gent\x18\x02 \x01(\t\x12\x11\n\tbucket_id\x18\x03 \x01(\t\x12\x10\n\x08per_user\x18\x04 \x01(\x08\x12\x10\n\x08registry\x18\x05 \x01(\t\x12\x18\n\x10long_term_memory\x18\x06 \x01(\x08\x12\x17\n\x0fknowledge_bases\x18\x07 \x03(\t\x12\x0e\n\x06run_id\x18\x08 \x01(\t\x12\x0b\n\x03jti\x18\t \x01(\t\x12-\n\tissued_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x19\n\x17VerifyCapabilityRequest\"G\n\x18VerifyCapabilityResponse\x12+\n\x05scope\x18\x01 \x01(\x0b\x32\x1c.tokensvc.v1.CapabilityScope\"\\\n\x17\x44\x65riveSessionKeyRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12(\n\x05scope\x18\x02 \x01(\x0e\x32\x19.tokensvc.v1.SessionScope\"\x9c\x02\n\x18\x44\x65riveSessionKeyResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x32\n\x0f\x65\x66\x66\x65\x63tive_scope\x18\x02 \x01(\x0e\x32\x19.tokensvc.v1.SessionScope\x12\x12\n\ndowngraded\x18\x03 \x01(\x08\x12\x10\n\x08per_user\x18\x04 \x01(\x08\x12\x1c\n\x14max_history_messages\x18\x05 \x01(\x05\x12\x1c\n\x14max_retained_entries\x18\x06 \x01(\x05\x12&\n\x03ttl\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1e\n\x16ttl_refreshed_on_write\x18\x08 \x01(\x08\x12\x15\n\rprevious_keys\x18\t \x03(\t\"\xfb\x01\n\x16IssueCapabilityRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05\x61gent\x18\x02 \x01(\t\x12\x11\n\x04user\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x10\n\x08per_user\x18\x04 \x01(\x08\x12\x10\n\x08registry\x18\x05 \x01(\t\x12\x18\n\x10long_term_memory\x18\x06 \x01(\x08\x12\x17\n\x0fknowledge_bases\x18\x07 \x03(\t\x12\x0e\n\x06run_id\x18\x08 \x01(\t\x12&\n\x03ttl\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0c\x63nf_x5t_s256\x18\n \x01(\x0c\x42\x07\n\x05_user\"u\n\x17IssueCapabilityResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0b\n\x03jti\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12.\n\nexpires_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"T\n\x17RevokeCapabilityRequest\x12\r\n\x03jti\x18\x01 \x01(\tH\x00\x12\x10\n\x06run_id\x18\x02 \x01(\tH\x00\x12\x0e\n\x06reason\x18\x03 \x01(\tB\x08\n\x06target\"J\n\x18RevokeCapabilityResponse\x12.\n\nrevoked_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*b\n\x0cSessionScope\x12\x1d\n\x19SESSION_SCOPE_UNSPECIFIED\x10\x00\x12\x19\n\x15SESSION_SCOPE_SESSION\x10\x01\x12\x18\n\x14SESSION_SCOPE_SHARED\x10\x02\x32\x94\x03\n\x11\x43\x61pabilityService\x12_\n\x10VerifyCapability\x12$.tokensvc.v1.VerifyCapabilityRequest\x1a%.tokensvc.v1.VerifyCapabilityResponse\x12_\n\x10\x44\x65riveSessionKey\x12$.tokensvc.v1.DeriveSessionKeyRequest\x1a%.tokensvc.v1.DeriveSessionKeyResponse\x12\\\n\x0fIssueCapability\x12#.tokensvc.v1.IssueCapabilityRequest\x1a$.tokensvc.v1.IssueCapabilityResponse\x12_\n\x10RevokeCapability\x12$.tokensvc.v1.RevokeCapabilityRequest\x1a%.tokensvc.v1.RevokeCapabilityResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokensvc.v1.capability_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SESSIONSCOPE']._serialized_start=1387
-  _globals['_SESSIONSCOPE']._serialized_end=1485
+  _globals['_SESSIONSCOPE']._serialized_start=1410
+  _globals['_SESSIONSCOPE']._serialized_end=1508
   _globals['_CAPABILITYSCOPE']._serialized_start=111
   _globals['_CAPABILITYSCOPE']._serialized_end=392
   _globals['_VERIFYCAPABILITYREQUEST']._serialized_start=394
@@ -44,15 +44,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DERIVESESSIONKEYREQUEST']._serialized_start=494
   _globals['_DERIVESESSIONKEYREQUEST']._serialized_end=586
   _globals['_DERIVESESSIONKEYRESPONSE']._serialized_start=589
-  _globals['_DERIVESESSIONKEYRESPONSE']._serialized_end=850
-  _globals['_ISSUECAPABILITYREQUEST']._serialized_start=853
-  _globals['_ISSUECAPABILITYREQUEST']._serialized_end=1104
-  _globals['_ISSUECAPABILITYRESPONSE']._serialized_start=1106
-  _globals['_ISSUECAPABILITYRESPONSE']._serialized_end=1223
-  _globals['_REVOKECAPABILITYREQUEST']._serialized_start=1225
-  _globals['_REVOKECAPABILITYREQUEST']._serialized_end=1309
-  _globals['_REVOKECAPABILITYRESPONSE']._serialized_start=1311
-  _globals['_REVOKECAPABILITYRESPONSE']._serialized_end=1385
-  _globals['_CAPABILITYSERVICE']._serialized_start=1488
-  _globals['_CAPABILITYSERVICE']._serialized_end=1892
+  _globals['_DERIVESESSIONKEYRESPONSE']._serialized_end=873
+  _globals['_ISSUECAPABILITYREQUEST']._serialized_start=876
+  _globals['_ISSUECAPABILITYREQUEST']._serialized_end=1127
+  _globals['_ISSUECAPABILITYRESPONSE']._serialized_start=1129
+  _globals['_ISSUECAPABILITYRESPONSE']._serialized_end=1246
+  _globals['_REVOKECAPABILITYREQUEST']._serialized_start=1248
+  _globals['_REVOKECAPABILITYREQUEST']._serialized_end=1332
+  _globals['_REVOKECAPABILITYRESPONSE']._serialized_start=1334
+  _globals['_REVOKECAPABILITYRESPONSE']._serialized_end=1408
+  _globals['_CAPABILITYSERVICE']._serialized_start=1511
+  _globals['_CAPABILITYSERVICE']._serialized_end=1915
 # @@protoc_insertion_point(module_scope)

@@ -210,6 +210,7 @@ class DeriveSessionKeyResponse(_message.Message):
     MAX_RETAINED_ENTRIES_FIELD_NUMBER: _builtins.int
     TTL_FIELD_NUMBER: _builtins.int
     TTL_REFRESHED_ON_WRITE_FIELD_NUMBER: _builtins.int
+    PREVIOUS_KEYS_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """The Valkey key for this conversation, in one of the layouts documented on DeriveSessionKey."""
     effective_scope: Global___SessionScope.ValueType
@@ -234,6 +235,13 @@ class DeriveSessionKeyResponse(_message.Message):
     def ttl(self) -> _duration_pb2.Duration:
         """How long a conversation lives after its last write (24 hours)."""
 
+    @_builtins.property
+    def previous_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The same conversation's keys under older pepper versions, newest first; empty unless
+        `per_user` is set and the pepper was rotated. A launcher that finds nothing under `key` may
+        RENAME the first of these that exists to `key`, so a pepper rotation loses no history.
+        """
+
     def __init__(
         self,
         *,
@@ -245,10 +253,11 @@ class DeriveSessionKeyResponse(_message.Message):
         max_retained_entries: _builtins.int = ...,
         ttl: _duration_pb2.Duration | None = ...,
         ttl_refreshed_on_write: _builtins.bool = ...,
+        previous_keys: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["downgraded", b"downgraded", "effective_scope", b"effective_scope", "key", b"key", "max_history_messages", b"max_history_messages", "max_retained_entries", b"max_retained_entries", "per_user", b"per_user", "ttl", b"ttl", "ttl_refreshed_on_write", b"ttl_refreshed_on_write"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["downgraded", b"downgraded", "effective_scope", b"effective_scope", "key", b"key", "max_history_messages", b"max_history_messages", "max_retained_entries", b"max_retained_entries", "per_user", b"per_user", "previous_keys", b"previous_keys", "ttl", b"ttl", "ttl_refreshed_on_write", b"ttl_refreshed_on_write"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

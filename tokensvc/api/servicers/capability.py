@@ -44,7 +44,7 @@ class CapabilityServicer(capability_pb2_grpc.CapabilityServiceServicer):
     async def DeriveSessionKey(
         self, request: capability_pb2.DeriveSessionKeyRequest, context: _Context
     ) -> capability_pb2.DeriveSessionKeyResponse:
-        derived = self._operations.session_key(
+        derived, previous_keys = self._operations.session_key(
             current_scope(), request.conversation_id, session_scope_from_proto(request.scope)
         )
         return capability_pb2.DeriveSessionKeyResponse(
@@ -56,6 +56,7 @@ class CapabilityServicer(capability_pb2_grpc.CapabilityServiceServicer):
             max_retained_entries=MAX_RETAINED_ENTRIES,
             ttl=duration_pb2.Duration(seconds=SESSION_TTL_SECONDS),
             ttl_refreshed_on_write=TTL_REFRESHED_ON_WRITE,
+            previous_keys=previous_keys,
         )
 
     async def IssueCapability(
