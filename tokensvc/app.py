@@ -32,6 +32,8 @@ from tokensvc.auth.issuer import CapabilityIssuer
 from tokensvc.auth.keyset import TrustBundle
 from tokensvc.auth.operations import CapabilityOperations
 from tokensvc.auth.revocation import RevocationList
+from tokensvc.embedders import EmbedderRegistry, load_embedders
+from tokensvc.memory.service import LongTermMemory, SearchTuning
 from tokensvc.settings import Settings, SettingsError
 from tokensvc.storage import (
     Database,
@@ -40,6 +42,7 @@ from tokensvc.storage import (
     connect_once,
     schema_version,
 )
+from tokensvc.storage.memories import PostgresMemoryStore
 from tokensvc.storage.revocations import PostgresRevocationStore
 
 __all__ = ["Service", "run_service"]
@@ -65,6 +68,9 @@ class Service:
     port: int = 0
     authenticator: Authenticator | None = None
     revocations: RevocationList | None = None
+    embedders: EmbedderRegistry | None = None
+    memory: LongTermMemory | None = None
+    _background: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def start(self) -> None:
         cert_file, key_file, ca_file = self.settings.require_tls_files()
@@ -99,7 +105,27 @@ class Service:
             launcher_id=identities.launcher_id,
             cache_size=self.settings.capability_cache_size,
         )
-        domain = Domain(capabilities=CapabilityOperations(revocations=self.revocations, issuer=issuer))
+        self.embedders = load_embedders(self.settings.embedders_file)
+        if self.settings.memory_embedder not in self.embedders.names:
+            raise SettingsError(
+                f"memory_embedder: {self.settings.memory_embedder!r} is not a configured embedder "
+                f"({', '.join(self.embedders.names)})"
+            )
+        self.memory = LongTermMemory(
+            PostgresMemoryStore(pool),
+            self.embedders,
+            default_embedder=self.settings.memory_embedder,
+            tuning=SearchTuning(
+                exact_threshold=self.settings.memory_exact_search_threshold,
+                ef_search=self.settings.memory_hnsw_ef_search,
+                max_scan_tuples=self.settings.memory_hnsw_max_scan_tuples,
+            ),
+        )
+        self._background.append(asyncio.create_task(self._sweep_forever(), name="memory-sweeper"))
+        domain = Domain(
+            capabilities=CapabilityOperations(revocations=self.revocations, issuer=issuer),
+            memory=self.memory,
+        )
 
         self.server = grpc.aio.server(
             interceptors=[
@@ -108,6 +134,10 @@ class Service:
             options=[
                 ("grpc.max_receive_message_length", self.settings.max_message_bytes),
                 ("grpc.max_send_message_length", self.settings.max_message_bytes),
+                # A capability may be 8 KiB; gRPC's default 8 KiB metadata budget (all headers
+                # together) would shed such calls with RESOURCE_EXHAUSTED.
+                ("grpc.max_metadata_size", 32 * 1024),
+                ("grpc.absolute_max_metadata_size", 64 * 1024),
                 # One process per port unless scaling on one host is asked for explicitly.
                 ("grpc.so_reuseport", 0),
             ],
@@ -179,9 +209,26 @@ class Service:
             await self.server.stop(grace)
         if self.revocations is not None:
             await self.revocations.stop()
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if self.embedders is not None:
+            await self.embedders.aclose()
         if self.database is not None:
             await self.database.close()
         _log.info("stopped")
+
+    async def _sweep_forever(self) -> None:
+        assert self.memory is not None
+        while True:
+            await asyncio.sleep(self.settings.memory_sweep_interval_seconds)
+            try:
+                swept = await self.memory.sweep_expired()
+            except Exception as exc:
+                _log.warning("memory sweep failed", extra={"error": type(exc).__name__})
+                continue
+            if swept:
+                _log.info("expired memories deleted", extra={"count": swept})
 
     async def wait(self) -> None:
         assert self.server is not None

@@ -90,6 +90,25 @@ class Settings:
         default=1.0, metadata=_doc("How often revocations made by other replicas are picked up.")
     )
 
+    # --- long-term memory -------------------------------------------------------------------
+    embedders_file: Path | None = field(
+        default=None,
+        metadata=_doc("TOML file of embedders ([embedders.NAME]); unset means only the built-in `hash`."),
+    )
+    memory_embedder: str = field(
+        default="hash", metadata=_doc("Embedder a new memory space is pinned to at its first write.")
+    )
+    memory_exact_search_threshold: int = field(
+        default=5000, metadata=_doc("Buckets up to this many rows are searched exactly, larger via HNSW.")
+    )
+    memory_hnsw_ef_search: int = field(default=64, metadata=_doc("HNSW ef_search (at least 2 x top_k)."))
+    memory_hnsw_max_scan_tuples: int = field(
+        default=20_000, metadata=_doc("Bound on tuples an iterative HNSW scan visits.")
+    )
+    memory_sweep_interval_seconds: float = field(
+        default=60.0, metadata=_doc("How often expired memories are deleted.")
+    )
+
     # --- database --------------------------------------------------------------------------
     state_dir: Path = field(
         default=Path(".tokensvc-dev"),
@@ -156,6 +175,11 @@ class Settings:
             raise SettingsError("capability_cache_size: must not be negative")
         if not 0 < self.revocation_poll_seconds <= 5:
             raise SettingsError("revocation_poll_seconds: must be in (0, 5] so revocations apply within 5 s")
+        for name in ("memory_exact_search_threshold", "memory_hnsw_ef_search", "memory_hnsw_max_scan_tuples"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name}: must be at least 1")
+        if self.memory_sweep_interval_seconds <= 0:
+            raise SettingsError("memory_sweep_interval_seconds: must be greater than 0")
         if self.max_message_bytes < 64 * 1024:
             raise SettingsError("max_message_bytes: must be at least 65536")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:

@@ -7,6 +7,7 @@ picked up without a restart); pgvector's binary codec is registered on every poo
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -81,6 +82,8 @@ async def connect_once(
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
     await register_vector(conn, schema="public")
+    # jsonb as Python objects both ways (asyncpg's default is text).
+    await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
 class Database:

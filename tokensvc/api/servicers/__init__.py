@@ -15,6 +15,7 @@ from tokensvc.api.servicers.capability import CapabilityServicer
 from tokensvc.api.servicers.knowledge import KnowledgeServicer
 from tokensvc.api.servicers.memory import MemoryServicer
 from tokensvc.auth.operations import CapabilityOperations
+from tokensvc.memory.service import LongTermMemory
 from tokensvc.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -34,13 +35,14 @@ class Domain:
     """The domain objects servicers delegate to (built by the composition root)."""
 
     capabilities: CapabilityOperations
+    memory: LongTermMemory
 
 
 def register_servicers(server: grpc.aio.Server, domain: Domain) -> None:
     capability_pb2_grpc.add_CapabilityServiceServicer_to_server(
         CapabilityServicer(domain.capabilities), server
     )
-    memory_pb2_grpc.add_MemoryServiceServicer_to_server(MemoryServicer(), server)
+    memory_pb2_grpc.add_MemoryServiceServicer_to_server(MemoryServicer(domain.memory), server)
     knowledge_pb2_grpc.add_KnowledgeServiceServicer_to_server(KnowledgeServicer(), server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(), server)
 

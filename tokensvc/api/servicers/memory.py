@@ -2,50 +2,93 @@
 
 from __future__ import annotations
 
-import typing as _t
+from typing import Any
 
 import grpc
 
-from tokensvc.errors import NotImplementedRpc
+from tokensvc.api.convert import current_scope
+from tokensvc.api.memory_codec import (
+    decode_content,
+    decode_filter,
+    decode_id,
+    decode_ids,
+    decode_page_size,
+    decode_remember,
+    decode_search,
+    decode_ttl,
+    encode_hit,
+    encode_memory,
+)
+from tokensvc.memory.metadata import metadata_from_proto
+from tokensvc.memory.paging import PageCursor, decode_page_token, encode_page_token
+from tokensvc.memory.service import LongTermMemory
 from tokensvc.v1 import memory_pb2, memory_pb2_grpc
 
 __all__ = ["MemoryServicer"]
 
-_Context = grpc.aio.ServicerContext[_t.Any, _t.Any]
+_Context = grpc.aio.ServicerContext[Any, Any]
 
 
 class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
-    """MemoryService: long-term memory."""
+    def __init__(self, memory: LongTermMemory):
+        self._memory = memory
 
     async def Remember(
         self, request: memory_pb2.RememberRequest, context: _Context
     ) -> memory_pb2.RememberResponse:
-        raise NotImplementedRpc("Remember is not implemented yet")
+        results = await self._memory.remember(current_scope(), decode_remember(request))
+        return memory_pb2.RememberResponse(
+            results=[memory_pb2.RememberResult(id=i, deduplicated=d) for i, d in results]
+        )
 
     async def SearchMemories(
         self, request: memory_pb2.SearchMemoriesRequest, context: _Context
     ) -> memory_pb2.SearchMemoriesResponse:
-        raise NotImplementedRpc("SearchMemories is not implemented yet")
+        hits = await self._memory.search(current_scope(), decode_search(request))
+        return memory_pb2.SearchMemoriesResponse(results=[encode_hit(hit) for hit in hits])
 
     async def GetMemory(
         self, request: memory_pb2.GetMemoryRequest, context: _Context
     ) -> memory_pb2.GetMemoryResponse:
-        raise NotImplementedRpc("GetMemory is not implemented yet")
+        record = await self._memory.get(current_scope(), decode_id(request.id, "id"))
+        return memory_pb2.GetMemoryResponse(memory=encode_memory(record))
 
     async def ListMemories(
         self, request: memory_pb2.ListMemoriesRequest, context: _Context
     ) -> memory_pb2.ListMemoriesResponse:
-        raise NotImplementedRpc("ListMemories is not implemented yet")
+        has_filter = request.HasField("filter")
+        filter_bytes = request.filter.SerializeToString(deterministic=True) if has_filter else b""
+        page_size = decode_page_size(request.page_size)
+        filter_ = decode_filter(request.filter, has_filter)
+        cursor = decode_page_token(request.page_token, filter_bytes)
+        records, last = await self._memory.list_page(
+            current_scope(), page_size=page_size, cursor=cursor, filter_=filter_
+        )
+        token = "" if last is None else encode_page_token(PageCursor(last.created_at, last.id), filter_bytes)
+        return memory_pb2.ListMemoriesResponse(
+            memories=[encode_memory(record) for record in records], next_page_token=token
+        )
 
     async def UpdateMemory(
         self, request: memory_pb2.UpdateMemoryRequest, context: _Context
     ) -> memory_pb2.UpdateMemoryResponse:
-        raise NotImplementedRpc("UpdateMemory is not implemented yet")
+        record = await self._memory.update(
+            current_scope(),
+            decode_id(request.id, "id"),
+            content=decode_content(request.content, "content") if request.HasField("content") else None,
+            metadata=metadata_from_proto(request.metadata, "metadata") if request.metadata else None,
+            replace_metadata=request.replace_metadata,
+            remove_keys=list(request.remove_metadata_keys),
+            ttl_seconds=decode_ttl(request.ttl, "ttl") if request.HasField("ttl") else None,
+        )
+        return memory_pb2.UpdateMemoryResponse(memory=encode_memory(record))
 
     async def Forget(self, request: memory_pb2.ForgetRequest, context: _Context) -> memory_pb2.ForgetResponse:
-        raise NotImplementedRpc("Forget is not implemented yet")
+        count = await self._memory.forget(current_scope(), decode_ids(request.ids))
+        return memory_pb2.ForgetResponse(forgotten_count=count)
 
     async def ForgetAll(
         self, request: memory_pb2.ForgetAllRequest, context: _Context
     ) -> memory_pb2.ForgetAllResponse:
-        raise NotImplementedRpc("ForgetAll is not implemented yet")
+        count = await self._memory.forget_all(current_scope())
+        return memory_pb2.ForgetAllResponse(forgotten_count=count)

@@ -1,0 +1,366 @@
+"""Long-term memory: the business rules between the API edge and storage.
+
+Rules enforced here: the capability must enable long-term memory; a memory space's embedder is
+pinned at its first write and a later configuration change is refused (re-embedding would be
+needed); content is deduplicated per bucket after NFC normalisation and trimming; embedding
+happens before any write, so an embedder failure leaves nothing half-written; rows under an older
+pepper version's bucket move to the current bucket on first access.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import unicodedata
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from opentelemetry import trace
+
+from tokensvc.auth.scope import TenantScope
+from tokensvc.embedders import Embedder, EmbedderRegistry, EmbedderSpec
+from tokensvc.errors import InvalidArgument, NotFound, PermissionDenied, PinnedConfiguration, Reason
+from tokensvc.memory.filters import Filter
+from tokensvc.memory.metadata import MetadataScalar
+from tokensvc.memory.models import MemoryRecord, NewMemory, ScoredMemory
+from tokensvc.memory.paging import PageCursor
+from tokensvc.memory.ranking import SearchHit, reciprocal_rank_fusion
+from tokensvc.storage.memories import PostgresMemoryStore
+from tokensvc.storage.tenant import Tenant
+
+__all__ = ["LongTermMemory", "RememberItem", "SearchMode", "SearchQuery", "SearchTuning"]
+
+_tracer = trace.get_tracer("tokensvc.memory")
+
+SearchMode = str  # "vector" | "hybrid"
+
+
+@dataclass(frozen=True)
+class RememberItem:
+    content: str
+    metadata: dict[str, MetadataScalar]
+    idempotency_key: str | None
+    ttl_seconds: int | None
+
+
+@dataclass(frozen=True)
+class SearchQuery:
+    text: str | None
+    vector: np.ndarray | None
+    top_k: int
+    min_score: float | None
+    filter: Filter | None
+    mode: SearchMode
+
+
+@dataclass(frozen=True)
+class SearchTuning:
+    """Knobs measured by the benchmarks (docs/benchmarks.md)."""
+
+    exact_threshold: int = 5000
+    ef_search: int = 64
+    max_scan_tuples: int = 20_000
+    hybrid_candidates: int = 50
+
+
+@dataclass(frozen=True)
+class _Space:
+    tenant: Tenant
+    bucket: str
+    spec: EmbedderSpec
+    embedder: Embedder | None
+
+
+def normalise_content(content: str) -> str:
+    return unicodedata.normalize("NFC", content).strip()
+
+
+def content_hash(normalised: str) -> bytes:
+    return hashlib.sha256(normalised.encode("utf-8")).digest()
+
+
+def _unit(vector: np.ndarray, field: str) -> np.ndarray:
+    norm = float(np.linalg.norm(vector))
+    if not np.isfinite(norm) or norm == 0.0:
+        raise InvalidArgument(field, "must be a finite, non-zero vector")
+    return np.ascontiguousarray(vector / norm, dtype=np.float32)
+
+
+class LongTermMemory:
+    def __init__(
+        self,
+        store: PostgresMemoryStore,
+        embedders: EmbedderRegistry,
+        *,
+        default_embedder: str,
+        tuning: SearchTuning | None = None,
+    ):
+        self._store = store
+        self._embedders = embedders
+        self._default = default_embedder
+        self._tuning = tuning or SearchTuning()
+        # Buckets whose older-pepper rows were already moved by this process.
+        self._moved: set[str] = set()
+
+    # --- space and scope --------------------------------------------------------------------
+
+    async def _space(self, scope: TenantScope, *, for_write: bool) -> _Space | None:
+        if not scope.long_term_memory:
+            raise PermissionDenied(Reason.SCOPE_NOT_GRANTED)
+        tenant = Tenant(scope.namespace, scope.agent, (scope.bucket_id, *scope.previous_bucket_ids))
+        if scope.previous_bucket_ids and scope.bucket_id not in self._moved:
+            await self._store.move_buckets(tenant, scope.bucket_id, scope.previous_bucket_ids)
+            self._moved.add(scope.bucket_id)
+        tenant = Tenant(scope.namespace, scope.agent, (scope.bucket_id,))
+        spec = await self._store.get_space(tenant)
+        if spec is None:
+            if not for_write:
+                return None
+            spec = await self._store.pin_space(tenant, self._embedders.get(self._default).spec)
+        return _Space(tenant, scope.bucket_id, spec, self._pinned_embedder(spec))
+
+    def _pinned_embedder(self, spec: EmbedderSpec) -> Embedder | None:
+        """The configured embedder matching the pin, None if the name is gone; refuse a drifted one."""
+        if spec.name not in self._embedders.names:
+            return None
+        embedder = self._embedders.get(spec.name)
+        if embedder.spec != spec:
+            raise PinnedConfiguration(
+                f"this memory space is pinned to embedder {spec.name!r} (model {spec.model!r}, "
+                f"{spec.dimension} dimensions); the configured {spec.name!r} differs, and changing it "
+                "needs a re-embedding"
+            )
+        return embedder
+
+    def _require_embedder(self, space: _Space) -> Embedder:
+        if space.embedder is None:
+            raise PinnedConfiguration(
+                f"this memory space is pinned to embedder {space.spec.name!r}, which is not configured"
+            )
+        return space.embedder
+
+    # --- writes -----------------------------------------------------------------------------
+
+    async def remember(self, scope: TenantScope, items: Sequence[RememberItem]) -> list[tuple[str, bool]]:
+        """An (id, deduplicated) per item, in order; all-or-nothing."""
+        with _tracer.start_as_current_span("memory.remember") as span:
+            _annotate(span, scope, items=len(items))
+            space = await self._space(scope, for_write=True)
+            assert space is not None
+            embedder = self._require_embedder(space)
+            normalised = [normalise_content(item.content) for item in items]
+            hashes = [content_hash(text) for text in normalised]
+            keys = [item.idempotency_key for item in items if item.idempotency_key]
+            existing = await self._store.find_existing(space.tenant, space.bucket, hashes, keys)
+            by_hash = {ref.content_sha256: ref for ref in existing}
+            by_key = {ref.idempotency_key: ref for ref in existing if ref.idempotency_key}
+
+            resolved: list[tuple[str, bool] | None] = []
+            fresh: dict[bytes, int] = {}  # content hash -> index into `pending`
+            pending: list[int] = []
+            for index, (item, digest) in enumerate(zip(items, hashes, strict=True)):
+                key_ref = by_key.get(item.idempotency_key) if item.idempotency_key else None
+                if key_ref is not None:
+                    if key_ref.content_sha256 != digest:
+                        raise InvalidArgument(
+                            f"items[{index}].idempotency_key", "was already used for different content"
+                        )
+                    resolved.append((key_ref.id, True))
+                elif digest in by_hash:
+                    resolved.append((by_hash[digest].id, True))
+                elif digest in fresh:
+                    resolved.append(None)  # a repeat within this batch: same id as its first
+                else:
+                    fresh[digest] = index
+                    pending.append(index)
+                    resolved.append(None)
+
+            if pending:
+                vectors = await self._embed_documents(embedder, [normalised[i] for i in pending])
+                rows = [
+                    NewMemory(
+                        id=str(uuid.uuid4()),
+                        content=normalised[i],
+                        content_sha256=hashes[i],
+                        metadata=items[i].metadata,
+                        idempotency_key=items[i].idempotency_key,
+                        ttl_seconds=items[i].ttl_seconds,
+                        embedding=_unit(vector, f"items[{i}]"),
+                    )
+                    for i, vector in zip(pending, vectors, strict=True)
+                ]
+                stored = await self._store.insert(space.tenant, space.bucket, rows)
+                stored_by_hash = {ref.content_sha256: ref for ref in stored}
+                for index, digest in enumerate(hashes):
+                    if resolved[index] is None:
+                        ref = stored_by_hash[digest]
+                        first = fresh[digest] == index and ref.inserted
+                        resolved[index] = (ref.id, not first)
+            span.set_attribute("tokensvc.memory.inserted", len(pending))
+            return [pair for pair in resolved if pair is not None]
+
+    async def _embed_documents(self, embedder: Embedder, texts: list[str]) -> np.ndarray:
+        with _tracer.start_as_current_span("embed") as span:
+            span.set_attribute("tokensvc.embed.count", len(texts))
+            return await embedder.embed_documents(texts)
+
+    async def update(
+        self,
+        scope: TenantScope,
+        memory_id: str,
+        *,
+        content: str | None,
+        metadata: dict[str, MetadataScalar] | None,
+        replace_metadata: bool,
+        remove_keys: Sequence[str],
+        ttl_seconds: int | None,
+    ) -> MemoryRecord:
+        with _tracer.start_as_current_span("memory.update") as span:
+            _annotate(span, scope)
+            space = await self._space(scope, for_write=False)
+            current = (
+                None
+                if space is None
+                else await self._store.get(space.tenant, space.bucket, memory_id, space.spec.name)
+            )
+            if space is None or current is None:
+                raise NotFound("no such memory")
+            new_content = None
+            if content is not None:
+                normalised = normalise_content(content)
+                if normalised != current.content:
+                    vector = (await self._embed_documents(self._require_embedder(space), [normalised]))[0]
+                    new_content = (normalised, content_hash(normalised), _unit(vector, "content"))
+            new_metadata: dict[str, Any] | None = None
+            if metadata is not None or remove_keys or replace_metadata:
+                merged = {} if replace_metadata else dict(current.metadata)
+                merged.update(metadata or {})
+                for key in remove_keys:
+                    merged.pop(key, None)
+                new_metadata = merged
+            updated = await self._store.update(
+                space.tenant, space.bucket, memory_id,
+                content=new_content, metadata=new_metadata, ttl_seconds=ttl_seconds, embedder=space.spec.name,
+            )  # fmt: skip
+            if updated is None:
+                raise NotFound("no such memory")
+            return updated
+
+    async def forget(self, scope: TenantScope, ids: Sequence[str]) -> int:
+        with _tracer.start_as_current_span("memory.forget") as span:
+            _annotate(span, scope, items=len(ids))
+            space = await self._space(scope, for_write=False)
+            if space is None:
+                return 0
+            count = await self._store.delete(space.tenant, space.bucket, ids)
+            span.set_attribute("tokensvc.memory.forgotten", count)
+            return count
+
+    async def forget_all(self, scope: TenantScope) -> int:
+        with _tracer.start_as_current_span("memory.forget") as span:
+            _annotate(span, scope)
+            space = await self._space(scope, for_write=False)
+            tenant = Tenant(scope.namespace, scope.agent, (scope.bucket_id,))
+            count = await self._store.delete_all(tenant, scope.bucket_id) if space is not None else 0
+            span.set_attribute("tokensvc.memory.forgotten", count)
+            return count
+
+    # --- reads ------------------------------------------------------------------------------
+
+    async def get(self, scope: TenantScope, memory_id: str) -> MemoryRecord:
+        with _tracer.start_as_current_span("memory.get") as span:
+            _annotate(span, scope)
+            space = await self._space(scope, for_write=False)
+            record = (
+                None
+                if space is None
+                else await self._store.get(space.tenant, space.bucket, memory_id, space.spec.name)
+            )
+            if record is None:
+                raise NotFound("no such memory")
+            return record
+
+    async def list_page(
+        self, scope: TenantScope, *, page_size: int, cursor: PageCursor | None, filter_: Filter | None
+    ) -> tuple[list[MemoryRecord], MemoryRecord | None]:
+        """A page, newest first, and the last record when there may be more (for the next token)."""
+        with _tracer.start_as_current_span("memory.list") as span:
+            _annotate(span, scope)
+            space = await self._space(scope, for_write=False)
+            if space is None:
+                return [], None
+            records = await self._store.list_page(
+                space.tenant, space.bucket, limit=page_size + 1,
+                after=None if cursor is None else (cursor.created_at, cursor.id),
+                filter_=filter_, embedder=space.spec.name,
+            )  # fmt: skip
+            span.set_attribute("tokensvc.result_count", min(len(records), page_size))
+            if len(records) > page_size:
+                return records[:page_size], records[page_size - 1]
+            return records, None
+
+    async def search(self, scope: TenantScope, query: SearchQuery) -> list[SearchHit]:
+        with _tracer.start_as_current_span("memory.search") as span:
+            _annotate(span, scope)
+            span.set_attribute("tokensvc.search.mode", query.mode)
+            space = await self._space(scope, for_write=False)
+            if space is None:
+                return []
+            vector = await self._query_vector(space, query)
+            tuning = self._tuning
+            size = await self._store.bucket_size(space.tenant, space.bucket, tuning.exact_threshold + 1)
+            exact = size <= tuning.exact_threshold or space.spec.dimension > 2000
+            span.set_attribute("tokensvc.search.exact", exact)
+            candidates = query.top_k if query.mode == "vector" else max(query.top_k, tuning.hybrid_candidates)
+            by_vector = await self._store.search_vector(
+                space.tenant, space.bucket, vector, k=candidates, filter_=query.filter, exact=exact,
+                ef_search=max(tuning.ef_search, 2 * candidates), max_scan_tuples=tuning.max_scan_tuples,
+                embedder=space.spec.name,
+            )  # fmt: skip
+            if query.mode == "vector":
+                hits = [SearchHit(m.memory, m.score, rank, 0) for rank, m in enumerate(by_vector, 1)]
+            else:
+                assert query.text is not None
+                by_text = await self._store.search_text(
+                    space.tenant, space.bucket, query.text, k=candidates, filter_=query.filter,
+                    embedder=space.spec.name,
+                )  # fmt: skip
+                hits = reciprocal_rank_fusion(by_vector, by_text)
+            if query.min_score is not None:
+                hits = [hit for hit in hits if hit.score >= query.min_score]
+            hits = hits[: query.top_k]
+            span.set_attribute("tokensvc.result_count", len(hits))
+            return hits
+
+    async def _query_vector(self, space: _Space, query: SearchQuery) -> np.ndarray:
+        if query.vector is not None:
+            if query.vector.shape[0] != space.spec.dimension:
+                raise InvalidArgument(
+                    "query_vector", f"must have {space.spec.dimension} dimensions (the pinned embedder's)"
+                )
+            return _unit(query.vector, "query_vector")
+        assert query.text is not None
+        embedder = self._require_embedder(space)
+        with _tracer.start_as_current_span("embed") as span:
+            span.set_attribute("tokensvc.embed.count", 1)
+            return _unit(await embedder.embed_query(query.text), "query_text")
+
+    async def sweep_expired(self) -> int:
+        total = 0
+        while (deleted := await self._store.sweep_expired()) > 0:
+            total += deleted
+        return total
+
+
+def _annotate(span: trace.Span, scope: TenantScope, **counts: int) -> None:
+    # Tenant identifiers only: never content, tokens or user ids.
+    span.set_attribute("tokensvc.namespace", scope.namespace)
+    span.set_attribute("tokensvc.agent", scope.agent)
+    span.set_attribute("tokensvc.bucket", scope.bucket_id)
+    for name, value in counts.items():
+        span.set_attribute(f"tokensvc.{name}", value)
+
+
+__all__ += ["ScoredMemory"]
