@@ -18,7 +18,7 @@ from tokensvc.cli.connection import add_connection_flags, call_service
 from tokensvc.settings import load_settings
 from tokensvc.v1 import capability_pb2, capability_pb2_grpc
 
-__all__ = ["add_capability_commands"]
+__all__ = ["add_capability_commands", "add_capability_source", "read_capability"]
 
 _CAPABILITY_ENV = "TOKENSVC_CAPABILITY"
 
@@ -50,7 +50,7 @@ def add_capability_commands(commands: argparse._SubParsersAction[argparse.Argume
         help="ask tokensvc to verify a capability and show its scope",
         description="Call CapabilityService.VerifyCapability as the launcher.",
     )
-    _add_capability_source(verify)
+    add_capability_source(verify)
     verify.add_argument("--json", action="store_true", help="print the scope as JSON")
     add_connection_flags(verify)
     verify.set_defaults(handler=_verify)
@@ -75,13 +75,13 @@ def add_capability_commands(commands: argparse._SubParsersAction[argparse.Argume
     )
     session.add_argument("conversation_id", metavar="CONVERSATION_ID")
     session.add_argument("--scope", choices=["session", "shared"], default="session")
-    _add_capability_source(session)
+    add_capability_source(session)
     session.add_argument("--json", action="store_true", help="print the full response as JSON")
     add_connection_flags(session)
     session.set_defaults(handler=_session_key)
 
 
-def _add_capability_source(parser: argparse.ArgumentParser) -> None:
+def add_capability_source(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--capability-file", type=Path, help=f"file holding the capability (default ${_CAPABILITY_ENV})"
     )

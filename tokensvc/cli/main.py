@@ -10,6 +10,7 @@ from tokensvc import __version__
 from tokensvc.cli.capability_commands import add_capability_commands
 from tokensvc.cli.client_commands import add_client_commands
 from tokensvc.cli.connection import RpcFailed
+from tokensvc.cli.memory_commands import add_memory_commands
 from tokensvc.cli.server_commands import add_server_commands
 
 __all__ = ["build_parser", "main"]
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_commands(commands)
     add_client_commands(commands)
     add_capability_commands(commands)
+    add_memory_commands(commands)
     return parser
 
 
