@@ -35,6 +35,10 @@ class SharedDatabase:
         return self.server.paths.credential_dir("owner")
 
     @property
+    def rotator_credential_dir(self) -> Path:
+        return self.server.paths.credential_dir("rotator")
+
+    @property
     def superuser_credential_dir(self) -> Path:
         return self.server.paths.credential_dir("superuser")
 
@@ -47,6 +51,7 @@ def service_settings(database: SharedDatabase, dev: DevPaths, state_dir: Path, *
         "database_dsn": database.dsn,
         "database_credential_dir": str(database.app_credential_dir),
         "database_owner_credential_dir": str(database.owner_credential_dir),
+        "database_rotator_credential_dir": str(database.rotator_credential_dir),
         "tls_cert_file": str(dev.server_cert),
         "tls_key_file": str(dev.server_key),
         "tls_client_ca_file": str(dev.ca_cert),

@@ -48,11 +48,19 @@ async def test_user_ids_and_tokens_appear_in_neither_the_database_nor_the_logs(
     users = [f"end-user-{uuid.uuid4().hex}" for _ in range(3)]
     tokens = [
         mint_capability(
-            key, kid, issuer="ctxmesh-control-plane", audience="tokensvc", namespace="default",
-            agent="dev-agent", user=user, per_user=True, long_term_memory=True, now=time.time(),
+            key,
+            kid,
+            issuer="ctxmesh-control-plane",
+            audience="tokensvc",
+            namespace="default",
+            agent="dev-agent",
+            user=user,
+            per_user=True,
+            long_term_memory=True,
+            now=time.time(),
         )
         for user in users
-    ]  # fmt: skip
+    ]
     async with role_channel(service.port, dev, "launcher") as channel:
         stub = capability_pb2_grpc.CapabilityServiceStub(channel)
         for token in tokens:

@@ -15,17 +15,23 @@ def test_committed_stubs_equal_freshly_generated_ones(tmp_path: Path) -> None:
     protos = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "protos/tokensvc/v1").glob("*.proto"))
     subprocess.run(
         [
-            sys.executable, "-m", "grpc_tools.protoc", "-I", "protos",
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I",
+            "protos",
             f"--plugin=protoc-gen-mypy={shutil.which('protoc-gen-mypy', path=str(bin_dir))}",
             f"--plugin=protoc-gen-mypy_grpc={shutil.which('protoc-gen-mypy_grpc', path=str(bin_dir))}",
-            f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}",
-            f"--mypy_out={tmp_path}", f"--mypy_grpc_out={tmp_path}",
+            f"--python_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            f"--mypy_out={tmp_path}",
+            f"--mypy_grpc_out={tmp_path}",
             *protos,
         ],
         cwd=ROOT,
         check=True,
         capture_output=True,
-    )  # fmt: skip
+    )
     generated = {p.name: p.read_bytes() for p in (tmp_path / "tokensvc/v1").iterdir()}
     committed = {
         p.name: p.read_bytes()

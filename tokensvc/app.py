@@ -21,9 +21,11 @@ from grpc_health.v1 import _async as health_aio  # re-exported as health.aio; na
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tokensvc.admin import Administration
 from tokensvc.api.edge import EdgeInterceptor
 from tokensvc.api.policy import POLICIES, RpcPolicy
 from tokensvc.api.servicers import Domain, register_servicers, service_names
+from tokensvc.audit import AuditLog
 from tokensvc.auth.authenticator import Authenticator
 from tokensvc.auth.buckets import PepperKeyring
 from tokensvc.auth.capabilities import CapabilityVerifier
@@ -32,7 +34,10 @@ from tokensvc.auth.issuer import CapabilityIssuer
 from tokensvc.auth.keyset import TrustBundle
 from tokensvc.auth.operations import CapabilityOperations
 from tokensvc.auth.revocation import RevocationList
+from tokensvc.credentials.custody import CredentialCustodian
+from tokensvc.credentials.journal import PostgresRotationJournal
 from tokensvc.embedders import EmbedderRegistry, load_embedders
+from tokensvc.knowledge.service import KnowledgeBases
 from tokensvc.memory.service import LongTermMemory, SearchTuning
 from tokensvc.settings import Settings, SettingsError
 from tokensvc.storage import (
@@ -42,6 +47,8 @@ from tokensvc.storage import (
     connect_once,
     schema_version,
 )
+from tokensvc.storage.audit import PostgresAuditStore
+from tokensvc.storage.knowledge import PostgresKnowledgeStore
 from tokensvc.storage.memories import PostgresMemoryStore
 from tokensvc.storage.revocations import PostgresRevocationStore
 
@@ -70,6 +77,9 @@ class Service:
     revocations: RevocationList | None = None
     embedders: EmbedderRegistry | None = None
     memory: LongTermMemory | None = None
+    knowledge: KnowledgeBases | None = None
+    audit: AuditLog | None = None
+    custodian: CredentialCustodian | None = None
     _background: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def start(self) -> None:
@@ -83,8 +93,26 @@ class Service:
         self.database = await Database.locate(self.settings)
         if self.settings.migrate_on_start:
             await migrate(self.database, self.settings)
-        pool = await self.database.open_pool()
+        target = self.database.target
+        self.custodian = CredentialCustodian(
+            host=target.host,
+            port=target.port,
+            database=target.database,
+            source=target.app_credentials,
+            rotator=target.rotator_credentials,
+            login_roles=(self.settings.database_login_roles[0], self.settings.database_login_roles[1]),
+            connect_timeout=self.settings.database_connect_timeout_seconds,
+        )
+        pool = await self.database.open_pool(self.custodian.credential_for_new_connection)
         await self._check_schema()
+        self.audit = AuditLog(PostgresAuditStore(pool))
+        self.custodian.attach(pool, PostgresRotationJournal(pool), self.audit)
+        await self.custodian.recover()
+        self._background.append(
+            asyncio.create_task(
+                self.custodian.watch(self.settings.credential_watch_seconds), name="credential-watch"
+            )
+        )
 
         self.revocations = RevocationList(
             PostgresRevocationStore(pool), poll_seconds=self.settings.revocation_poll_seconds
@@ -122,9 +150,22 @@ class Service:
             ),
         )
         self._background.append(asyncio.create_task(self._sweep_forever(), name="memory-sweeper"))
+        self.knowledge = KnowledgeBases(
+            PostgresKnowledgeStore(pool),
+            self.embedders,
+            audit=self.audit,
+            default_embedder=self.settings.memory_embedder,
+            exact_threshold=self.settings.memory_exact_search_threshold,
+            ef_search=self.settings.memory_hnsw_ef_search,
+        )
         domain = Domain(
-            capabilities=CapabilityOperations(revocations=self.revocations, issuer=issuer),
+            capabilities=CapabilityOperations(revocations=self.revocations, issuer=issuer, audit=self.audit),
             memory=self.memory,
+            knowledge=self.knowledge,
+            max_upload_bytes=self.settings.knowledge_max_upload_bytes,
+            administration=Administration(
+                custodian=self.custodian, bundle=bundle, keyring=keyring, audit=self.audit, pool=pool
+            ),
         )
 
         self.server = grpc.aio.server(

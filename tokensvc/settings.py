@@ -109,6 +109,10 @@ class Settings:
         default=60.0, metadata=_doc("How often expired memories are deleted.")
     )
 
+    knowledge_max_upload_bytes: int = field(
+        default=64 * 1024 * 1024, metadata=_doc("Largest document UploadDocument accepts.")
+    )
+
     # --- database --------------------------------------------------------------------------
     state_dir: Path = field(
         default=Path(".tokensvc-dev"),
@@ -128,6 +132,21 @@ class Settings:
     database_owner_credential_dir: Path | None = field(
         default=None,
         metadata=_doc("Directory with `username` and `password` of the schema owner (migrations)."),
+    )
+    database_rotator_credential_dir: Path | None = field(
+        default=None,
+        metadata=_doc(
+            "`username`/`password` of the rotator role (CREATEROLE) for ROTATE; embedded: generated."
+        ),
+    )
+    database_login_roles: tuple[str, ...] = field(
+        default=("tokensvc_app_a", "tokensvc_app_b"),
+        metadata=_doc(
+            "The two alternating login roles ROTATE switches between (members of database_app_role)."
+        ),
+    )
+    credential_watch_seconds: float = field(
+        default=1.0, metadata=_doc("How often the secret source is checked for an external change.")
     )
     database_app_role: str = field(
         default="tokensvc_app", metadata=_doc("Group role that holds the serving grants.")
@@ -158,6 +177,14 @@ class Settings:
         for placeholder in ("{namespace}", "{agent}"):
             if placeholder not in self.launcher_spiffe_template:
                 raise SettingsError(f"launcher_spiffe_template: must contain {placeholder}")
+        if (
+            len(self.database_login_roles) != 2
+            or len(set(self.database_login_roles)) != 2
+            or not all(_IDENTIFIER.match(role) for role in self.database_login_roles)
+        ):
+            raise SettingsError("database_login_roles: must be two different lower-case SQL identifiers")
+        if self.credential_watch_seconds <= 0:
+            raise SettingsError("credential_watch_seconds: must be greater than 0")
         if not _IDENTIFIER.match(self.database_app_role):
             raise SettingsError("database_app_role: must be a lower-case SQL identifier")
         if self.pool_min_size < 0 or self.pool_max_size < 1 or self.pool_min_size > self.pool_max_size:
@@ -178,6 +205,8 @@ class Settings:
         for name in ("memory_exact_search_threshold", "memory_hnsw_ef_search", "memory_hnsw_max_scan_tuples"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name}: must be at least 1")
+        if self.knowledge_max_upload_bytes < 1:
+            raise SettingsError("knowledge_max_upload_bytes: must be at least 1")
         if self.memory_sweep_interval_seconds <= 0:
             raise SettingsError("memory_sweep_interval_seconds: must be greater than 0")
         if self.max_message_bytes < 64 * 1024:

@@ -59,9 +59,15 @@ async def test_paraphrased_question_finds_the_right_memory_first(
     cert, key = issue_client_certificate(dev, f"spiffe://dev.local/ns/default/sa/{agent}", tmp_path, agent)
     kid, signing_key = load_signing_key(dev.signing_key)
     token = mint_capability(
-        signing_key, kid, issuer="ctxmesh-control-plane", audience="tokensvc", namespace="default",
-        agent=agent, long_term_memory=True, now=time.time(),
-    )  # fmt: skip
+        signing_key,
+        kid,
+        issuer="ctxmesh-control-plane",
+        audience="tokensvc",
+        namespace="default",
+        agent=agent,
+        long_term_memory=True,
+        now=time.time(),
+    )
     metadata = (("authorization", f"Bearer {token}"),)
     async with mtls_channel(service.port, dev.ca_cert, cert, key) as channel:
         stub = memory_pb2_grpc.MemoryServiceStub(channel)

@@ -727,11 +727,7 @@ def test_mint_refuses_values_the_verifier_would_refuse(
 
 # --- property-based: nothing but CapabilityInvalid escapes ------------------------------------
 
-_FUZZ = settings(
-    max_examples=int(os.environ.get("FUZZ_N", "300")),
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+_FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),

@@ -18,10 +18,15 @@ async def tokensvc(*args: str, env: dict[str, str] | None = None) -> tuple[int, 
     """Run the CLI without blocking the event loop the in-process server runs on."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("TOKENSVC_")}
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tokensvc", *args,
-        cwd=ROOT, env={**base, **(env or {})},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "tokensvc",
+        *args,
+        cwd=ROOT,
+        env={**base, **(env or {})},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode is not None
     return process.returncode, stdout.decode(), stderr.decode()

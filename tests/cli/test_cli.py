@@ -129,8 +129,16 @@ def test_serve_without_tls_files_refuses_to_start() -> None:
 
 
 def test_health_reports_unreachable_with_exit_1(dev: DevPaths) -> None:
-    result = run("health", "--state-dir", str(dev.state_dir), "--target", f"127.0.0.1:{free_port()}",
-                 "--timeout", "1", "--json")  # fmt: skip
+    result = run(
+        "health",
+        "--state-dir",
+        str(dev.state_dir),
+        "--target",
+        f"127.0.0.1:{free_port()}",
+        "--timeout",
+        "1",
+        "--json",
+    )
     assert result.returncode == 1
     assert '"status": "UNREACHABLE' in result.stdout
 
@@ -202,8 +210,17 @@ def test_certs_issue_makes_a_certificate_the_server_accepts_with_its_spiffe_id(
 ) -> None:
     from cryptography import x509
 
-    result = run("certs", "issue", "--state-dir", str(dev.state_dir), "--spiffe-id",
-                 "spiffe://dev.local/ns/team/sa/helper", "--out", str(tmp_path), "--json")  # fmt: skip
+    result = run(
+        "certs",
+        "issue",
+        "--state-dir",
+        str(dev.state_dir),
+        "--spiffe-id",
+        "spiffe://dev.local/ns/team/sa/helper",
+        "--out",
+        str(tmp_path),
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     cert = x509.load_pem_x509_certificate((tmp_path / "client.crt").read_bytes())
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -213,7 +230,15 @@ def test_certs_issue_makes_a_certificate_the_server_accepts_with_its_spiffe_id(
 
 
 def test_certs_issue_rejects_a_bad_spiffe_id_readably(dev: DevPaths, tmp_path: Path) -> None:
-    result = run("certs", "issue", "--state-dir", str(dev.state_dir), "--spiffe-id", "https://x",
-                 "--out", str(tmp_path))  # fmt: skip
+    result = run(
+        "certs",
+        "issue",
+        "--state-dir",
+        str(dev.state_dir),
+        "--spiffe-id",
+        "https://x",
+        "--out",
+        str(tmp_path),
+    )
     assert result.returncode == 2
     assert "tokensvc: error:" in result.stderr

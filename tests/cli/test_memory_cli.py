@@ -19,9 +19,17 @@ async def test_remember_search_list_and_forget_all_through_the_cli(service: Serv
     conn = connection(service, dev)
 
     code, out, err = await tokensvc(
-        "memory", "remember", "The staging cluster lives in eu-west-3", "--metadata", "topic=infra",
-        "--metadata", "priority=2", "--json", *conn, env=env,
-    )  # fmt: skip
+        "memory",
+        "remember",
+        "The staging cluster lives in eu-west-3",
+        "--metadata",
+        "topic=infra",
+        "--metadata",
+        "priority=2",
+        "--json",
+        *conn,
+        env=env,
+    )
     assert code == 0, err
     memory_id = json.loads(out)["results"][0]["id"]
 
@@ -50,9 +58,14 @@ async def test_remember_search_list_and_forget_all_through_the_cli(service: Serv
 async def test_bad_filter_json_is_a_readable_error(service: Service, dev: DevPaths) -> None:
     token = await mint(dev, "--namespace", "default", "--agent", "dev-agent", "--ltm")
     code, _, err = await tokensvc(
-        "memory", "search", "x", "--filter", "{not json", *connection(service, dev),
+        "memory",
+        "search",
+        "x",
+        "--filter",
+        "{not json",
+        *connection(service, dev),
         env={"TOKENSVC_CAPABILITY": token},
-    )  # fmt: skip
+    )
     assert code == 2
     assert "--filter" in err
     assert "Traceback" not in err

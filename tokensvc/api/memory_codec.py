@@ -13,7 +13,7 @@ import numpy as np
 from google.protobuf import duration_pb2
 
 from tokensvc.api.convert import timestamp
-from tokensvc.errors import InvalidArgument
+from tokensvc.errors import InvalidArgument, PayloadTooLarge
 from tokensvc.memory.filters import Filter, filter_from_proto
 from tokensvc.memory.metadata import metadata_from_proto, metadata_to_proto
 from tokensvc.memory.models import MemoryRecord
@@ -28,6 +28,7 @@ __all__ = [
     "decode_ids",
     "decode_page_size",
     "decode_remember",
+    "decode_remove_keys",
     "decode_search",
     "decode_ttl",
     "encode_hit",
@@ -36,9 +37,9 @@ __all__ = [
 
 MAX_ITEMS = 256
 MAX_CONTENT_BYTES = 32 * 1024
-MAX_QUERY_BYTES = 8 * 1024
+MAX_QUERY_BYTES = 32 * 1024
 MAX_TTL_SECONDS = 3650 * 24 * 3600
-MAX_IDS = 1000
+MAX_IDS = 256
 DEFAULT_TOP_K = 10
 MAX_TOP_K = 100
 DEFAULT_PAGE_SIZE = 50
@@ -57,7 +58,10 @@ def decode_content(value: str, field: str) -> str:
     if not value.strip():
         raise InvalidArgument(field, "must not be empty")
     if len(value.encode("utf-8", "surrogatepass")) > MAX_CONTENT_BYTES:
-        raise InvalidArgument(field, f"must be at most {MAX_CONTENT_BYTES} bytes of UTF-8")
+        raise PayloadTooLarge(field, f"must be at most {MAX_CONTENT_BYTES} bytes of UTF-8")
+    if "\x00" in value:
+        # PostgreSQL text cannot hold U+0000: refuse it here rather than fail in the database.
+        raise InvalidArgument(field, "must not contain U+0000 (NUL)")
     return value
 
 
@@ -107,7 +111,9 @@ def decode_search(request: memory_pb2.SearchMemoriesRequest) -> SearchQuery:
         if not request.query_text.strip():
             raise InvalidArgument("query_text", "must not be empty")
         if len(request.query_text.encode("utf-8", "surrogatepass")) > MAX_QUERY_BYTES:
-            raise InvalidArgument("query_text", f"must be at most {MAX_QUERY_BYTES} bytes")
+            raise PayloadTooLarge("query_text", f"must be at most {MAX_QUERY_BYTES} bytes")
+        if "\x00" in request.query_text:
+            raise InvalidArgument("query_text", "must not contain U+0000 (NUL)")
         text = request.query_text
     else:
         vector = decode_query_vector(request.query_vector)
@@ -148,6 +154,17 @@ def decode_ids(values: Sequence[str]) -> list[str]:
     if not 1 <= len(values) <= MAX_IDS:
         raise InvalidArgument("ids", f"must hold 1..{MAX_IDS} ids")
     return [decode_id(value, f"ids[{i}]") for i, value in enumerate(values)]
+
+
+def decode_remove_keys(request: memory_pb2.UpdateMemoryRequest) -> list[str]:
+    """`remove_metadata_keys`, refused when it contradicts `replace_metadata` or `metadata`."""
+    keys = list(request.remove_metadata_keys)
+    if keys and request.replace_metadata:
+        raise InvalidArgument("remove_metadata_keys", "must be empty when replace_metadata is true")
+    for index, key in enumerate(keys):
+        if key in request.metadata:
+            raise InvalidArgument(f"remove_metadata_keys[{index}]", "must not also be set in metadata")
+    return keys
 
 
 def decode_page_size(value: int) -> int:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
 import jwt
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from tokensvc.auth.keyset import TrustBundle
 from tokensvc.errors import CapabilityExpired, CapabilityInvalid, InvalidArgument
@@ -55,7 +55,7 @@ _COMPACT_JWS = re.compile(rf"{_SEGMENT}\.{_SEGMENT}\.{_SEGMENT}")
 _FORBIDDEN_HEADERS = frozenset({"jwk", "jku", "x5u", "x5c", "x5t", "x5t#S256", "crit", "b64"})
 _REQUIRED_CLAIMS = ("iss", "aud", "sub", "jti", "iat", "nbf", "exp", "ns", "agent")
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_KB_REF = re.compile(r"[a-z0-9]([-a-z0-9.]{0,126}[a-z0-9])?")
+_KB_REF = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a Kubernetes object name
 _THUMBPRINT = re.compile(r"[A-Za-z0-9_-]{43}")
 _MAX_ID_CHARS = 256
 _MAX_USER_CHARS = 512
@@ -173,7 +173,7 @@ class CapabilityVerifier:
             raise _Reject("signature-or-claims") from None
         return self._claims(decoded["payload"], hashlib.sha256(token.encode("ascii")).digest())
 
-    def _bundle_key(self, header: dict[str, Any]) -> Any:
+    def _bundle_key(self, header: dict[str, Any]) -> Ed25519PublicKey:
         if header.get("alg") not in ALLOWED_ALGORITHMS or header.get("typ") != CAPABILITY_TYPE:
             raise _Reject("header")
         if header.keys() & _FORBIDDEN_HEADERS:

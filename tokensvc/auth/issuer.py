@@ -23,7 +23,7 @@ from tokensvc.errors import InvalidArgument, Reason, TokensvcError
 __all__ = ["CapabilityIssuer", "IssueRequest", "IssuedCapability"]
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-_KB_REF = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,126}[a-z0-9])?$")
+_KB_REF = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9._:-]{1,256}$")
 _DEFAULT_TTL = 3600
 

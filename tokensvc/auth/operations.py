@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 
+from tokensvc.audit import AuditKind, AuditLog
 from tokensvc.auth.issuer import CapabilityIssuer, IssuedCapability, IssueRequest, signing_key_missing
 from tokensvc.auth.revocation import RevocationList
 from tokensvc.auth.scope import TenantScope
@@ -29,9 +30,11 @@ class CapabilityOperations:
         *,
         revocations: RevocationList,
         issuer: CapabilityIssuer | None,
+        audit: AuditLog,
         clock: Callable[[], float] = time.time,
     ):
         self._revocations = revocations
+        self._audit = audit
         self._issuer = issuer
         self._clock = clock
 
@@ -67,4 +70,12 @@ class CapabilityOperations:
             raise InvalidArgument(field, f"must be 1..{_MAX_REVOKE_VALUE} characters")
         if len(reason) > _MAX_REASON:
             raise InvalidArgument("reason", f"must be at most {_MAX_REASON} characters")
-        return await self._revocations.revoke(kind, value, reason=reason, revoked_by=revoked_by)
+        revoked_at = await self._revocations.revoke(kind, value, reason=reason, revoked_by=revoked_by)
+        await self._audit.record(
+            AuditKind.CAPABILITY_REVOCATION,
+            actor=revoked_by,
+            action=f"revoke {field}",
+            target=value,
+            detail=reason,
+        )
+        return revoked_at

@@ -136,9 +136,12 @@ def _print(message: Any, as_json: bool, text: str) -> None:
 def _verify(args: argparse.Namespace) -> int:
     token = read_capability(args)
     response = call_service(
-        args, "launcher", lambda channel: capability_pb2_grpc.CapabilityServiceStub(channel).VerifyCapability,
-        capability_pb2.VerifyCapabilityRequest(), token,
-    )  # fmt: skip
+        args,
+        "launcher",
+        lambda channel: capability_pb2_grpc.CapabilityServiceStub(channel).VerifyCapability,
+        capability_pb2.VerifyCapabilityRequest(),
+        token,
+    )
     scope = response.scope
     text = "\n".join(
         [
@@ -163,9 +166,11 @@ def _revoke(args: argparse.Namespace) -> int:
     else:
         request.run_id = args.run_id
     response = call_service(
-        args, "control-plane",
-        lambda channel: capability_pb2_grpc.CapabilityServiceStub(channel).RevokeCapability, request,
-    )  # fmt: skip
+        args,
+        "control-plane",
+        lambda channel: capability_pb2_grpc.CapabilityServiceStub(channel).RevokeCapability,
+        request,
+    )
     _print(response, args.json, f"revoked at {response.revoked_at.ToJsonString()}")
     return 0
 
@@ -178,9 +183,12 @@ def _session_key(args: argparse.Namespace) -> int:
         else capability_pb2.SESSION_SCOPE_SESSION
     )
     response = call_service(
-        args, "launcher", lambda channel: capability_pb2_grpc.CapabilityServiceStub(channel).DeriveSessionKey,
-        capability_pb2.DeriveSessionKeyRequest(conversation_id=args.conversation_id, scope=scope), token,
-    )  # fmt: skip
+        args,
+        "launcher",
+        lambda channel: capability_pb2_grpc.CapabilityServiceStub(channel).DeriveSessionKey,
+        capability_pb2.DeriveSessionKeyRequest(conversation_id=args.conversation_id, scope=scope),
+        token,
+    )
     if response.downgraded and not args.json:
         print("note: shared scope needs registry membership; the private layout is used", file=sys.stderr)
     _print(response, args.json, response.key)

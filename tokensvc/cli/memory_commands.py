@@ -22,9 +22,12 @@ def add_memory_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
     remember = sub.add_parser("remember", help="store a fact", description="Call MemoryService.Remember.")
     remember.add_argument("text", metavar="TEXT")
     remember.add_argument(
-        "--metadata", action="append", default=[], metavar="KEY=VALUE",
+        "--metadata",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="metadata; true/false become booleans, numbers become numbers (repeatable)",
-    )  # fmt: skip
+    )
     remember.add_argument("--ttl", type=int, metavar="SECONDS", help="expire after this long")
     remember.add_argument("--idempotency-key", help="makes a retry return the same memory")
     remember.set_defaults(handler=_remember)
@@ -37,10 +40,11 @@ def add_memory_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
     search.add_argument("--hybrid", action="store_true", help="fuse full-text and vector rankings")
     search.add_argument("--min-score", type=float, help="drop results scoring below this")
     search.add_argument(
-        "--filter", metavar="JSON",
+        "--filter",
+        metavar="JSON",
         help='a tokensvc.v1.Filter in proto JSON, e.g. \'{"field": {"key": "topic", '
         '"operator": "FILTER_OPERATOR_EQ", "value": {"stringValue": "prefs"}}}\'',
-    )  # fmt: skip
+    )
     search.set_defaults(handler=_search)
 
     listing = sub.add_parser("list", help="list memories, newest first", description="Call ListMemories.")

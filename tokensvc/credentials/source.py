@@ -1,14 +1,21 @@
 """Database credentials read from a secret source: a directory with `username` and `password`.
 
-That is how a Kubernetes Secret arrives as a mounted volume. The files are re-read for every new
-connection, so a credential changed on disk is used without a restart. The password lives only in
-`DatabaseCredential`, whose repr hides it.
+That is how a Kubernetes Secret arrives as a mounted volume: the files are symlinks into a
+`..data` directory that the kubelet swaps atomically. We read the same way (resolve `..data`
+once, then read both files from that one version) and, when tokensvc writes a credential itself
+(ROTATE mode), we write the same way (a new version directory, then one atomic rename of the
+`..data` link), so a reader never pairs one credential's username with another's password.
+The password lives only in `DatabaseCredential`, whose repr hides it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,11 +23,19 @@ from tokensvc.errors import Reason, TokensvcError
 
 __all__ = ["DatabaseCredential", "FileCredentialSource", "write_secret_file"]
 
+_DATA = "..data"
+_FILES = ("username", "password")
+
 
 @dataclass(frozen=True)
 class DatabaseCredential:
     username: str
     password: str = field(repr=False)
+
+    @property
+    def fingerprint(self) -> str:
+        """A short one-way tag telling credentials apart in logs and the journal (not reversible)."""
+        return hashlib.sha256(f"{self.username}\0{self.password}".encode()).hexdigest()[:12]
 
 
 class FileCredentialSource:
@@ -32,10 +47,16 @@ class FileCredentialSource:
     def __repr__(self) -> str:
         return f"FileCredentialSource({str(self.directory)!r})"
 
+    def _version_dir(self) -> Path:
+        data = self.directory / _DATA
+        # Resolve the versioned directory once so both files come from the same version.
+        return data.resolve() if data.is_symlink() else self.directory
+
     def read(self) -> DatabaseCredential:
+        base = self._version_dir()
         try:
-            username = (self.directory / "username").read_text(encoding="utf-8").strip()
-            password = (self.directory / "password").read_text(encoding="utf-8").rstrip("\r\n")
+            username = (base / "username").read_text(encoding="utf-8").strip()
+            password = (base / "password").read_text(encoding="utf-8").rstrip("\r\n")
         except OSError as exc:
             raise TokensvcError(
                 f"database credential files in {self.directory} cannot be read ({exc.strerror})",
@@ -48,11 +69,66 @@ class FileCredentialSource:
             )
         return DatabaseCredential(username, password)
 
+    def stamp(self) -> tuple[int, ...]:
+        """Cheap change detector: inode and mtime of the files as they resolve now."""
+        parts: list[int] = []
+        for name in _FILES:
+            try:
+                stat = (self.directory / name).stat()
+            except OSError:
+                parts += [-1, -1]
+            else:
+                parts += [stat.st_ino, stat.st_mtime_ns]
+        return tuple(parts)
+
     def write(self, credential: DatabaseCredential) -> None:
-        """Replace the credential atomically: the password first, since a reader pairs them."""
+        """Replace the credential atomically: both files appear together or not at all."""
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        write_secret_file(self.directory / "password", credential.password)
-        write_secret_file(self.directory / "username", credential.username)
+        self._adopt_versioned_layout()
+        version = Path(
+            tempfile.mkdtemp(dir=self.directory, prefix=f"..{time.strftime('%Y_%m_%d_%H_%M_%S')}.")
+        )
+        version.chmod(0o700)
+        write_secret_file(version / "username", credential.username)
+        write_secret_file(version / "password", credential.password)
+        _fsync_dir(version)
+        self._swap_data_link(version)
+
+    def _adopt_versioned_layout(self) -> None:
+        """Turn plain files into the `..data` layout, keeping the same credential throughout."""
+        if (self.directory / _DATA).is_symlink():
+            return
+        files = {name: (self.directory / name) for name in _FILES}
+        if all(path.is_file() and not path.is_symlink() for path in files.values()):
+            current = self.read()
+            version = Path(tempfile.mkdtemp(dir=self.directory, prefix="..initial."))
+            version.chmod(0o700)
+            write_secret_file(version / "username", current.username)
+            write_secret_file(version / "password", current.password)
+            self._swap_data_link(version)
+        for name in _FILES:
+            link = self.directory / name
+            if not link.is_symlink():
+                tmp = self.directory / f".{name}.link"
+                tmp.unlink(missing_ok=True)
+                tmp.symlink_to(Path(_DATA) / name)
+                os.replace(tmp, link)  # the same credential as before, now through ..data
+        _fsync_dir(self.directory)
+
+    def _swap_data_link(self, version: Path) -> None:
+        data = self.directory / _DATA
+        previous = data.resolve() if data.is_symlink() else None
+        tmp = self.directory / "..data_tmp"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(version.name)
+        os.replace(tmp, data)  # the one atomic step
+        _fsync_dir(self.directory)
+        if (
+            previous is not None
+            and previous != version.resolve()
+            and previous.parent == self.directory.resolve()
+        ):
+            shutil.rmtree(previous, ignore_errors=True)
 
 
 def write_secret_file(path: Path, content: str) -> None:
@@ -68,3 +144,12 @@ def write_secret_file(path: Path, content: str) -> None:
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -21,9 +21,16 @@ from opentelemetry import trace
 
 from tokensvc.auth.scope import TenantScope
 from tokensvc.embedders import Embedder, EmbedderRegistry, EmbedderSpec
-from tokensvc.errors import InvalidArgument, NotFound, PermissionDenied, PinnedConfiguration, Reason
+from tokensvc.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    PinnedConfiguration,
+    Reason,
+)
 from tokensvc.memory.filters import Filter
-from tokensvc.memory.metadata import MetadataScalar
+from tokensvc.memory.metadata import MAX_METADATA_ENTRIES, MetadataScalar
 from tokensvc.memory.models import MemoryRecord, NewMemory, ScoredMemory
 from tokensvc.memory.paging import PageCursor
 from tokensvc.memory.ranking import SearchHit, reciprocal_rank_fusion
@@ -160,13 +167,18 @@ class LongTermMemory:
             resolved: list[tuple[str, bool] | None] = []
             fresh: dict[bytes, int] = {}  # content hash -> index into `pending`
             pending: list[int] = []
+            batch_keys: dict[str, bytes] = {}  # idempotency key -> content hash, within this call
             for index, (item, digest) in enumerate(zip(items, hashes, strict=True)):
                 key_ref = by_key.get(item.idempotency_key) if item.idempotency_key else None
+                if item.idempotency_key and (
+                    batch_keys.setdefault(item.idempotency_key, digest) != digest
+                    or (key_ref is not None and key_ref.content_sha256 != digest)
+                ):
+                    raise AlreadyExists(
+                        "this idempotency key was already used for different content",
+                        field=f"items[{index}].idempotency_key",
+                    )
                 if key_ref is not None:
-                    if key_ref.content_sha256 != digest:
-                        raise InvalidArgument(
-                            f"items[{index}].idempotency_key", "was already used for different content"
-                        )
                     resolved.append((key_ref.id, True))
                 elif digest in by_hash:
                     resolved.append((by_hash[digest].id, True))
@@ -239,11 +251,21 @@ class LongTermMemory:
                 merged.update(metadata or {})
                 for key in remove_keys:
                     merged.pop(key, None)
+                if len(merged) > MAX_METADATA_ENTRIES:
+                    raise InvalidArgument(
+                        "metadata",
+                        f"the memory would have {len(merged)} entries; the limit is {MAX_METADATA_ENTRIES}",
+                    )
                 new_metadata = merged
             updated = await self._store.update(
-                space.tenant, space.bucket, memory_id,
-                content=new_content, metadata=new_metadata, ttl_seconds=ttl_seconds, embedder=space.spec.name,
-            )  # fmt: skip
+                space.tenant,
+                space.bucket,
+                memory_id,
+                content=new_content,
+                metadata=new_metadata,
+                ttl_seconds=ttl_seconds,
+                embedder=space.spec.name,
+            )
             if updated is None:
                 raise NotFound("no such memory")
             return updated
@@ -292,10 +314,13 @@ class LongTermMemory:
             if space is None:
                 return [], None
             records = await self._store.list_page(
-                space.tenant, space.bucket, limit=page_size + 1,
+                space.tenant,
+                space.bucket,
+                limit=page_size + 1,
                 after=None if cursor is None else (cursor.created_at, cursor.id),
-                filter_=filter_, embedder=space.spec.name,
-            )  # fmt: skip
+                filter_=filter_,
+                embedder=space.spec.name,
+            )
             span.set_attribute("tokensvc.result_count", min(len(records), page_size))
             if len(records) > page_size:
                 return records[:page_size], records[page_size - 1]
@@ -315,18 +340,29 @@ class LongTermMemory:
             span.set_attribute("tokensvc.search.exact", exact)
             candidates = query.top_k if query.mode == "vector" else max(query.top_k, tuning.hybrid_candidates)
             by_vector = await self._store.search_vector(
-                space.tenant, space.bucket, vector, k=candidates, filter_=query.filter, exact=exact,
-                ef_search=max(tuning.ef_search, 2 * candidates), max_scan_tuples=tuning.max_scan_tuples,
+                space.tenant,
+                space.bucket,
+                vector,
+                k=candidates,
+                filter_=query.filter,
+                exact=exact,
+                ef_search=max(tuning.ef_search, 2 * candidates),
+                max_scan_tuples=tuning.max_scan_tuples,
                 embedder=space.spec.name,
-            )  # fmt: skip
+            )
             if query.mode == "vector":
-                hits = [SearchHit(m.memory, m.score, rank, 0) for rank, m in enumerate(by_vector, 1)]
+                # Ranks are reported in HYBRID mode only (memory.proto: always 0 in VECTOR mode).
+                hits = [SearchHit(m.memory, m.score, 0, 0) for m in by_vector]
             else:
                 assert query.text is not None
                 by_text = await self._store.search_text(
-                    space.tenant, space.bucket, query.text, k=candidates, filter_=query.filter,
+                    space.tenant,
+                    space.bucket,
+                    query.text,
+                    k=candidates,
+                    filter_=query.filter,
                     embedder=space.spec.name,
-                )  # fmt: skip
+                )
                 hits = reciprocal_rank_fusion(by_vector, by_text)
             if query.min_score is not None:
                 hits = [hit for hit in hits if hit.score >= query.min_score]

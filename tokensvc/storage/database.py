@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import asyncpg
 from pgvector.asyncpg import register_vector
 
-from tokensvc.credentials import DatabaseCredential, FileCredentialSource
+from tokensvc.credentials.source import DatabaseCredential, FileCredentialSource
 from tokensvc.settings import Settings, SettingsError
 from tokensvc.storage.embedded import EmbeddedPostgres
 
@@ -42,6 +42,7 @@ class DatabaseTarget:
     app_credentials: FileCredentialSource
     owner_credentials: FileCredentialSource | None
     connect_timeout: float
+    rotator_credentials: FileCredentialSource | None = None
 
     @classmethod
     def from_dsn(
@@ -109,6 +110,10 @@ class Database:
                 settings.database_owner_credential_dir,
                 settings.database_connect_timeout_seconds,
             )
+            if settings.database_rotator_credential_dir is not None:
+                target = replace(
+                    target, rotator_credentials=FileCredentialSource(settings.database_rotator_credential_dir)
+                )
             return cls(target, None, sizes)
         embedded = EmbeddedPostgres(settings.state_dir)
         await embedded.start()
@@ -119,7 +124,8 @@ class Database:
             settings.database_owner_credential_dir or paths.credential_dir("owner"),
             settings.database_connect_timeout_seconds,
         )
-        return cls(target, embedded, sizes)
+        rotator = settings.database_rotator_credential_dir or paths.credential_dir("rotator")
+        return cls(replace(target, rotator_credentials=FileCredentialSource(rotator)), embedded, sizes)
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -127,12 +133,13 @@ class Database:
             raise RuntimeError("Database.open_pool() has not run")
         return self._pool
 
-    async def open_pool(self) -> asyncpg.Pool:
+    async def open_pool(self, credential: Callable[[], DatabaseCredential] | None = None) -> asyncpg.Pool:
+        """The serving pool; `credential` is asked for every new connection (rotation needs no restart)."""
         target = self.target
+        current = credential or target.app_credentials.read
 
         def connect_with_current_credential(*args: Any, **kwargs: Any) -> Awaitable[asyncpg.Connection]:
-            # Re-read on every new connection: rotation needs no restart.
-            return connect_once(target, target.app_credentials.read(), **kwargs)
+            return connect_once(target, current(), **kwargs)
 
         # asyncpg-stubs types `connect` as asyncpg.connect's full signature; ours forwards kwargs.
         connect: Any = connect_with_current_credential

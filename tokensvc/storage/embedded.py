@@ -32,12 +32,8 @@ from typing import Any
 
 import asyncpg
 
-from tokensvc.credentials import (
-    DatabaseCredential,
-    FileCredentialSource,
-    generate_password,
-    scram_sha256_verifier,
-)
+from tokensvc.credentials.scram import generate_password, scram_sha256_verifier
+from tokensvc.credentials.source import DatabaseCredential, FileCredentialSource
 
 __all__ = ["DATABASE_NAME", "EmbeddedPaths", "EmbeddedPostgres", "EmbeddedPostgresError"]
 
@@ -46,7 +42,8 @@ _log = logging.getLogger(__name__)
 DATABASE_NAME = "tokensvc"
 OWNER_ROLE = "tokensvc_owner"
 APP_GROUP_ROLE = "tokensvc_app"
-APP_LOGIN_ROLES = ("tokensvc_app_a",)
+APP_LOGIN_ROLES = ("tokensvc_app_a", "tokensvc_app_b")
+ROTATOR_ROLE = "tokensvc_rotator"
 SUPERUSER = "postgres"
 # When tokensvc runs as root, PostgreSQL refuses to; it runs as this unprivileged system user.
 _SYSTEM_USER = "pgserver"
@@ -288,9 +285,22 @@ class EmbeddedPostgres:
                 f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{APP_GROUP_ROLE}')"
                 f" THEN CREATE ROLE {APP_GROUP_ROLE} NOLOGIN; END IF; END $$"
             )
+            for role in APP_LOGIN_ROLES:
+                await conn.execute(
+                    f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}')"
+                    f" THEN CREATE ROLE {role} LOGIN; END IF; END $$"
+                )
+                await conn.execute(f"GRANT {APP_GROUP_ROLE} TO {role}")
+            # The serving credential is whichever login role the secret source names now.
             app = self._ensure_credential("app", APP_LOGIN_ROLES[0])
             await _ensure_login_role(conn, app)
-            await conn.execute(f"GRANT {APP_GROUP_ROLE} TO {app.username}")
+            rotator = self._ensure_credential("rotator", ROTATOR_ROLE)
+            await _ensure_login_role(conn, rotator, "CREATEROLE")
+            for role in APP_LOGIN_ROLES:
+                # ADMIN only: the rotator may set these roles' passwords, not use their grants.
+                await conn.execute(
+                    f"GRANT {role} TO {ROTATOR_ROLE} WITH ADMIN TRUE, INHERIT FALSE, SET FALSE"
+                )
             exists = await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", DATABASE_NAME)
             if not exists:
                 await conn.execute(f"CREATE DATABASE {DATABASE_NAME} OWNER {OWNER_ROLE}")
@@ -328,14 +338,18 @@ class EmbeddedPostgres:
         return f"postgresql://127.0.0.1:{self.port}/{DATABASE_NAME}"
 
 
-async def _ensure_login_role(conn: asyncpg.Connection, credential: DatabaseCredential) -> None:
+async def _ensure_login_role(
+    conn: asyncpg.Connection, credential: DatabaseCredential, options: str = ""
+) -> None:
     """Create the role if missing and (re)set its password from the state dir, as a verifier."""
     verifier = scram_sha256_verifier(credential.password)
     role = credential.username
+    if role not in (OWNER_ROLE, ROTATOR_ROLE, *APP_LOGIN_ROLES):
+        raise EmbeddedPostgresError(f"unexpected role {role!r} in the state dir's secrets")
     exists = await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role)
     verb = "ALTER" if exists else "CREATE"
     # Identifiers are our constants; the verifier is base64 and '$', never user input.
-    await conn.execute(f"{verb} ROLE {role} LOGIN PASSWORD '{verifier}'")
+    await conn.execute(f"{verb} ROLE {role} LOGIN {options} PASSWORD '{verifier}'")
 
 
 def _free_port() -> int:

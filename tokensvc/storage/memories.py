@@ -4,7 +4,10 @@ Contract (checked by tests/storage/test_memory_store.py):
 - Every method is scoped to one tenant (namespace, agent) and one bucket; nothing outside that
   bucket is ever read, changed or counted (and row-level security enforces it a second time).
 - `insert` is all-or-nothing; a row whose normalised content or idempotency key already exists in
-  the bucket is not inserted and the existing row's id is reported (`inserted=False`).
+  the bucket is not inserted and the existing row's id is reported (`inserted=False`); when an
+  idempotency key already belongs to a row with other content, nothing is inserted and
+  `AlreadyExists` is raised.
+- `update` raises `AlreadyExists` (field `content`) when the new content is another row's.
 - Expired rows are never returned, counted or updated.
 - `search_vector(exact=True)` returns the true top-k by inner product among rows matching the
   filter; `exact=False` uses the HNSW index with iterative scans and returns min(k, matching)
@@ -24,6 +27,7 @@ import numpy as np
 from pgvector import Vector
 
 from tokensvc.embedders import EmbedderSpec
+from tokensvc.errors import AlreadyExists
 from tokensvc.memory.filters import Filter, compile_filter
 from tokensvc.memory.models import MemoryRecord, NewMemory, ScoredMemory, StoredRef
 from tokensvc.storage.tenant import Tenant, tenant_transaction
@@ -51,6 +55,39 @@ def _where(bucket_param: str, filter_: Filter | None, params: list[Any]) -> str:
     if filter_ is not None:
         clause += f" AND ({compile_filter(filter_, 'metadata', params)})"
     return clause
+
+
+def _vector_search_sql(
+    bucket: str, query: np.ndarray, *, k: int, filter_: Filter | None, exact: bool
+) -> tuple[str, list[Any]]:
+    """The statement `search_vector` runs, and its parameters (tests EXPLAIN exactly this)."""
+    dimension = int(query.shape[0])
+    params: list[Any] = [bucket, query]
+    where = _where("$1", filter_, params)
+    params.append(k)
+    if exact:
+        return (
+            f"SELECT {_COLUMNS}, -(embedding <#> $2) AS score FROM memories WHERE {where} "
+            f"ORDER BY embedding <#> $2 LIMIT ${len(params)}"
+        ), params
+    # The typed expression and `dimension = N` match the partial index memories_hnsw_N.
+    typed = f"embedding::vector({dimension})"
+    return (
+        f"SELECT * FROM (SELECT {_COLUMNS}, -({typed} <#> $2::vector({dimension})) AS score "
+        f"FROM memories WHERE dimension = {dimension} AND {where} "
+        f"ORDER BY {typed} <#> $2::vector({dimension}) LIMIT ${len(params)}) s "
+        "ORDER BY score DESC"  # relaxed_order iterative scans may return slightly out of order
+    ), params
+
+
+async def _use_iterative_hnsw_scan(conn: asyncpg.Connection, *, ef_search: int, max_scan_tuples: int) -> None:
+    """pgvector 0.8 iterative scans for this transaction, so a filtered search finds k rows."""
+    await conn.execute(
+        "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
+        "set_config('hnsw.ef_search', $1, true), set_config('hnsw.max_scan_tuples', $2, true)",
+        str(ef_search),
+        str(max_scan_tuples),
+    )
 
 
 class PostgresMemoryStore:
@@ -101,18 +138,28 @@ class PostgresMemoryStore:
 
     async def move_buckets(self, tenant: Tenant, target: str, sources: Sequence[str]) -> int:
         """Move rows from older-pepper buckets into `target`; duplicates of target rows are dropped."""
+        moved = 0
         async with tenant_transaction(self._pool, tenant) as conn:
+            # Expired rows are dead already; left in place, an expired target row would make a live
+            # source row with the same content look like a duplicate and be dropped.
             await conn.execute(
-                "DELETE FROM memories m WHERE bucket = ANY($1::text[]) AND EXISTS ("
-                " SELECT 1 FROM memories t WHERE t.bucket = $2 AND (t.content_sha256 = m.content_sha256"
-                " OR t.idempotency_key = m.idempotency_key))",
-                list(sources),
-                target,
+                "DELETE FROM memories WHERE bucket = ANY($1::text[]) AND expires_at <= now()",
+                [target, *sources],
             )
-            result = await conn.execute(
-                "UPDATE memories SET bucket = $2 WHERE bucket = ANY($1::text[])", list(sources), target
-            )
-        return int(result.split()[-1])
+            # One source at a time: two older buckets may hold the same content as each other.
+            for source in sources:
+                await conn.execute(
+                    "DELETE FROM memories m WHERE bucket = $1 AND EXISTS ("
+                    " SELECT 1 FROM memories t WHERE t.bucket = $2 AND (t.content_sha256 = m.content_sha256"
+                    " OR t.idempotency_key = m.idempotency_key))",
+                    source,
+                    target,
+                )
+                result = await conn.execute(
+                    "UPDATE memories SET bucket = $2 WHERE bucket = $1", source, target
+                )
+                moved += int(result.split()[-1])
+        return moved
 
     async def find_existing(
         self, tenant: Tenant, bucket: str, hashes: Sequence[bytes], keys: Sequence[str]
@@ -164,17 +211,24 @@ class PostgresMemoryStore:
                 [r.ttl_seconds for r in rows],
             )
             refs = [StoredRef(str(r[0]), r[1], r[2], inserted=True) for r in inserted]
-            missing = {r.content_sha256 for r in rows} - {ref.content_sha256 for ref in refs}
+            done = {ref.content_sha256 for ref in refs}
+            missing = [r for r in rows if r.content_sha256 not in done]
             if missing:
-                # Lost a race with a concurrent writer of the same content/key: report its row.
+                # Lost a race with a concurrent writer of the same content/key: report its row (not
+                # the rows this statement just inserted, which are already reported as inserted).
                 existing = await conn.fetch(
                     "SELECT id, content_sha256, idempotency_key FROM memories WHERE bucket = $1 "
-                    "AND (content_sha256 = ANY($2::bytea[]) OR idempotency_key = ANY($3::text[]))",
+                    "AND (content_sha256 = ANY($2::bytea[]) OR idempotency_key = ANY($3::text[])) "
+                    "AND id <> ALL($4::uuid[])",
                     bucket,
-                    [r.content_sha256 for r in rows],
-                    [r.idempotency_key for r in rows if r.idempotency_key],
+                    [r.content_sha256 for r in missing],
+                    [r.idempotency_key for r in missing if r.idempotency_key],
+                    [ref.id for ref in refs],
                 )
                 refs += [StoredRef(str(r[0]), r[1], r[2], inserted=False) for r in existing]
+                if {r.content_sha256 for r in missing} - {ref.content_sha256 for ref in refs}:
+                    # An idempotency key taken meanwhile by other content: roll the whole batch back.
+                    raise AlreadyExists("an idempotency key of this request is used for different content")
         return refs
 
     async def update(
@@ -192,20 +246,27 @@ class PostgresMemoryStore:
         params: list[Any] = [bucket, memory_id]
         if content is not None:
             params += [content[0], content[1], content[2]]
-            sets += [f"content = ${len(params) - 2}", f"content_sha256 = ${len(params) - 1}",
-                     f"embedding = ${len(params)}"]  # fmt: skip
+            sets += [
+                f"content = ${len(params) - 2}",
+                f"content_sha256 = ${len(params) - 1}",
+                f"embedding = ${len(params)}",
+            ]
         if metadata is not None:
             params.append(metadata)
             sets.append(f"metadata = ${len(params)}")
         if ttl_seconds is not None:
             params.append(ttl_seconds)
             sets.append(f"expires_at = now() + make_interval(secs => ${len(params)})")
-        async with tenant_transaction(self._pool, tenant) as conn:
-            row = await conn.fetchrow(
-                f"UPDATE memories SET {', '.join(sets)} WHERE bucket = $1 AND id = $2 AND {_LIVE} "
-                f"RETURNING {_COLUMNS}",
-                *params,
-            )
+        try:
+            async with tenant_transaction(self._pool, tenant) as conn:
+                row = await conn.fetchrow(
+                    f"UPDATE memories SET {', '.join(sets)} WHERE bucket = $1 AND id = $2 AND {_LIVE} "
+                    f"RETURNING {_COLUMNS}",
+                    *params,
+                )
+        except asyncpg.UniqueViolationError:
+            # Only (bucket, content_sha256) can collide here: another memory has this content.
+            raise AlreadyExists("another memory in this bucket has this content", field="content") from None
         return None if row is None else _record(row, embedder)
 
     async def delete(self, tenant: Tenant, bucket: str, ids: Sequence[str]) -> int:
@@ -226,7 +287,9 @@ class PostgresMemoryStore:
 
     async def sweep_expired(self, limit: int = 1000) -> int:
         """Delete up to `limit` expired rows of any bucket (the sweep policy allows only those)."""
-        async with self._pool.acquire() as conn:
+        async with self._pool.acquire() as conn, conn.transaction():
+            # Its WHERE reads columns, so RLS's SELECT side applies too: memories_sweep_read.
+            await conn.execute("SELECT set_config('tokensvc.sweep', 'on', true)")
             result = await conn.execute(
                 "DELETE FROM memories WHERE ctid = ANY (ARRAY(SELECT ctid FROM memories "
                 "WHERE expires_at <= now() LIMIT $1))",
@@ -290,31 +353,10 @@ class PostgresMemoryStore:
         max_scan_tuples: int,
         embedder: str,
     ) -> list[ScoredMemory]:
-        dimension = int(query.shape[0])
-        params: list[Any] = [bucket, query]
-        where = _where("$1", filter_, params)
-        params.append(k)
-        if exact:
-            sql = (
-                f"SELECT {_COLUMNS}, -(embedding <#> $2) AS score FROM memories WHERE {where} "
-                f"ORDER BY embedding <#> $2 LIMIT ${len(params)}"
-            )
-        else:
-            typed = f"embedding::vector({dimension})"
-            sql = (
-                f"SELECT * FROM (SELECT {_COLUMNS}, -({typed} <#> $2::vector({dimension})) AS score "
-                f"FROM memories WHERE dimension = {dimension} AND {where} "
-                f"ORDER BY {typed} <#> $2::vector({dimension}) LIMIT ${len(params)}) s "
-                "ORDER BY score DESC"  # relaxed_order iterative scans may return slightly out of order
-            )
+        sql, params = _vector_search_sql(bucket, query, k=k, filter_=filter_, exact=exact)
         async with tenant_transaction(self._pool, tenant) as conn:
             if not exact:
-                await conn.execute(
-                    "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
-                    "set_config('hnsw.ef_search', $1, true), set_config('hnsw.max_scan_tuples', $2, true)",
-                    str(ef_search),
-                    str(max_scan_tuples),
-                )
+                await _use_iterative_hnsw_scan(conn, ef_search=ef_search, max_scan_tuples=max_scan_tuples)
             rows = await conn.fetch(sql, *params)
         return [ScoredMemory(_record(row, embedder), float(row["score"])) for row in rows]
 

@@ -14,22 +14,33 @@ from dataclasses import dataclass
 
 import asyncpg
 
-__all__ = ["Tenant", "tenant_transaction"]
+__all__ = ["ALL_KNOWLEDGE_BASES", "Tenant", "tenant_transaction"]
 
 _BUCKET = re.compile(r"^v[1-9][0-9]{0,8}\.[a-z2-7]{1,128}$")
+_KB_REF = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+ALL_KNOWLEDGE_BASES = "*"
 
 
 @dataclass(frozen=True)
 class Tenant:
+    """What one transaction may see: a namespace, an agent's buckets, knowledge bases."""
+
     namespace: str
-    agent: str
+    agent: str = ""
     buckets: Sequence[str] = ()
+    # Knowledge-base refs (a launcher's roster), or ("*",) for control-plane management.
+    knowledge_bases: Sequence[str] = ()
 
     def __post_init__(self) -> None:
+        # RLS splits these lists on commas: an element must never contain one.
         for bucket in self.buckets:
-            # RLS splits the list on commas: a bucket id must never contain one.
             if not _BUCKET.match(bucket):
                 raise ValueError("not a bucket id")
+        for ref in self.knowledge_bases:
+            if ref != ALL_KNOWLEDGE_BASES and not _KB_REF.match(ref):
+                raise ValueError("not a knowledge base ref")
 
 
 @asynccontextmanager
@@ -38,10 +49,11 @@ async def tenant_transaction(
 ) -> AsyncIterator[asyncpg.Connection]:
     async with pool.acquire() as conn, conn.transaction(isolation=isolation):  # type: ignore[arg-type]
         await conn.execute(
-            "SELECT set_config('tokensvc.buckets', $1, true), "
-            "set_config('tokensvc.namespace', $2, true), set_config('tokensvc.agent', $3, true)",
+            "SELECT set_config('tokensvc.buckets', $1, true), set_config('tokensvc.namespace', $2, true), "
+            "set_config('tokensvc.agent', $3, true), set_config('tokensvc.kbs', $4, true)",
             ",".join(tenant.buckets),
             tenant.namespace,
             tenant.agent,
+            ",".join(tenant.knowledge_bases),
         )
         yield conn  # type: ignore[misc]

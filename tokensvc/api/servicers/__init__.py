@@ -10,11 +10,13 @@ from dataclasses import dataclass
 
 import grpc
 
+from tokensvc.admin import Administration
 from tokensvc.api.servicers.admin import AdminServicer
 from tokensvc.api.servicers.capability import CapabilityServicer
 from tokensvc.api.servicers.knowledge import KnowledgeServicer
 from tokensvc.api.servicers.memory import MemoryServicer
 from tokensvc.auth.operations import CapabilityOperations
+from tokensvc.knowledge.service import KnowledgeBases
 from tokensvc.memory.service import LongTermMemory
 from tokensvc.v1 import (
     admin_pb2,
@@ -36,6 +38,9 @@ class Domain:
 
     capabilities: CapabilityOperations
     memory: LongTermMemory
+    knowledge: KnowledgeBases
+    max_upload_bytes: int
+    administration: Administration
 
 
 def register_servicers(server: grpc.aio.Server, domain: Domain) -> None:
@@ -43,8 +48,10 @@ def register_servicers(server: grpc.aio.Server, domain: Domain) -> None:
         CapabilityServicer(domain.capabilities), server
     )
     memory_pb2_grpc.add_MemoryServiceServicer_to_server(MemoryServicer(domain.memory), server)
-    knowledge_pb2_grpc.add_KnowledgeServiceServicer_to_server(KnowledgeServicer(), server)
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(), server)
+    knowledge_pb2_grpc.add_KnowledgeServiceServicer_to_server(
+        KnowledgeServicer(domain.knowledge, max_upload_bytes=domain.max_upload_bytes), server
+    )
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(domain.administration), server)
 
 
 def service_names() -> list[str]:

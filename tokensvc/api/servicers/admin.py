@@ -2,37 +2,147 @@
 
 from __future__ import annotations
 
-import typing as _t
+from datetime import UTC as _UTC
+from typing import Any
 
 import grpc
 
-from tokensvc.errors import NotImplementedRpc
-from tokensvc.v1 import admin_pb2, admin_pb2_grpc
+from tokensvc.admin import Administration, PepperCount
+from tokensvc.api.context import current_call
+from tokensvc.api.convert import timestamp
+from tokensvc.api.memory_codec import decode_page_size
+from tokensvc.audit import AuditKind, AuditOutcome
+from tokensvc.credentials.custody import CredentialStatus
+from tokensvc.errors import InvalidArgument, Reason
+from tokensvc.storage.audit import AuditRecord
+from tokensvc.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
 __all__ = ["AdminServicer"]
 
-_Context = grpc.aio.ServicerContext[_t.Any, _t.Any]
+_Context = grpc.aio.ServicerContext[Any, Any]
+
+_MODES = {
+    admin_pb2.CREDENTIAL_ROTATION_MODE_RELOAD: "reload",
+    admin_pb2.CREDENTIAL_ROTATION_MODE_ROTATE: "rotate",
+}
+_MODE_TO_PROTO = {mode: value for value, mode in _MODES.items()}
+_OUTCOMES = {
+    "in_progress": admin_pb2.ROTATION_OUTCOME_IN_PROGRESS,
+    "succeeded": admin_pb2.ROTATION_OUTCOME_SUCCEEDED,
+    "failed": admin_pb2.ROTATION_OUTCOME_FAILED,
+    "recovered": admin_pb2.ROTATION_OUTCOME_RECOVERED,
+}
+_KINDS = {
+    admin_pb2.AUDIT_EVENT_KIND_CREDENTIAL_ROTATION: AuditKind.CREDENTIAL_ROTATION,
+    admin_pb2.AUDIT_EVENT_KIND_CREDENTIAL_RELOAD: AuditKind.CREDENTIAL_RELOAD,
+    admin_pb2.AUDIT_EVENT_KIND_TRUST_BUNDLE_RELOAD: AuditKind.TRUST_BUNDLE_RELOAD,
+    admin_pb2.AUDIT_EVENT_KIND_CAPABILITY_REVOCATION: AuditKind.CAPABILITY_REVOCATION,
+    admin_pb2.AUDIT_EVENT_KIND_KNOWLEDGE_BASE_CREATION: AuditKind.KNOWLEDGE_BASE_CREATION,
+    admin_pb2.AUDIT_EVENT_KIND_KNOWLEDGE_BASE_DELETION: AuditKind.KNOWLEDGE_BASE_DELETION,
+    admin_pb2.AUDIT_EVENT_KIND_ADMIN_QUERY: AuditKind.ADMIN_QUERY,
+}
+_KIND_TO_PROTO = {kind: value for value, kind in _KINDS.items()}
+_AUDIT_OUTCOMES = {
+    AuditOutcome.STARTED: admin_pb2.AUDIT_OUTCOME_STARTED,
+    AuditOutcome.SUCCEEDED: admin_pb2.AUDIT_OUTCOME_SUCCEEDED,
+    AuditOutcome.FAILED: admin_pb2.AUDIT_OUTCOME_FAILED,
+    AuditOutcome.DENIED: admin_pb2.AUDIT_OUTCOME_DENIED,
+}
+
+
+def _status(status: CredentialStatus, peppers: list[PepperCount]) -> admin_pb2.CredentialStatus:
+    message = admin_pb2.CredentialStatus(
+        active_role=status.active_role,
+        credential_version=status.version,
+        pool_size=status.pool_size,
+        pool_in_use=status.pool_in_use,
+        last_rotation_outcome=_OUTCOMES.get(
+            status.last_outcome or "", admin_pb2.ROTATION_OUTCOME_UNSPECIFIED
+        ),
+        last_rotation_mode=_MODE_TO_PROTO.get(
+            status.last_mode or "", admin_pb2.CREDENTIAL_ROTATION_MODE_UNSPECIFIED
+        ),
+        pepper_versions=[
+            admin_pb2.PepperVersionCount(pepper_version=p.version, row_count=p.rows, current=p.current)
+            for p in peppers
+        ],
+    )
+    if status.last_rotated_at is not None:
+        message.last_rotated_at.CopyFrom(timestamp(status.last_rotated_at))
+    return message
+
+
+def _event(record: AuditRecord) -> admin_pb2.AuditEvent:
+    reason = (
+        common_pb2.ErrorReason.Value(f"ERROR_REASON_{record.reason}")
+        if record.reason in Reason.__members__
+        else common_pb2.ERROR_REASON_UNSPECIFIED
+    )
+    return admin_pb2.AuditEvent(
+        id=str(record.id),
+        kind=_KIND_TO_PROTO.get(AuditKind(record.kind), admin_pb2.AUDIT_EVENT_KIND_UNSPECIFIED),
+        actor=record.actor,
+        action=record.action,
+        target=record.target,
+        outcome=_AUDIT_OUTCOMES[AuditOutcome(record.outcome)],
+        reason=reason,
+        detail=record.detail,
+        occurred_at=timestamp(record.occurred_at),
+    )
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
-    """AdminService: credential rotation, trust bundle reload, audit."""
+    def __init__(self, administration: Administration):
+        self._admin = administration
 
     async def RotateDatabaseCredentials(
         self, request: admin_pb2.RotateDatabaseCredentialsRequest, context: _Context
     ) -> admin_pb2.RotateDatabaseCredentialsResponse:
-        raise NotImplementedRpc("RotateDatabaseCredentials is not implemented yet")
+        mode = _MODES.get(request.mode)
+        if mode is None:
+            raise InvalidArgument(
+                "mode", "must be CREDENTIAL_ROTATION_MODE_RELOAD or CREDENTIAL_ROTATION_MODE_ROTATE"
+            )
+        status, peppers = await self._admin.rotate(mode, current_call().caller.spiffe_id)
+        return admin_pb2.RotateDatabaseCredentialsResponse(status=_status(status, peppers))
 
     async def GetCredentialStatus(
         self, request: admin_pb2.GetCredentialStatusRequest, context: _Context
     ) -> admin_pb2.GetCredentialStatusResponse:
-        raise NotImplementedRpc("GetCredentialStatus is not implemented yet")
+        status, peppers = await self._admin.status()
+        return admin_pb2.GetCredentialStatusResponse(status=_status(status, peppers))
 
     async def ReloadTrustBundle(
         self, request: admin_pb2.ReloadTrustBundleRequest, context: _Context
     ) -> admin_pb2.ReloadTrustBundleResponse:
-        raise NotImplementedRpc("ReloadTrustBundle is not implemented yet")
+        kids, loaded_at = await self._admin.reload_trust_bundle(current_call().caller.spiffe_id)
+        response = admin_pb2.ReloadTrustBundleResponse(key_ids=kids)
+        if loaded_at is not None:
+            response.loaded_at.CopyFrom(timestamp(loaded_at))
+        return response
 
     async def ListAuditEvents(
         self, request: admin_pb2.ListAuditEventsRequest, context: _Context
     ) -> admin_pb2.ListAuditEventsResponse:
-        raise NotImplementedRpc("ListAuditEvents is not implemented yet")
+        limit = decode_page_size(request.page_size)
+        before_id = None
+        if request.page_token:
+            if not request.page_token.isdigit() or len(request.page_token) > 19:
+                raise InvalidArgument("page_token", "is not a token this service issued")
+            before_id = int(request.page_token)
+        kinds = []
+        for index, kind in enumerate(request.kinds):
+            if kind not in _KINDS:
+                raise InvalidArgument(f"kinds[{index}]", "is not an audit event kind")
+            kinds.append(_KINDS[kind])
+        since = request.since.ToDatetime(tzinfo=_UTC) if request.HasField("since") else None
+        until = request.until.ToDatetime(tzinfo=_UTC) if request.HasField("until") else None
+        if since and until and since >= until:
+            raise InvalidArgument("until", "must be later than since")
+        records = await self._admin.audit_page(
+            before_id=before_id, kinds=kinds, since=since, until=until, limit=limit + 1
+        )
+        token = str(records[limit - 1].id) if len(records) > limit else ""
+        return admin_pb2.ListAuditEventsResponse(
+            events=[_event(r) for r in records[:limit]], next_page_token=token
+        )

@@ -2,62 +2,200 @@
 
 from __future__ import annotations
 
-import typing as _t
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
-from tokensvc.errors import NotImplementedRpc
-from tokensvc.v1 import knowledge_pb2, knowledge_pb2_grpc
+from tokensvc.api.context import current_call
+from tokensvc.api.convert import current_scope
+from tokensvc.api.knowledge_codec import (
+    decode_chunking,
+    decode_doc_ref,
+    decode_kb_ref,
+    decode_namespace,
+    decode_page,
+    decode_query,
+    decode_top_k,
+    encode_base,
+    encode_document,
+    encode_page_token,
+    encode_passage,
+)
+from tokensvc.api.memory_codec import decode_filter
+from tokensvc.errors import InvalidArgument, PayloadTooLarge
+from tokensvc.knowledge.service import KnowledgeBases
+from tokensvc.memory.metadata import MetadataScalar, metadata_from_proto
+from tokensvc.v1 import common_pb2, knowledge_pb2, knowledge_pb2_grpc
 
 __all__ = ["KnowledgeServicer"]
 
-_Context = grpc.aio.ServicerContext[_t.Any, _t.Any]
+_Context = grpc.aio.ServicerContext[Any, Any]
+
+
+@dataclass(frozen=True)
+class _Header:
+    namespace: str
+    kb_ref: str
+    doc_ref: str
+    content_type: str
+    metadata: dict[str, MetadataScalar]
+
+
+def _decode_header(header: knowledge_pb2.UploadDocumentHeader) -> _Header:
+    return _Header(
+        decode_namespace(header.namespace, "header.namespace"),
+        decode_kb_ref(header.knowledge_base_ref, "header.knowledge_base_ref"),
+        decode_doc_ref(header.document_ref, "header.document_ref"),
+        header.content_type,
+        metadata_from_proto(header.metadata, "header.metadata"),
+    )
 
 
 class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
-    """KnowledgeService: managed corpora."""
+    def __init__(self, knowledge: KnowledgeBases, *, max_upload_bytes: int):
+        self._knowledge = knowledge
+        self._max_upload = max_upload_bytes
 
     async def CreateKnowledgeBase(
         self, request: knowledge_pb2.CreateKnowledgeBaseRequest, context: _Context
     ) -> knowledge_pb2.CreateKnowledgeBaseResponse:
-        raise NotImplementedRpc("CreateKnowledgeBase is not implemented yet")
+        if len(request.display_name) > 256:
+            raise InvalidArgument("display_name", "must be at most 256 characters")
+        base, created = await self._knowledge.create(
+            decode_namespace(request.namespace),
+            decode_kb_ref(request.ref),
+            request.display_name,
+            request.embedder,
+            decode_chunking(request.chunking, request.HasField("chunking")),
+            actor=current_call().caller.spiffe_id,
+        )
+        return knowledge_pb2.CreateKnowledgeBaseResponse(knowledge_base=encode_base(base), created=created)
 
     async def GetKnowledgeBase(
         self, request: knowledge_pb2.GetKnowledgeBaseRequest, context: _Context
     ) -> knowledge_pb2.GetKnowledgeBaseResponse:
-        raise NotImplementedRpc("GetKnowledgeBase is not implemented yet")
+        base = await self._knowledge.get(decode_namespace(request.namespace), decode_kb_ref(request.ref))
+        return knowledge_pb2.GetKnowledgeBaseResponse(knowledge_base=encode_base(base))
 
     async def ListKnowledgeBases(
         self, request: knowledge_pb2.ListKnowledgeBasesRequest, context: _Context
     ) -> knowledge_pb2.ListKnowledgeBasesResponse:
-        raise NotImplementedRpc("ListKnowledgeBases is not implemented yet")
+        limit, after = decode_page(request.page_size, request.page_token)
+        bases = await self._knowledge.list_bases(
+            decode_namespace(request.namespace), after=after, limit=limit + 1
+        )
+        token = encode_page_token(bases[limit - 1].ref) if len(bases) > limit else ""
+        return knowledge_pb2.ListKnowledgeBasesResponse(
+            knowledge_bases=[encode_base(base) for base in bases[:limit]], next_page_token=token
+        )
 
     async def DeleteKnowledgeBase(
         self, request: knowledge_pb2.DeleteKnowledgeBaseRequest, context: _Context
     ) -> knowledge_pb2.DeleteKnowledgeBaseResponse:
-        raise NotImplementedRpc("DeleteKnowledgeBase is not implemented yet")
+        count = await self._knowledge.delete(
+            decode_namespace(request.namespace),
+            decode_kb_ref(request.ref),
+            actor=current_call().caller.spiffe_id,
+        )
+        return knowledge_pb2.DeleteKnowledgeBaseResponse(deleted_document_count=count)
 
     async def UploadDocument(
-        self, request: _t.AsyncIterator[knowledge_pb2.UploadDocumentRequest], context: _Context
+        self, request_iterator: AsyncIterator[knowledge_pb2.UploadDocumentRequest], context: _Context
     ) -> knowledge_pb2.UploadDocumentResponse:
-        raise NotImplementedRpc("UploadDocument is not implemented yet")
+        header: _Header | None = None
+        pieces: list[bytes] = []
+        size = 0
+        async for message in request_iterator:
+            part = message.WhichOneof("part")
+            if header is None:
+                if part != "header":
+                    raise InvalidArgument("header", "the first message must be the header")
+                header = _decode_header(message.header)  # refuse a bad header before reading on
+                continue
+            if part != "content":
+                raise InvalidArgument("header", "only the first message may be a header")
+            size += len(message.content)
+            if size > self._max_upload:
+                # Refused as soon as the limit is passed, before anything is stored.
+                raise PayloadTooLarge("content", f"exceeds the upload limit of {self._max_upload} bytes")
+            pieces.append(message.content)
+        if header is None:
+            raise InvalidArgument("header", "the stream is empty; send a header first")
+        result = await self._knowledge.upload(
+            header.namespace,
+            header.kb_ref,
+            header.doc_ref,
+            header.content_type,
+            header.metadata,
+            b"".join(pieces),
+        )
+        return knowledge_pb2.UploadDocumentResponse(
+            document=encode_document(result.document),
+            unchanged=result.unchanged,
+            chunk_count=result.document.chunk_count,
+        )
 
     async def GetDocument(
         self, request: knowledge_pb2.GetDocumentRequest, context: _Context
     ) -> knowledge_pb2.GetDocumentResponse:
-        raise NotImplementedRpc("GetDocument is not implemented yet")
+        document = await self._knowledge.get_document(
+            decode_namespace(request.namespace),
+            decode_kb_ref(request.knowledge_base_ref, "knowledge_base_ref"),
+            decode_doc_ref(request.document_ref),
+        )
+        return knowledge_pb2.GetDocumentResponse(document=encode_document(document))
 
     async def ListDocuments(
         self, request: knowledge_pb2.ListDocumentsRequest, context: _Context
     ) -> knowledge_pb2.ListDocumentsResponse:
-        raise NotImplementedRpc("ListDocuments is not implemented yet")
+        limit, after = decode_page(request.page_size, request.page_token)
+        documents = await self._knowledge.list_documents(
+            decode_namespace(request.namespace),
+            decode_kb_ref(request.knowledge_base_ref, "knowledge_base_ref"),
+            after=after,
+            limit=limit + 1,
+            filter_=decode_filter(request.filter, request.HasField("filter")),
+        )
+        token = encode_page_token(documents[limit - 1].ref) if len(documents) > limit else ""
+        return knowledge_pb2.ListDocumentsResponse(
+            documents=[encode_document(d) for d in documents[:limit]], next_page_token=token
+        )
 
     async def DeleteDocument(
         self, request: knowledge_pb2.DeleteDocumentRequest, context: _Context
     ) -> knowledge_pb2.DeleteDocumentResponse:
-        raise NotImplementedRpc("DeleteDocument is not implemented yet")
+        count = await self._knowledge.delete_document(
+            decode_namespace(request.namespace),
+            decode_kb_ref(request.knowledge_base_ref, "knowledge_base_ref"),
+            decode_doc_ref(request.document_ref),
+        )
+        return knowledge_pb2.DeleteDocumentResponse(deleted_chunk_count=count)
 
     async def SearchKnowledge(
         self, request: knowledge_pb2.SearchKnowledgeRequest, context: _Context
     ) -> knowledge_pb2.SearchKnowledgeResponse:
-        raise NotImplementedRpc("SearchKnowledge is not implemented yet")
+        for index, ref in enumerate(request.knowledge_base_refs):
+            decode_kb_ref(ref, f"knowledge_base_refs[{index}]")
+        modes = {
+            common_pb2.SEARCH_MODE_UNSPECIFIED: True,
+            common_pb2.SEARCH_MODE_HYBRID: True,
+            common_pb2.SEARCH_MODE_VECTOR: False,
+        }
+        if request.mode not in modes:
+            raise InvalidArgument("mode", "must be SEARCH_MODE_VECTOR or SEARCH_MODE_HYBRID")
+        min_score = request.min_score if request.HasField("min_score") else None
+        if min_score is not None and not math.isfinite(min_score):
+            raise InvalidArgument("min_score", "must be a finite number")
+        passages = await self._knowledge.search(
+            current_scope(),
+            list(request.knowledge_base_refs),
+            query=decode_query(request.query_text),
+            top_k=decode_top_k(request.top_k),
+            min_score=min_score,
+            filter_=decode_filter(request.filter, request.HasField("filter")),
+            hybrid=modes[request.mode],
+        )
+        return knowledge_pb2.SearchKnowledgeResponse(passages=[encode_passage(p) for p in passages])

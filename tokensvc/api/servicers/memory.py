@@ -14,6 +14,7 @@ from tokensvc.api.memory_codec import (
     decode_ids,
     decode_page_size,
     decode_remember,
+    decode_remove_keys,
     decode_search,
     decode_ttl,
     encode_hit,
@@ -78,7 +79,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             content=decode_content(request.content, "content") if request.HasField("content") else None,
             metadata=metadata_from_proto(request.metadata, "metadata") if request.metadata else None,
             replace_metadata=request.replace_metadata,
-            remove_keys=list(request.remove_metadata_keys),
+            remove_keys=decode_remove_keys(request),
             ttl_seconds=decode_ttl(request.ttl, "ttl") if request.HasField("ttl") else None,
         )
         return memory_pb2.UpdateMemoryResponse(memory=encode_memory(record))

@@ -69,6 +69,12 @@ CREATE POLICY memories_tenant ON tokensvc.memories
 -- The sweeper deletes expired rows of every bucket; expired rows are never returned anyway.
 CREATE POLICY memories_sweep ON tokensvc.memories FOR DELETE
     USING (expires_at IS NOT NULL AND expires_at <= now());
+-- A DELETE whose WHERE reads a column must also pass a SELECT policy, so without this one the
+-- sweeper (no tenant) finds nothing to delete. It sees expired rows only, and only in a
+-- transaction that declared itself a sweep with set_config('tokensvc.sweep', 'on', true).
+CREATE POLICY memories_sweep_read ON tokensvc.memories FOR SELECT
+    USING (current_setting('tokensvc.sweep', true) = 'on'
+           AND expires_at IS NOT NULL AND expires_at <= now());
 
 ALTER TABLE tokensvc.memory_spaces ENABLE ROW LEVEL SECURITY;
 ALTER TABLE tokensvc.memory_spaces FORCE ROW LEVEL SECURITY;

@@ -1,0 +1,322 @@
+"""Row-level security, the second wall: what a query that forgets its bucket predicate can reach.
+
+Everything runs as the serving role, through a pool opened the way the service opens it, with raw
+SQL that deliberately leaves out the `bucket = $1` every store method carries.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import uuid
+from collections.abc import AsyncIterator
+
+import asyncpg
+import numpy as np
+import pytest
+
+from tests.support import SharedDatabase, service_settings
+from tokensvc.auth.devpki import DevPaths
+from tokensvc.embedders import EmbedderSpec
+from tokensvc.memory.models import NewMemory
+from tokensvc.storage import Database
+from tokensvc.storage.memories import PostgresMemoryStore
+from tokensvc.storage.tenant import Tenant, tenant_transaction
+
+DIM = 384
+NAMESPACE = "rls-tests"
+
+
+def new_bucket() -> str:
+    return "v1." + base64.b32encode(os.urandom(20)).decode().lower().rstrip("=")
+
+
+def rows(count: int, label: str, *, ttl: int | None = None) -> list[NewMemory]:
+    rng = np.random.default_rng()
+    out = []
+    for i in range(count):
+        vector = rng.standard_normal(DIM).astype(np.float32)
+        content = f"{label} {i} {uuid.uuid4()}"
+        out.append(
+            NewMemory(
+                id=str(uuid.uuid4()),
+                content=content,
+                content_sha256=hashlib.sha256(content.encode()).digest(),
+                metadata={"label": label},
+                idempotency_key=None,
+                ttl_seconds=ttl,
+                embedding=vector / np.linalg.norm(vector),
+            )
+        )
+    return out
+
+
+async def open_pool(
+    database: SharedDatabase, dev: DevPaths, factory: pytest.TempPathFactory, **overrides: object
+) -> tuple[Database, asyncpg.Pool]:
+    db = await Database.locate(service_settings(database, dev, factory.mktemp("rls"), **overrides))
+    return db, await db.open_pool()
+
+
+@pytest.fixture(scope="module")
+async def pool(
+    database: SharedDatabase, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[asyncpg.Pool]:
+    db, pool = await open_pool(database, dev, tmp_path_factory)
+    try:
+        yield pool
+    finally:
+        await db.close()
+
+
+@pytest.fixture
+def store(pool: asyncpg.Pool) -> PostgresMemoryStore:
+    return PostgresMemoryStore(pool)
+
+
+@pytest.fixture
+async def two_buckets(store: PostgresMemoryStore) -> tuple[Tenant, Tenant]:
+    """Bucket A with 3 live rows, bucket B (same agent, another user) with 2."""
+    agent = f"agent-{uuid.uuid4().hex[:12]}"
+    a = Tenant(NAMESPACE, agent, (new_bucket(),))
+    b = Tenant(NAMESPACE, agent, (new_bucket(),))
+    await store.insert(a, a.buckets[0], rows(3, "a"))
+    await store.insert(b, b.buckets[0], rows(2, "b"))
+    return a, b
+
+
+async def test_a_query_without_the_bucket_predicate_sees_only_the_declared_buckets(
+    pool: asyncpg.Pool, two_buckets: tuple[Tenant, Tenant]
+) -> None:
+    a, b = two_buckets
+
+    async with tenant_transaction(pool, a) as conn:
+        assert await conn.fetchval("SELECT count(*) FROM tokensvc.memories") == 3
+        assert await conn.fetchval("SELECT array_agg(DISTINCT bucket) FROM memories") == list(a.buckets)
+        assert await conn.fetchval("SELECT count(*) FROM memories WHERE bucket = $1", b.buckets[0]) == 0
+        assert await conn.fetchval("SELECT count(*) FROM memories WHERE metadata->>'label' = 'b'") == 0
+    both = Tenant(a.namespace, a.agent, (a.buckets[0], b.buckets[0]))
+    async with tenant_transaction(pool, both) as conn:
+        assert await conn.fetchval("SELECT count(*) FROM memories") == 5
+
+
+async def test_without_a_tenant_nothing_is_visible(
+    pool: asyncpg.Pool, two_buckets: tuple[Tenant, Tenant]
+) -> None:
+    async with pool.acquire() as conn:
+        assert await conn.fetchval("SELECT count(*) FROM tokensvc.memories") == 0
+        async with conn.transaction():
+            assert await conn.fetchval("SELECT count(*) FROM tokensvc.memories") == 0
+        assert await conn.fetchval("SELECT count(*) FROM tokensvc.memory_spaces") == 0
+    # An empty bucket list is "no tenant" too, not "every bucket".
+    async with tenant_transaction(pool, Tenant(NAMESPACE, "nobody")) as conn:
+        assert await conn.fetchval("SELECT count(*) FROM tokensvc.memories") == 0
+
+
+async def test_writing_into_an_undeclared_bucket_is_refused(
+    pool: asyncpg.Pool, store: PostgresMemoryStore, two_buckets: tuple[Tenant, Tenant]
+) -> None:
+    a, b = two_buckets
+    row = rows(1, "smuggled")[0]
+    insert = (
+        "INSERT INTO memories (bucket, id, namespace, agent, content, content_sha256, dimension, embedding) "
+        "VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
+    )
+    args = (row.id, a.namespace, a.agent, row.content, row.content_sha256, DIM, row.embedding)
+
+    async with tenant_transaction(pool, a) as conn:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError, match="row-level security"):
+            await conn.execute(insert, b.buckets[0], *args)
+    async with pool.acquire() as conn:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError, match="row-level security"):
+            await conn.execute(insert, a.buckets[0], *args)
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await store.insert(a, b.buckets[0], [row])
+    # Moving one of my rows into another bucket is a write into that bucket.
+    async with tenant_transaction(pool, a) as conn:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError, match="row-level security"):
+            await conn.execute("UPDATE memories SET bucket = $1", b.buckets[0])
+
+    async with tenant_transaction(pool, b) as conn:
+        assert await conn.fetchval("SELECT count(*) FROM memories") == 2
+    async with tenant_transaction(pool, a) as conn:
+        assert await conn.fetchval("SELECT count(*) FROM memories") == 3
+
+
+async def test_update_and_delete_of_another_buckets_rows_affect_nothing(
+    pool: asyncpg.Pool, store: PostgresMemoryStore, two_buckets: tuple[Tenant, Tenant]
+) -> None:
+    a, b = two_buckets
+    async with tenant_transaction(pool, b) as conn:
+        before = await conn.fetch("SELECT id, content, metadata, expires_at FROM memories ORDER BY id")
+
+    async with tenant_transaction(pool, a) as conn:
+        assert await conn.execute("UPDATE memories SET content = 'x' WHERE bucket = $1", b.buckets[0]) == (
+            "UPDATE 0"
+        )
+        assert await conn.execute("DELETE FROM memories WHERE bucket = $1", b.buckets[0]) == "DELETE 0"
+        ids = [row["id"] for row in before]
+        assert await conn.execute("DELETE FROM memories WHERE id = ANY($1::uuid[])", ids) == "DELETE 0"
+    # Through the store, with A's tenant and B's bucket (the predicate right, the tenant wrong).
+    assert await store.delete(a, b.buckets[0], [str(i) for i in ids]) == 0
+    assert await store.delete_all(a, b.buckets[0]) == 0
+    assert await store.get(a, b.buckets[0], str(ids[0]), "test") is None
+    assert await store.bucket_size(a, b.buckets[0], 100) == 0
+    assert await store.move_buckets(a, a.buckets[0], b.buckets) == 0
+    updated = await store.update(
+        a, b.buckets[0], str(ids[0]), content=None, metadata={"x": 1}, ttl_seconds=0, embedder="test"
+    )
+    assert updated is None
+
+    async with tenant_transaction(pool, b) as conn:
+        assert (
+            await conn.fetch("SELECT id, content, metadata, expires_at FROM memories ORDER BY id") == before
+        )
+
+
+async def test_a_pooled_connection_never_carries_the_previous_tenant(
+    database: SharedDatabase,
+    dev: DevPaths,
+    tmp_path_factory: pytest.TempPathFactory,
+    two_buckets: tuple[Tenant, Tenant],
+) -> None:
+    a, _ = two_buckets
+    db, pool = await open_pool(database, dev, tmp_path_factory, pool_min_size=1, pool_max_size=1)
+    try:
+        async with tenant_transaction(pool, a) as conn:
+            backend = await conn.fetchval("SELECT pg_backend_pid()")
+            assert await conn.fetchval("SELECT current_setting('tokensvc.buckets', true)") == a.buckets[0]
+            assert await conn.fetchval("SELECT count(*) FROM memories") == 3
+
+        async with pool.acquire() as conn:
+            assert await conn.fetchval("SELECT pg_backend_pid()") == backend, "the same pooled connection"
+            assert await conn.fetchval("SELECT current_setting('tokensvc.buckets', true)") in ("", None)
+            assert await conn.fetchval("SELECT current_setting('tokensvc.agent', true)") in ("", None)
+            assert await conn.fetchval("SELECT count(*) FROM memories") == 0
+
+        # Even a session-level SET (which no code of ours does) is reset when the pool takes it back.
+        async with pool.acquire() as conn:
+            await conn.execute(f"SET tokensvc.buckets = '{a.buckets[0]}'")
+            assert await conn.fetchval("SELECT count(*) FROM memories") == 3
+        async with pool.acquire() as conn:
+            assert await conn.fetchval("SELECT pg_backend_pid()") == backend
+            assert await conn.fetchval("SELECT count(*) FROM memories") == 0
+
+        # A transaction that fails half-way leaves nothing behind either.
+        with pytest.raises(asyncpg.DivisionByZeroError):
+            async with tenant_transaction(pool, a) as conn:
+                await conn.execute("SELECT 1 / 0")
+        async with pool.acquire() as conn:
+            assert await conn.fetchval("SELECT pg_backend_pid()") == backend
+            assert await conn.fetchval("SELECT count(*) FROM memories") == 0
+
+        # Nor does a search's transaction-local HNSW tuning outlive it.
+        store = PostgresMemoryStore(pool)
+        query = rows(1, "q")[0].embedding
+        await store.search_vector(
+            a, a.buckets[0], query, k=3, filter_=None, exact=False, ef_search=123, max_scan_tuples=4567,
+            embedder="test",
+        )  # fmt: skip
+        async with pool.acquire() as conn:
+            assert await conn.fetchval("SELECT pg_backend_pid()") == backend
+            assert await conn.fetchval("SELECT current_setting('hnsw.ef_search', true)") != "123"
+            assert await conn.fetchval("SELECT count(*) FROM memories") == 0
+    finally:
+        await db.close()
+
+
+async def test_the_serving_role_cannot_switch_row_level_security_off(
+    pool: asyncpg.Pool, two_buckets: tuple[Tenant, Tenant]
+) -> None:
+    a, _ = two_buckets
+    async with pool.acquire() as conn:
+        role = await conn.fetchrow("SELECT rolsuper, rolbypassrls FROM pg_roles WHERE rolname = current_user")
+        assert (role["rolsuper"], role["rolbypassrls"]) == (False, False)
+        owner = await conn.fetchval("SELECT tableowner FROM pg_tables WHERE tablename = 'memories'")
+        assert owner != await conn.fetchval("SELECT current_user")
+        for statement in (
+            "ALTER TABLE tokensvc.memories DISABLE ROW LEVEL SECURITY",
+            "ALTER TABLE tokensvc.memories NO FORCE ROW LEVEL SECURITY",
+            "DROP POLICY memories_tenant ON tokensvc.memories",
+            "CREATE POLICY everything ON tokensvc.memories USING (true)",
+            "ALTER POLICY memories_tenant ON tokensvc.memories USING (true)",
+            "ALTER TABLE tokensvc.memory_spaces DISABLE ROW LEVEL SECURITY",
+            f"SET ROLE {owner}",
+        ):
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await conn.execute(statement)
+
+    # row_security = off does not turn RLS off for a role without BYPASSRLS: it makes the query fail.
+    async with tenant_transaction(pool, a) as conn:
+        await conn.execute("SET LOCAL row_security = off")
+        with pytest.raises(asyncpg.InsufficientPrivilegeError, match="row-level security"):
+            await conn.fetchval("SELECT count(*) FROM memories")
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.execute("SET LOCAL row_security = off")
+        with pytest.raises(asyncpg.InsufficientPrivilegeError, match="row-level security"):
+            await conn.fetchval("SELECT count(*) FROM memories")
+
+
+async def test_a_pinned_memory_space_cannot_be_changed_or_seen_by_another_agent(
+    pool: asyncpg.Pool, store: PostgresMemoryStore
+) -> None:
+    tenant = Tenant(NAMESPACE, f"pinned-{uuid.uuid4().hex[:12]}")
+    spec = EmbedderSpec("hash", "hash-v1", DIM, True)
+    assert await store.pin_space(tenant, spec) == spec
+
+    async with tenant_transaction(pool, tenant) as conn:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute("UPDATE memory_spaces SET dimension = 256, model = 'other'")
+    other = Tenant(NAMESPACE, f"{tenant.agent}-other")
+    async with tenant_transaction(pool, other) as conn:
+        assert await conn.fetchval("SELECT count(*) FROM memory_spaces") == 0
+        assert await conn.execute("DELETE FROM memory_spaces WHERE agent = $1", tenant.agent) == "DELETE 0"
+        with pytest.raises(asyncpg.InsufficientPrivilegeError, match="row-level security"):
+            await conn.execute(
+                "INSERT INTO memory_spaces (namespace, agent, embedder, model, dimension, normalized) "
+                "VALUES ($1, $2, 'x', 'x', 8, true)",
+                tenant.namespace,
+                f"{tenant.agent}-third",
+            )
+
+    assert await store.get_space(tenant) == spec
+    assert await store.get_space(other) is None
+
+
+async def test_the_sweeper_deletes_expired_rows_of_every_bucket_and_no_live_row(
+    pool: asyncpg.Pool, store: PostgresMemoryStore
+) -> None:
+    agent = f"sweep-{uuid.uuid4().hex[:12]}"
+    a = Tenant(NAMESPACE, agent, (new_bucket(),))
+    b = Tenant(NAMESPACE, agent, (new_bucket(),))
+    both = Tenant(NAMESPACE, agent, (a.buckets[0], b.buckets[0]))
+    live = {tenant.buckets[0]: rows(2, "live") for tenant in (a, b)}
+    for tenant in (a, b):
+        await store.insert(tenant, tenant.buckets[0], [*live[tenant.buckets[0]], *rows(3, "old", ttl=0)])
+    buckets = list(both.buckets)
+
+    # A connection with no tenant cannot delete a live row, even when it names it.
+    async with pool.acquire() as conn:
+        live_ids = [row.id for bucket_rows in live.values() for row in bucket_rows]
+        assert await conn.execute("DELETE FROM memories WHERE id = ANY($1::uuid[])", live_ids) == "DELETE 0"
+    # Declaring a sweep reveals expired rows only.
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.execute("SELECT set_config('tokensvc.sweep', 'on', true)")
+        visible = await conn.fetch("SELECT bucket, expires_at <= now() AS expired FROM memories")
+        assert all(row["expired"] for row in visible)
+        assert sum(row["bucket"] in buckets for row in visible) == 6
+        deleted = await conn.execute(
+            "DELETE FROM memories WHERE bucket = ANY($1::text[]) AND expires_at IS NULL", buckets
+        )
+        assert deleted == "DELETE 0"
+
+    assert await store.sweep_expired(limit=1) == 1
+    while await store.sweep_expired() > 0:
+        pass  # other tests' expired rows go too; that is the sweeper's job
+
+    async with tenant_transaction(pool, both) as conn:
+        remaining = await conn.fetch("SELECT bucket, id::text FROM memories ORDER BY bucket")
+    assert sorted((row[0], row[1]) for row in remaining) == sorted(
+        (bucket, row.id) for bucket, bucket_rows in live.items() for row in bucket_rows
+    )

@@ -1,0 +1,148 @@
+"""KnowledgeService request shapes checked at the edge, and domain -> proto encoding."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+
+from tokensvc.api.convert import timestamp
+from tokensvc.api.memory_codec import DEFAULT_TOP_K, MAX_QUERY_BYTES, MAX_TOP_K, decode_page_size
+from tokensvc.errors import InvalidArgument
+from tokensvc.knowledge.chunking import ChunkingKind, ChunkingStrategy
+from tokensvc.knowledge.service import Passage
+from tokensvc.memory.metadata import metadata_to_proto
+from tokensvc.storage.knowledge import BaseRow, DocumentRow
+from tokensvc.v1 import knowledge_pb2
+
+__all__ = [
+    "decode_chunking",
+    "decode_doc_ref",
+    "decode_kb_ref",
+    "decode_namespace",
+    "decode_page",
+    "decode_query",
+    "decode_top_k",
+    "encode_base",
+    "encode_document",
+    "encode_page_token",
+    "encode_passage",
+]
+
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_KB_REF = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+_KINDS = {
+    knowledge_pb2.CHUNKING_KIND_FIXED: ChunkingKind.FIXED,
+    knowledge_pb2.CHUNKING_KIND_RECURSIVE: ChunkingKind.RECURSIVE,
+    knowledge_pb2.CHUNKING_KIND_MARKDOWN: ChunkingKind.MARKDOWN,
+}
+_KIND_TO_PROTO = {kind: value for value, kind in _KINDS.items()}
+
+
+def decode_namespace(value: str, field: str = "namespace") -> str:
+    if not _NAMESPACE.match(value):
+        raise InvalidArgument(field, "must be a DNS-1123 label (lower-case letters, digits, '-'; at most 63)")
+    return value
+
+
+def decode_kb_ref(value: str, field: str = "ref") -> str:
+    if not _KB_REF.match(value):
+        raise InvalidArgument(field, "must be a Kubernetes object name (a-z, 0-9, '-', '.'; at most 253)")
+    return value
+
+
+def decode_doc_ref(value: str, field: str = "document_ref") -> str:
+    if not 1 <= len(value) <= 512 or any(ch.isspace() or ord(ch) < 32 or ch in "#\x7f" for ch in value):
+        raise InvalidArgument(
+            field, "must be 1..512 characters without whitespace, control characters or '#'"
+        )
+    return value
+
+
+def decode_chunking(message: knowledge_pb2.ChunkingStrategy, present: bool) -> ChunkingStrategy:
+    kind = _KINDS.get(message.kind) if present else None
+    if kind is None:
+        raise InvalidArgument("chunking.kind", "must be FIXED, RECURSIVE or MARKDOWN")
+    return ChunkingStrategy.from_request(kind, message.chunk_size, message.chunk_overlap)
+
+
+def decode_top_k(value: int) -> int:
+    top_k = value or DEFAULT_TOP_K
+    if not 1 <= top_k <= MAX_TOP_K:
+        raise InvalidArgument("top_k", f"must be between 1 and {MAX_TOP_K}")
+    return top_k
+
+
+def decode_query(value: str) -> str:
+    if not value.strip():
+        raise InvalidArgument("query_text", "must not be empty")
+    if len(value.encode("utf-8", "surrogatepass")) > MAX_QUERY_BYTES:
+        raise InvalidArgument("query_text", f"must be at most {MAX_QUERY_BYTES} bytes")
+    return value
+
+
+def decode_page(page_size: int, token: str) -> tuple[int, str | None]:
+    """(limit, the last ref of the previous page). Tokens are base64url of that ref."""
+    if not token:
+        return decode_page_size(page_size), None
+    try:
+        after = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        raise InvalidArgument("page_token", "is not a token this service issued") from None
+    if not after or len(after) > 512:
+        raise InvalidArgument("page_token", "is not a token this service issued")
+    return decode_page_size(page_size), after
+
+
+def encode_page_token(last_ref: str) -> str:
+    return base64.urlsafe_b64encode(last_ref.encode("utf-8")).decode().rstrip("=")
+
+
+def encode_base(base: BaseRow) -> knowledge_pb2.KnowledgeBase:
+    return knowledge_pb2.KnowledgeBase(
+        namespace=base.namespace,
+        ref=base.ref,
+        display_name=base.display_name,
+        embedder=base.embedder,
+        chunking=knowledge_pb2.ChunkingStrategy(
+            kind=_KIND_TO_PROTO[ChunkingKind(base.chunking)],
+            chunk_size=base.chunk_size,
+            chunk_overlap=base.chunk_overlap,
+        ),
+        dimension=base.dimension,
+        document_count=base.document_count,
+        created_at=timestamp(base.created_at),
+    )
+
+
+def encode_document(document: DocumentRow) -> knowledge_pb2.Document:
+    return knowledge_pb2.Document(
+        namespace=document.namespace,
+        knowledge_base_ref=document.kb_ref,
+        ref=document.ref,
+        version=document.version,
+        content_type=document.content_type,
+        content_sha256=document.content_sha256.hex(),
+        size_bytes=document.size_bytes,
+        chunk_count=document.chunk_count,
+        metadata=metadata_to_proto(document.metadata),
+        created_at=timestamp(document.created_at),
+    )
+
+
+def encode_passage(passage: Passage) -> knowledge_pb2.Passage:
+    return knowledge_pb2.Passage(
+        text=passage.text,
+        score=passage.score,
+        knowledge_base_ref=passage.kb_ref,
+        citation=passage.citation,
+        document_ref=passage.doc_ref,
+        chunk_index=passage.chunk_index,
+        document_version=passage.version,
+        start_offset=passage.start,
+        end_offset=passage.end,
+        heading_path=list(passage.heading_path),
+        vector_rank=passage.vector_rank,
+        text_rank=passage.text_rank,
+    )

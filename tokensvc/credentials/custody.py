@@ -1,0 +1,378 @@
+"""Database credential custody: zero-downtime RELOAD and ROTATE, journaled, crash-recoverable.
+
+The pool asks `credential_for_new_connection()` for every new connection. It re-reads the secret
+source each time, but only a credential that passed a real login test is ever used: a changed
+file wakes the watcher, which reloads (tests, then switches); until then connections keep the
+last good credential, so a bad file never breaks serving.
+
+ROTATE follows AWS Secrets Manager's alternating users: two login roles share one group role's
+grants; the inactive one gets a fresh password (sent as a SCRAM verifier) from a separate rotator
+credential, its login is tested, the secret source is rewritten atomically, the pool switches and
+retires old connections as they are released, and the old role's password is removed. Every
+step is journaled before it is taken (`credentials/journal.py`); `recover()` at start finishes or
+undoes a rotation a crash interrupted, so the service comes back on exactly one working credential.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime
+
+import asyncpg
+
+from tokensvc.audit import SYSTEM_ACTOR, AuditKind, AuditLog, AuditOutcome
+from tokensvc.credentials.journal import PostgresRotationJournal, RotationEntry
+from tokensvc.credentials.scram import generate_password, scram_sha256_verifier
+from tokensvc.credentials.source import DatabaseCredential, FileCredentialSource
+from tokensvc.errors import DatabaseUnavailable, Reason, TokensvcError
+
+__all__ = ["CredentialCustodian", "CredentialStatus", "RotationMode"]
+
+_log = logging.getLogger(__name__)
+_ROLE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+# Every replica agrees on this lock id: one rotation at a time across the whole deployment.
+_ROTATION_LOCK = 0x746F6B656E726F74  # "tokenrot"
+
+RotationMode = str  # "reload" | "rotate"
+
+
+@dataclass(frozen=True)
+class CredentialStatus:
+    active_role: str
+    version: int
+    last_rotated_at: datetime | None
+    pool_size: int
+    pool_in_use: int
+    last_mode: str | None
+    last_outcome: str | None
+
+
+def _rotation_failed(message: str) -> TokensvcError:
+    return TokensvcError(message, reason=Reason.ROTATION_FAILED)
+
+
+class CredentialCustodian:
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        database: str,
+        source: FileCredentialSource,
+        rotator: FileCredentialSource | None,
+        login_roles: tuple[str, str],
+        audit: AuditLog | None = None,
+        connect_timeout: float = 5.0,
+    ):
+        for role in login_roles:
+            if not _ROLE.match(role):
+                raise ValueError(f"login role {role!r} is not a plain SQL identifier")
+        self._host, self._port, self._database = host, port, database
+        self._source = source
+        self._rotator = rotator
+        self._roles = login_roles
+        self._timeout = connect_timeout
+        self._active = source.read()
+        self._stamp = source.stamp()
+        self._changed = asyncio.Event()
+        self._local_lock = asyncio.Lock()
+        self._pool: asyncpg.Pool | None = None
+        self._journal: PostgresRotationJournal | None = None
+        self._audit = audit
+
+    def attach(self, pool: asyncpg.Pool, journal: PostgresRotationJournal, audit: AuditLog) -> None:
+        self._pool, self._journal, self._audit = pool, journal, audit
+
+    @property
+    def active_role(self) -> str:
+        return self._active.username
+
+    def credential_for_new_connection(self) -> DatabaseCredential:
+        """The last tested credential; a changed secret source only wakes the watcher."""
+        try:
+            current = self._source.read()
+        except TokensvcError:
+            return self._active
+        if current != self._active:
+            self._changed.set()
+        return self._active
+
+    # --- the two modes ----------------------------------------------------------------------
+
+    async def reload(self, actor: str) -> int | None:
+        """Adopt the credential an external rotator put in the secret source, after testing it."""
+        async with self._exclusive():
+            new = self._source.read()
+            self._stamp = self._source.stamp()
+            if new == self._active:
+                return None
+            journal = self._require_journal()
+            rotation = await journal.begin(
+                mode="reload", actor=actor, from_role=self._active.username, to_role=new.username
+            )
+            try:
+                await journal.step(rotation, "test_login")
+                await self._test_login(new)
+            except TokensvcError as exc:
+                await self._fail(rotation, AuditKind.CREDENTIAL_RELOAD, actor, exc)
+                raise
+            await journal.step(rotation, "switch")
+            await self._switch(new)
+            version = await journal.close(rotation, outcome="succeeded", step="completed")
+            await self._record(
+                AuditKind.CREDENTIAL_RELOAD,
+                actor,
+                "reload database credential",
+                new.username,
+                AuditOutcome.SUCCEEDED,
+            )
+            _log.info("database credential reloaded", extra={"role": new.username, "version": version})
+            return version
+
+    async def rotate(self, actor: str) -> int | None:
+        """Rotate to the inactive login role with a fresh password (alternating users)."""
+        if self._rotator is None:
+            raise _rotation_failed(
+                "ROTATE needs a rotator credential (setting database_rotator_credential_dir)"
+            )
+        async with self._exclusive():
+            current = self._active
+            if current.username not in self._roles:
+                raise _rotation_failed(
+                    f"the active role {current.username!r} is not one of the alternating login roles {self._roles}"
+                )
+            inactive = self._roles[1] if current.username == self._roles[0] else self._roles[0]
+            new = DatabaseCredential(inactive, generate_password())
+            journal = self._require_journal()
+            rotation = await journal.begin(
+                mode="rotate", actor=actor, from_role=current.username, to_role=inactive
+            )
+            await self._record(
+                AuditKind.CREDENTIAL_ROTATION,
+                actor,
+                "rotate database credential",
+                inactive,
+                AuditOutcome.STARTED,
+            )
+            try:
+                await journal.step(rotation, "set_password")
+                await self._alter_password(inactive, scram_sha256_verifier(new.password))
+                await journal.step(rotation, "test_login")
+                await self._test_login(new)
+                await journal.step(rotation, "write_secret")
+                self._source.write(new)
+                self._stamp = self._source.stamp()
+            except TokensvcError as exc:
+                await self._fail(rotation, AuditKind.CREDENTIAL_ROTATION, actor, exc)
+                raise
+            except (OSError, asyncpg.PostgresError) as exc:
+                failure = _rotation_failed(
+                    f"rotation failed before the switch ({type(exc).__name__}); still on {current.username}"
+                )
+                await self._fail(rotation, AuditKind.CREDENTIAL_ROTATION, actor, failure)
+                raise failure from None
+            # From here on the new credential is in the secret source: only forward.
+            await journal.step(rotation, "switch")
+            await self._switch(new)
+            await journal.step(rotation, "retire_old")
+            reason = ""
+            try:
+                await self._alter_password(current.username, None)
+            except (TokensvcError, OSError, asyncpg.PostgresError) as exc:
+                reason = f"old role {current.username} not retired ({type(exc).__name__}); retry the rotation"
+                _log.warning("old login role not retired", extra={"role": current.username})
+            version = await journal.close(rotation, outcome="succeeded", step="completed", reason=reason)
+            await self._record(
+                AuditKind.CREDENTIAL_ROTATION,
+                actor,
+                "rotate database credential",
+                inactive,
+                AuditOutcome.SUCCEEDED,
+                detail=reason,
+            )
+            _log.info("database credential rotated", extra={"role": inactive, "version": version})
+            return version
+
+    # --- recovery and watching --------------------------------------------------------------
+
+    async def recover(self) -> list[RotationEntry]:
+        """Finish or undo rotations a crash interrupted; returns what was recovered."""
+        journal = self._require_journal()
+        open_rotations = await journal.open_rotations()
+        if not open_rotations:
+            return []
+        try:
+            async with self._exclusive():
+                open_rotations = await journal.open_rotations()  # another replica may have recovered them
+                for entry in open_rotations:
+                    await self._recover_one(entry)
+        except TokensvcError as exc:
+            if exc.reason is Reason.ROTATION_IN_PROGRESS:
+                return []  # a live replica is rotating right now; it is not a crash
+            raise
+        return open_rotations
+
+    async def _recover_one(self, entry: RotationEntry) -> None:
+        journal = self._require_journal()
+        in_source = self._source.read()
+        forward = in_source.username == entry.to_role and entry.to_role != entry.from_role
+        if forward:
+            await self._test_login(in_source)
+            self._active = in_source
+            if entry.mode == "rotate" and self._rotator is not None:
+                with contextlib.suppress(TokensvcError, OSError, asyncpg.PostgresError):
+                    await self._alter_password(entry.from_role, None)
+            await journal.close(entry.id, outcome="recovered", reason=f"rolled forward to {entry.to_role}")
+        else:
+            # The secret source still holds the old credential, which was never retired.
+            if entry.mode == "rotate" and self._rotator is not None and entry.to_role != in_source.username:
+                with contextlib.suppress(TokensvcError, OSError, asyncpg.PostgresError):
+                    await self._alter_password(entry.to_role, None)
+            await journal.close(
+                entry.id,
+                outcome="recovered",
+                reason=f"rolled back to {in_source.username}",
+                keep_version=True,
+            )
+        await self._record(
+            AuditKind.CREDENTIAL_ROTATION if entry.mode == "rotate" else AuditKind.CREDENTIAL_RELOAD,
+            SYSTEM_ACTOR, "recover interrupted rotation", in_source.username, AuditOutcome.SUCCEEDED,
+            detail=f"rotation {entry.id} interrupted at step {entry.step}; {'forward' if forward else 'back'}",
+        )  # fmt: skip
+
+    async def watch(self, interval: float) -> None:
+        """Reload by itself when the secret source changes on disk (an external rotator)."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=interval)
+            self._changed.clear()
+            stamp = self._source.stamp()
+            if stamp == self._stamp:
+                continue
+            try:
+                await self.reload(SYSTEM_ACTOR)
+            except TokensvcError as exc:
+                if exc.reason is not Reason.ROTATION_IN_PROGRESS:
+                    self._stamp = stamp  # report a bad file once, not every tick
+                    _log.error("credential reload from the secret source failed; still on the previous credential",
+                               extra={"reason": exc.reason.value})  # fmt: skip
+            except Exception as exc:
+                _log.warning("credential watch failed", extra={"error": type(exc).__name__})
+
+    async def status(self) -> CredentialStatus:
+        journal = self._require_journal()
+        version, rotated_at = await journal.current_version()
+        latest = await journal.latest()
+        pool = self._pool
+        size = pool.get_size() if pool is not None else 0
+        idle = pool.get_idle_size() if pool is not None else 0
+        return CredentialStatus(
+            active_role=self._active.username,
+            version=version,
+            last_rotated_at=rotated_at,
+            pool_size=size,
+            pool_in_use=size - idle,
+            last_mode=latest.mode if latest else None,
+            last_outcome=latest.outcome if latest else None,
+        )
+
+    # --- steps ------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _exclusive(self) -> AsyncIterator[None]:
+        """One rotation at a time: in this process, and across replicas (advisory lock)."""
+        if self._local_lock.locked():
+            raise TokensvcError(
+                "a credential rotation is already running", reason=Reason.ROTATION_IN_PROGRESS
+            )
+        async with self._local_lock:
+            conn = await self._connect(self._active)
+            try:
+                if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", _ROTATION_LOCK):
+                    raise TokensvcError(
+                        "a credential rotation is already running on another replica",
+                        reason=Reason.ROTATION_IN_PROGRESS,
+                    )
+                yield
+            finally:
+                await conn.close()  # ends the session, releasing the lock
+
+    async def _connect(self, credential: DatabaseCredential) -> asyncpg.Connection:
+        try:
+            return await asyncpg.connect(
+                host=self._host, port=self._port, database=self._database, user=credential.username,
+                password=credential.password, timeout=self._timeout,
+            )  # fmt: skip
+        except (asyncpg.InvalidPasswordError, asyncpg.InvalidAuthorizationSpecificationError):
+            raise TokensvcError(
+                f"the credential for role {credential.username!r} does not log in",
+                reason=Reason.CREDENTIAL_INVALID,
+            ) from None
+        except (OSError, TimeoutError, asyncpg.PostgresConnectionError, asyncpg.CannotConnectNowError):
+            raise DatabaseUnavailable() from None
+
+    async def _test_login(self, credential: DatabaseCredential) -> None:
+        conn = await self._connect(credential)
+        try:
+            await conn.fetchval("SELECT 1")
+        finally:
+            await conn.close()
+
+    async def _alter_password(self, role: str, verifier: str | None) -> None:
+        assert self._rotator is not None
+        if not _ROLE.match(role):
+            raise _rotation_failed(f"role {role!r} is not a plain SQL identifier")
+        conn = await self._connect(self._rotator.read())
+        try:
+            # A verifier is base64 and '$' only; NULL removes password login altogether.
+            value = "NULL" if verifier is None else f"'{verifier}'"
+            await conn.execute(f'ALTER ROLE "{role}" PASSWORD {value}')
+        finally:
+            await conn.close()
+
+    async def _switch(self, new: DatabaseCredential) -> None:
+        self._active = new
+        if self._pool is not None:
+            # Idle connections close now, busy ones when released; new ones use `new`.
+            await self._pool.expire_connections()
+
+    async def _fail(self, rotation: int, kind: AuditKind, actor: str, exc: TokensvcError) -> None:
+        with contextlib.suppress(Exception):
+            await self._require_journal().close(rotation, outcome="failed", reason=exc.reason.value)
+        await self._record(
+            kind,
+            actor,
+            f"{kind.value.replace('_', ' ')}",
+            "",
+            AuditOutcome.FAILED,
+            reason=exc.reason,
+            detail=exc.message,
+        )
+        _log.warning("credential change failed; still on the previous credential",
+                     extra={"reason": exc.reason.value, "role": self._active.username})  # fmt: skip
+
+    async def _record(
+        self,
+        kind: AuditKind,
+        actor: str,
+        action: str,
+        target: str,
+        outcome: AuditOutcome,
+        *,
+        reason: Reason | None = None,
+        detail: str = "",
+    ) -> None:
+        if self._audit is not None:
+            await self._audit.record(
+                kind, actor=actor, action=action, target=target, outcome=outcome, reason=reason, detail=detail
+            )
+
+    def _require_journal(self) -> PostgresRotationJournal:
+        if self._journal is None:
+            raise RuntimeError("CredentialCustodian.attach() has not run")
+        return self._journal

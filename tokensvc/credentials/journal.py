@@ -1,0 +1,105 @@
+"""The credential rotation journal in PostgreSQL (append a rotation, advance its step, close it).
+
+Each step is recorded *before* it is taken; after a crash the last recorded step says how far the
+rotation may have got, and recovery rolls it forward or back. No secret is ever written here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+import asyncpg
+
+__all__ = ["PostgresRotationJournal", "RotationEntry"]
+
+
+@dataclass(frozen=True)
+class RotationEntry:
+    id: int
+    mode: str
+    actor: str
+    from_role: str
+    to_role: str
+    step: str
+    outcome: str
+    reason: str
+    version: int | None
+    started_at: datetime
+    updated_at: datetime
+
+
+_COLUMNS = "id, mode, actor, from_role, to_role, step, outcome, reason, version, started_at, updated_at"
+
+
+class PostgresRotationJournal:
+    def __init__(self, pool: asyncpg.Pool):
+        self._pool = pool
+
+    async def begin(self, *, mode: str, actor: str, from_role: str, to_role: str) -> int:
+        async with self._pool.acquire() as conn:
+            value = await conn.fetchval(
+                "INSERT INTO credential_rotations (mode, actor, from_role, to_role, step, outcome) "
+                "VALUES ($1, $2, $3, $4, 'started', 'in_progress') RETURNING id",
+                mode,
+                actor,
+                from_role,
+                to_role,
+            )
+        return int(value)
+
+    async def step(self, rotation_id: int, step: str) -> None:
+        async with self._pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE credential_rotations SET step = $2, updated_at = clock_timestamp() WHERE id = $1",
+                rotation_id,
+                step,
+            )
+
+    async def close(
+        self,
+        rotation_id: int,
+        *,
+        outcome: str,
+        reason: str = "",
+        step: str | None = None,
+        keep_version: bool = False,
+    ) -> int | None:
+        """Close a rotation; one that changed the credential gets the next credential version."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            version = None
+            if outcome in ("succeeded", "recovered") and not keep_version:
+                # Serialised by the rotation lock; max()+1 is the next version.
+                version = int(
+                    await conn.fetchval("SELECT coalesce(max(version), 0) + 1 FROM credential_rotations")
+                )
+            await conn.execute(
+                "UPDATE credential_rotations SET outcome = $2, reason = $3, version = $4, "
+                "step = coalesce($5, step), updated_at = clock_timestamp() WHERE id = $1",
+                rotation_id,
+                outcome,
+                reason,
+                version,
+                step,
+            )
+        return version
+
+    async def open_rotations(self) -> list[RotationEntry]:
+        async with self._pool.acquire() as conn:
+            rows = await conn.fetch(
+                f"SELECT {_COLUMNS} FROM credential_rotations WHERE outcome = 'in_progress' ORDER BY id"
+            )
+        return [RotationEntry(**dict(row)) for row in rows]
+
+    async def latest(self) -> RotationEntry | None:
+        async with self._pool.acquire() as conn:
+            row = await conn.fetchrow(f"SELECT {_COLUMNS} FROM credential_rotations ORDER BY id DESC LIMIT 1")
+        return None if row is None else RotationEntry(**dict(row))
+
+    async def current_version(self) -> tuple[int, datetime | None]:
+        async with self._pool.acquire() as conn:
+            row = await conn.fetchrow(
+                "SELECT version, updated_at FROM credential_rotations WHERE version IS NOT NULL "
+                "ORDER BY version DESC LIMIT 1"
+            )
+        return (0, None) if row is None else (int(row["version"]), row["updated_at"])

@@ -1,0 +1,187 @@
+"""Text extraction: turn an uploaded document's bytes into the text that is chunked and cited.
+
+Passage offsets index this text (see `Passage` in `protos/tokensvc/v1/knowledge.proto`), so what
+it is matters to clients:
+
+- `text/plain`, `text/markdown`: the bytes decoded as UTF-8 with a leading byte-order mark
+  removed and *nothing else changed* (not even `\\r\\n`): a client can slice its own file, decoded
+  the same way, with the offsets it gets back. Markdown stays Markdown so the markdown chunker
+  sees its headings.
+- `text/html`: the readable text, rendered as light Markdown by BeautifulSoup's `html.parser`:
+  `script`, `style`, `noscript`, `template` and `head` are dropped; paragraphs and other blocks are
+  separated by a blank line, list items, table rows and `<br>` by a line break, table cells by
+  ` | `; `h1`..`h6` become `#`..`######` headings so the markdown chunker keeps heading paths for
+  HTML too; `pre` keeps its text verbatim inside a code fence (so a `# comment` in it is no
+  heading); other whitespace collapses to one space, and a text line that Markdown would read as a
+  heading or a fence is escaped with a backslash. Line breaks are `\\n`.
+
+Errors are `InvalidArgument`: an unsupported content type or charset (the `field` given, by default
+`header.content_type`); bytes that are not UTF-8, text containing U+0000 (PostgreSQL cannot store
+it, so it is refused before anything is stored), or no text at all (field `content`). A declared
+`us-ascii` charset is read as UTF-8, its superset.
+"""
+
+from __future__ import annotations
+
+import re
+
+from bs4 import BeautifulSoup
+from bs4.element import Comment, Declaration, Doctype, NavigableString, ProcessingInstruction, Tag
+
+from tokensvc.errors import InvalidArgument
+
+__all__ = ["SUPPORTED_CONTENT_TYPES", "extract_text", "parse_content_type"]
+
+SUPPORTED_CONTENT_TYPES = ("text/plain", "text/markdown", "text/html")
+_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii", "ascii"})
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def parse_content_type(content_type: str, field: str = "header.content_type") -> str:
+    """Return the media type (lower case) of a supported content type, checking its parameters."""
+    media_type, *parameters = content_type.split(";")
+    media_type = media_type.strip().lower()
+    if media_type not in SUPPORTED_CONTENT_TYPES:
+        shown = media_type[:80] or "(empty)"
+        raise InvalidArgument(field, f"must be one of {', '.join(SUPPORTED_CONTENT_TYPES)}, got {shown!r}")
+    for parameter in parameters:
+        name, equals, value = parameter.partition("=")
+        name, value = name.strip().lower(), value.strip().strip('"').lower()
+        if not equals or not _TOKEN.fullmatch(name):
+            raise InvalidArgument(field, "has a malformed parameter; expected `name=value`")
+        # Other parameters (text/markdown's `variant`, for example) do not change the bytes.
+        if name == "charset" and value not in _CHARSETS:
+            raise InvalidArgument(field, f"charset must be utf-8, got {value[:40]!r}")
+    return media_type
+
+
+def extract_text(content: bytes, content_type: str, field: str = "header.content_type") -> str:
+    """Extract the text of a document; see the module docstring for what each type yields."""
+    media_type = parse_content_type(content_type, field)
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise InvalidArgument("content", f"is not valid UTF-8 (at byte {error.start})") from None
+    text = text.removeprefix("\ufeff")
+    if "\x00" in text:
+        raise InvalidArgument("content", "contains U+0000 (NUL), which cannot be stored")
+    if media_type == "text/html":
+        text = _html_text(text)
+    if not text.strip():
+        raise InvalidArgument("content", "has no text")
+    return text
+
+
+# --- HTML ---------------------------------------------------------------------------------------
+
+_DROPPED = frozenset({"script", "style", "noscript", "template", "head"})
+_BLOCKS = frozenset(
+    {
+        "address", "article", "aside", "blockquote", "body", "dd", "details", "dialog", "div", "dl",
+        "dt", "fieldset", "figcaption", "figure", "footer", "form", "header", "hr", "html", "main",
+        "nav", "ol", "p", "section", "summary", "table", "ul",
+    }
+)  # fmt: skip
+_LINES = frozenset({"li", "tr", "caption", "thead", "tbody", "tfoot"})
+_HEADINGS = {f"h{level}": level for level in range(1, 7)}
+_CELLS = frozenset({"td", "th"})
+_SKIPPED_STRINGS = (Comment, Declaration, Doctype, ProcessingInstruction)
+_SPACE = re.compile(r"\s+")
+# Lines the markdown chunker would read as a heading or a code fence.
+_MARKDOWN_SYNTAX = re.compile(r"(?:#{1,6}(?:\s|$)|```|~~~)")
+_BACKTICKS = re.compile(r"`{3,}")
+
+_BLANK, _NEWLINE = "\n\n", "\n"
+
+
+class _Renderer:
+    """Collects output as lines; breaks are requested, then applied once before the next text."""
+
+    def __init__(self) -> None:
+        self.out: list[str] = []
+        self.line: list[str] = []
+        self.pending = ""  # the strongest break requested since the last text: "", "\n" or "\n\n"
+
+    def request(self, brk: str) -> None:
+        if len(brk) > len(self.pending):
+            self.pending = brk
+
+    def text(self, value: str) -> None:
+        value = _SPACE.sub(" ", value)
+        if not value.strip():
+            if self.line:
+                self.line.append(" ")
+            return
+        self._flush_break()
+        self.line.append(value)
+
+    def block(self, value: str) -> None:
+        """Emit `value` (a heading or a fenced pre) as whole lines of its own, then a blank line."""
+        self.request(_BLANK)
+        self._flush_break()
+        self.out.append(value)
+        self.pending = _BLANK
+
+    def _flush_break(self) -> None:
+        if self.pending:
+            self._end_line()
+            if self.out:
+                self.out.append(self.pending)
+            self.pending = ""
+
+    def _end_line(self) -> None:
+        line = _SPACE.sub(" ", "".join(self.line)).strip(" ")
+        self.line = []
+        if line:
+            self.out.append("\\" + line if _MARKDOWN_SYNTAX.match(line) else line)
+
+    def result(self) -> str:
+        self._end_line()
+        return "".join(self.out)
+
+
+def _html_text(html: str) -> str:
+    soup = BeautifulSoup(html, "html.parser")
+    # Dropped first, so that no heading's or pre's get_text() picks up a script inside it.
+    for tag in soup.find_all(_DROPPED):
+        tag.decompose()
+    renderer = _Renderer()
+    # An explicit stack, not recursion: deeply nested (or hostile) HTML cannot overflow it.
+    # Entries are nodes to render, or a string: a break to request when an element closes.
+    stack: list[object] = [soup]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str) and not isinstance(node, NavigableString):
+            renderer.request(node)
+        elif isinstance(node, NavigableString):
+            if not isinstance(node, _SKIPPED_STRINGS):
+                renderer.text(str(node))
+        elif isinstance(node, Tag):
+            name = node.name.lower()
+            if name in _HEADINGS:
+                title = _SPACE.sub(" ", node.get_text(" ")).strip()
+                if title:
+                    renderer.block("#" * _HEADINGS[name] + " " + title)
+                continue
+            if name == "pre":
+                renderer.block(_fenced(node.get_text()))
+                continue
+            if name == "br":
+                renderer.request(_NEWLINE)
+                continue
+            brk = _BLANK if name in _BLOCKS else _NEWLINE if name in _LINES else ""
+            if name in _CELLS and renderer.line and not renderer.pending:
+                renderer.text(" | ")
+            renderer.request(brk)
+            if brk:
+                stack.append(brk)
+            stack.extend(reversed(node.contents))
+    return renderer.result()
+
+
+def _fenced(code: str) -> str:
+    code = code.replace("\r\n", "\n").replace("\r", "\n").strip("\n")
+    # The fence must be longer than any backtick run inside, or that run would close it.
+    longest = max((len(run) for run in _BACKTICKS.findall(code)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}\n{code}\n{fence}"

@@ -1,0 +1,31 @@
+"""Long-term memory: the domain logic behind MemoryService (metadata, filters, the service)."""
+
+from __future__ import annotations
+
+from tokensvc.memory.filters import (
+    AllOf,
+    AnyOf,
+    Condition,
+    Filter,
+    Not,
+    Operator,
+    compile_filter,
+    filter_from_proto,
+    matches,
+)
+from tokensvc.memory.metadata import MetadataScalar, metadata_from_proto, metadata_to_proto
+
+__all__ = [
+    "AllOf",
+    "AnyOf",
+    "Condition",
+    "Filter",
+    "MetadataScalar",
+    "Not",
+    "Operator",
+    "compile_filter",
+    "filter_from_proto",
+    "matches",
+    "metadata_from_proto",
+    "metadata_to_proto",
+]

@@ -1,0 +1,398 @@
+"""Knowledge-base storage: corpora, versioned documents and their embedded chunks (PostgreSQL).
+
+Contract (checked by the knowledge tests):
+- Every method runs in a tenant transaction: one namespace and the declared knowledge bases.
+- `create_base` inserts unless the ref exists; it returns the stored row (pinned choices never change).
+- `replace_document` writes a new version atomically: the new chunks are inserted and the old
+  version's deleted in one transaction, so any single statement sees exactly one version.
+- `search` is ONE statement (vector and full-text rankings together), so it reads one snapshot.
+- Deleting a knowledge base or document removes its chunks (foreign keys cascade).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+import numpy as np
+from pgvector import Vector
+
+from tokensvc.memory.filters import Filter, compile_filter
+from tokensvc.storage.tenant import Tenant, tenant_transaction
+
+__all__ = [
+    "BaseRow",
+    "ChunkRow",
+    "DocumentRow",
+    "PassageRow",
+    "PostgresKnowledgeStore",
+]
+
+
+@dataclass(frozen=True)
+class BaseRow:
+    namespace: str
+    ref: str
+    display_name: str
+    embedder: str
+    model: str
+    dimension: int
+    normalized: bool
+    chunking: str
+    chunk_size: int
+    chunk_overlap: int
+    created_at: datetime
+    document_count: int = 0
+
+
+@dataclass(frozen=True)
+class DocumentRow:
+    namespace: str
+    kb_ref: str
+    ref: str
+    version: int
+    content_type: str
+    content_sha256: bytes
+    size_bytes: int
+    chunk_count: int
+    metadata: dict[str, Any]
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class ChunkRow:
+    index: int
+    text: str
+    start: int
+    end: int
+    heading_path: tuple[str, ...]
+    embedding: np.ndarray
+
+
+@dataclass(frozen=True)
+class PassageRow:
+    kb_ref: str
+    doc_ref: str
+    version: int
+    chunk_index: int
+    text: str
+    start: int
+    end: int
+    heading_path: tuple[str, ...]
+    score: float
+    ranker: str  # "vector" or "text"
+    rank: int
+
+
+_BASE_COLUMNS = (
+    "namespace, ref, display_name, embedder, model, dimension, normalized, chunking, chunk_size, "
+    "chunk_overlap, created_at"
+)
+_DOC_COLUMNS = "namespace, kb_ref, ref, version, content_type, content_sha256, size_bytes, chunk_count, metadata, created_at"
+
+
+def _base(row: asyncpg.Record) -> BaseRow:
+    return BaseRow(**dict(row.items()))
+
+
+def _document(row: asyncpg.Record) -> DocumentRow:
+    values = dict(row.items())
+    values["metadata"] = dict(values["metadata"])
+    return DocumentRow(**values)
+
+
+class PostgresKnowledgeStore:
+    def __init__(self, pool: asyncpg.Pool):
+        self._pool = pool
+
+    # --- knowledge bases --------------------------------------------------------------------
+
+    async def create_base(self, tenant: Tenant, base: BaseRow) -> tuple[BaseRow, bool]:
+        async with tenant_transaction(self._pool, tenant) as conn:
+            inserted = await conn.fetchrow(
+                f"INSERT INTO knowledge_bases ({_BASE_COLUMNS}) "
+                "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, now()) "
+                f"ON CONFLICT (namespace, ref) DO NOTHING RETURNING {_BASE_COLUMNS}",
+                base.namespace,
+                base.ref,
+                base.display_name,
+                base.embedder,
+                base.model,
+                base.dimension,
+                base.normalized,
+                base.chunking,
+                base.chunk_size,
+                base.chunk_overlap,
+            )
+            if inserted is not None:
+                created = _base(inserted)
+            else:
+                existing = await conn.fetchrow(
+                    f"SELECT {_BASE_COLUMNS} FROM knowledge_bases WHERE namespace = $1 AND ref = $2",
+                    base.namespace,
+                    base.ref,
+                )
+                assert existing is not None
+                return _base(existing), False
+        async with self._pool.acquire() as conn:
+            await conn.execute("SELECT ensure_chunk_vector_index($1)", created.dimension)
+        return created, True
+
+    async def get_bases(self, tenant: Tenant, refs: Sequence[str]) -> list[BaseRow]:
+        async with tenant_transaction(self._pool, tenant) as conn:
+            rows = await conn.fetch(
+                f"SELECT {_BASE_COLUMNS}, (SELECT count(*) FROM documents d WHERE d.namespace = b.namespace "
+                "AND d.kb_ref = b.ref) AS document_count FROM knowledge_bases b "
+                "WHERE namespace = $1 AND ref = ANY($2::text[]) ORDER BY ref",
+                tenant.namespace,
+                list(refs),
+            )
+        return [_base(row) for row in rows]
+
+    async def list_bases(self, tenant: Tenant, *, after: str | None, limit: int) -> list[BaseRow]:
+        async with tenant_transaction(self._pool, tenant) as conn:
+            rows = await conn.fetch(
+                f"SELECT {_BASE_COLUMNS}, (SELECT count(*) FROM documents d WHERE d.namespace = b.namespace "
+                "AND d.kb_ref = b.ref) AS document_count FROM knowledge_bases b "
+                "WHERE namespace = $1 AND ref > $2 ORDER BY ref LIMIT $3",
+                tenant.namespace,
+                after or "",
+                limit,
+            )
+        return [_base(row) for row in rows]
+
+    async def delete_base(self, tenant: Tenant, ref: str) -> int | None:
+        """Deletes the base with its documents and chunks; the document count, None if absent."""
+        async with tenant_transaction(self._pool, tenant) as conn:
+            count = await conn.fetchval(
+                "SELECT count(*) FROM documents WHERE namespace = $1 AND kb_ref = $2", tenant.namespace, ref
+            )
+            deleted = await conn.execute(
+                "DELETE FROM knowledge_bases WHERE namespace = $1 AND ref = $2", tenant.namespace, ref
+            )
+        return None if deleted.endswith(" 0") else int(count)
+
+    # --- documents --------------------------------------------------------------------------
+
+    async def get_document(self, tenant: Tenant, kb_ref: str, ref: str) -> DocumentRow | None:
+        async with tenant_transaction(self._pool, tenant) as conn:
+            row = await conn.fetchrow(
+                f"SELECT {_DOC_COLUMNS} FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref = $3",
+                tenant.namespace,
+                kb_ref,
+                ref,
+            )
+        return None if row is None else _document(row)
+
+    async def list_documents(
+        self, tenant: Tenant, kb_ref: str, *, after: str | None, limit: int, filter_: Filter | None
+    ) -> list[DocumentRow]:
+        params: list[Any] = [tenant.namespace, kb_ref, after or "", limit]
+        where = "namespace = $1 AND kb_ref = $2 AND ref > $3"
+        if filter_ is not None:
+            where += f" AND ({compile_filter(filter_, 'metadata', params)})"
+        async with tenant_transaction(self._pool, tenant) as conn:
+            rows = await conn.fetch(
+                f"SELECT {_DOC_COLUMNS} FROM documents WHERE {where} ORDER BY ref LIMIT $4", *params
+            )
+        return [_document(row) for row in rows]
+
+    async def update_metadata(self, tenant: Tenant, kb_ref: str, ref: str, metadata: dict[str, Any]) -> None:
+        async with tenant_transaction(self._pool, tenant) as conn:
+            await conn.execute(
+                "UPDATE documents SET metadata = $4, updated_at = clock_timestamp() "
+                "WHERE namespace = $1 AND kb_ref = $2 AND ref = $3",
+                tenant.namespace,
+                kb_ref,
+                ref,
+                metadata,
+            )
+            await conn.execute(
+                "UPDATE chunks SET metadata = $4 WHERE namespace = $1 AND kb_ref = $2 AND doc_ref = $3",
+                tenant.namespace,
+                kb_ref,
+                ref,
+                metadata,
+            )
+
+    async def replace_document(
+        self,
+        tenant: Tenant,
+        *,
+        kb_ref: str,
+        ref: str,
+        content_type: str,
+        content_sha256: bytes,
+        size_bytes: int,
+        metadata: dict[str, Any],
+        chunks: Sequence[ChunkRow],
+    ) -> DocumentRow:
+        """Store the next version of a document and swap its chunks in one transaction."""
+        ns = tenant.namespace
+        async with tenant_transaction(self._pool, tenant) as conn:
+            # Serialise writers of the same document; the first writer creates the row.
+            await conn.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended($1 || '/' || $2 || '/' || $3, 0))",
+                ns,
+                kb_ref,
+                ref,
+            )
+            current = await conn.fetchval(
+                "SELECT version FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref = $3",
+                ns,
+                kb_ref,
+                ref,
+            )
+            version = 1 if current is None else current + 1
+            values = (
+                ns,
+                kb_ref,
+                ref,
+                version,
+                content_type,
+                content_sha256,
+                size_bytes,
+                len(chunks),
+                metadata,
+            )
+            if current is None:
+                row = await conn.fetchrow(
+                    f"INSERT INTO documents ({_DOC_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, "
+                    f"clock_timestamp()) RETURNING {_DOC_COLUMNS}",
+                    *values,
+                )
+            else:
+                row = await conn.fetchrow(
+                    "UPDATE documents SET version = $4, content_type = $5, content_sha256 = $6, size_bytes = $7, "
+                    "chunk_count = $8, metadata = $9, updated_at = clock_timestamp() "
+                    f"WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING {_DOC_COLUMNS}",
+                    *values,
+                )
+                await conn.execute(
+                    "DELETE FROM chunks WHERE namespace = $1 AND kb_ref = $2 AND doc_ref = $3 AND version < $4",
+                    ns,
+                    kb_ref,
+                    ref,
+                    version,
+                )
+            if chunks:
+                await conn.execute(
+                    """
+                    INSERT INTO chunks (namespace, kb_ref, doc_ref, version, chunk_index, text, start_offset,
+                                        end_offset, heading_path, metadata, dimension, embedding)
+                    SELECT $1, $2, $3, $4, u.idx, u.text, u.start_offset, u.end_offset,
+                           ARRAY(SELECT jsonb_array_elements_text(u.heading)), $5, $6, u.embedding
+                    FROM unnest($7::int[], $8::text[], $9::int[], $10::int[], $11::jsonb[], $12::vector[])
+                         AS u(idx, text, start_offset, end_offset, heading, embedding)
+                    """,
+                    ns,
+                    kb_ref,
+                    ref,
+                    version,
+                    metadata,
+                    int(chunks[0].embedding.shape[0]),
+                    [c.index for c in chunks],
+                    [c.text for c in chunks],
+                    [c.start for c in chunks],
+                    [c.end for c in chunks],
+                    [list(c.heading_path) for c in chunks],
+                    [Vector(c.embedding) for c in chunks],
+                )
+        assert row is not None
+        return _document(row)
+
+    async def delete_document(self, tenant: Tenant, kb_ref: str, ref: str) -> int | None:
+        async with tenant_transaction(self._pool, tenant) as conn:
+            count = await conn.fetchval(
+                "SELECT chunk_count FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 FOR UPDATE",
+                tenant.namespace,
+                kb_ref,
+                ref,
+            )
+            if count is None:
+                return None
+            await conn.execute(
+                "DELETE FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref = $3",
+                tenant.namespace,
+                kb_ref,
+                ref,
+            )
+        return int(count)
+
+    async def chunk_count(self, tenant: Tenant, kb_refs: Sequence[str], cap: int) -> int:
+        async with tenant_transaction(self._pool, tenant) as conn:
+            value = await conn.fetchval(
+                "SELECT count(*) FROM (SELECT 1 FROM chunks WHERE namespace = $1 AND kb_ref = ANY($2::text[]) "
+                "LIMIT $3) s",
+                tenant.namespace,
+                list(kb_refs),
+                cap,
+            )
+        return int(value)
+
+    # --- search -----------------------------------------------------------------------------
+
+    async def search(
+        self,
+        tenant: Tenant,
+        kb_refs: Sequence[str],
+        *,
+        query_vector: np.ndarray,
+        query_text: str | None,
+        k: int,
+        filter_: Filter | None,
+        exact: bool,
+        ef_search: int,
+    ) -> list[PassageRow]:
+        """Vector ranking (and, with `query_text`, full-text ranking) in one statement."""
+        dimension = int(query_vector.shape[0])
+        params: list[Any] = [tenant.namespace, list(kb_refs), query_vector, k]
+        where = f"namespace = $1 AND kb_ref = ANY($2::text[]) AND dimension = {dimension}"
+        if filter_ is not None:
+            where += f" AND ({compile_filter(filter_, 'metadata', params)})"
+        columns = "kb_ref, doc_ref, version, chunk_index, text, start_offset, end_offset, heading_path"
+        distance = (
+            "embedding <#> $3" if exact else f"embedding::vector({dimension}) <#> $3::vector({dimension})"
+        )
+        vector_part = (
+            f"SELECT 'vector' AS ranker, {columns}, -({distance}) AS score, "
+            f"row_number() OVER (ORDER BY {distance}) AS rank FROM "
+            f"(SELECT * FROM chunks WHERE {where} ORDER BY {distance} LIMIT $4) v"
+        )
+        sql = vector_part
+        if query_text is not None:
+            params.append(query_text)
+            text_param = f"${len(params)}"
+            sql += (
+                f" UNION ALL SELECT 'text', {columns}, score, row_number() OVER (ORDER BY score DESC) FROM "
+                f"(SELECT *, ts_rank_cd(content_tsv, q) AS score FROM chunks, "
+                f"websearch_to_tsquery('simple', {text_param}) q WHERE {where} AND content_tsv @@ q "
+                "ORDER BY score DESC LIMIT $4) t"
+            )
+        async with tenant_transaction(self._pool, tenant) as conn:
+            if not exact:
+                await conn.execute(
+                    "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
+                    "set_config('hnsw.ef_search', $1, true)",
+                    str(ef_search),
+                )
+            rows = await conn.fetch(sql, *params)
+        return [
+            PassageRow(
+                kb_ref=row["kb_ref"],
+                doc_ref=row["doc_ref"],
+                version=row["version"],
+                chunk_index=row["chunk_index"],
+                text=row["text"],
+                start=row["start_offset"],
+                end=row["end_offset"],
+                heading_path=tuple(row["heading_path"]),
+                score=float(row["score"]),
+                ranker=row["ranker"],
+                rank=int(row["rank"]),
+            )
+            for row in rows
+        ]
