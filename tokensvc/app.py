@@ -51,6 +51,7 @@ from tokensvc.storage.audit import PostgresAuditStore
 from tokensvc.storage.knowledge import PostgresKnowledgeStore
 from tokensvc.storage.memories import PostgresMemoryStore
 from tokensvc.storage.revocations import PostgresRevocationStore
+from tokensvc.tls import ReloadingServerCredentials, TlsMaterialError
 
 __all__ = ["Service", "run_service"]
 
@@ -80,10 +81,15 @@ class Service:
     knowledge: KnowledgeBases | None = None
     audit: AuditLog | None = None
     custodian: CredentialCustodian | None = None
+    tls: ReloadingServerCredentials | None = None
     _background: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def start(self) -> None:
         cert_file, key_file, ca_file = self.settings.require_tls_files()
+        try:
+            self.tls = ReloadingServerCredentials(cert_file, key_file, ca_file)
+        except TlsMaterialError as exc:
+            raise SettingsError(f"tls_cert_file/tls_key_file/tls_client_ca_file: {exc}") from None
         bundle_file, pepper_dir = self.settings.require_capability_files()
         bundle = TrustBundle(bundle_file)
         bundle.load()
@@ -181,6 +187,10 @@ class Service:
                 ("grpc.absolute_max_metadata_size", 64 * 1024),
                 # One process per port unless scaling on one host is asked for explicitly.
                 ("grpc.so_reuseport", 0),
+                # Connections older than this are closed (after a grace period for in-flight RPCs), so a
+                # reloaded certificate reaches every client in bounded time.
+                ("grpc.max_connection_age_ms", int(self.settings.max_connection_age_seconds * 1000)),
+                ("grpc.max_connection_age_grace_ms", int(self.settings.shutdown_grace_seconds * 1000)),
             ],
         )
         register_servicers(self.server, domain)
@@ -197,12 +207,7 @@ class Service:
         for handler in self.extra_handlers:
             self.server.add_generic_rpc_handlers((handler,))
 
-        credentials = grpc.ssl_server_credentials(
-            [(key_file.read_bytes(), cert_file.read_bytes())],
-            root_certificates=ca_file.read_bytes(),
-            require_client_auth=True,
-        )
-        self.port = self.server.add_secure_port(self.settings.listen_address, credentials)
+        self.port = self.server.add_secure_port(self.settings.listen_address, self.tls.credentials())
         if self.port == 0:
             raise SettingsError(f"listen_address: cannot bind {self.settings.listen_address}")
         await self.server.start()

@@ -52,6 +52,10 @@ class Settings:
     shutdown_grace_seconds: float = field(
         default=10.0, metadata=_doc("How long in-flight RPCs may run after SIGTERM.")
     )
+    max_connection_age_seconds: float = field(
+        default=300.0,
+        metadata=_doc("Connections are recycled after this long (bounds certificate rotation)."),
+    )
     max_message_bytes: int = field(default=16 * 1024 * 1024, metadata=_doc("Largest gRPC message."))
 
     # --- roles -----------------------------------------------------------------------------
@@ -189,7 +193,11 @@ class Settings:
             raise SettingsError("database_app_role: must be a lower-case SQL identifier")
         if self.pool_min_size < 0 or self.pool_max_size < 1 or self.pool_min_size > self.pool_max_size:
             raise SettingsError("pool_min_size/pool_max_size: need 0 <= min <= max and max >= 1")
-        for name in ("shutdown_grace_seconds", "database_connect_timeout_seconds"):
+        for name in (
+            "shutdown_grace_seconds",
+            "database_connect_timeout_seconds",
+            "max_connection_age_seconds",
+        ):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name}: must be greater than 0")
         if not 0 <= self.capability_leeway_seconds <= 60:
