@@ -154,6 +154,13 @@ def test_recursive_keeps_paragraphs_that_fit_whole() -> None:
     assert [c.text for c in chunks] == ["\n\n".join(paragraphs[i : i + 3]) for i in range(0, 12, 3)]
 
 
+def test_a_heading_is_not_left_alone_when_its_paragraph_does_not_fit_beside_it() -> None:
+    sentences = [" ".join(f"s{s}w{w}" for w in range(5)) + "." for s in range(4)]
+    text = "# Title\n\n" + " ".join(sentences)
+    chunks = chunk_document(text, ChunkingStrategy(ChunkingKind.MARKDOWN, 16, 0))
+    assert [c.text for c in chunks] == ["# Title\n\n" + " ".join(sentences[:2]), " ".join(sentences[2:])]
+
+
 def test_recursive_splits_long_paragraphs_at_sentence_ends() -> None:
     sentences = [" ".join(f"s{s}w{w}" for w in range(7)) + "." for s in range(20)]
     text = " ".join(sentences)  # one paragraph of 140 words

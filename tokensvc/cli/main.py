@@ -7,9 +7,11 @@ import sys
 from collections.abc import Sequence
 
 from tokensvc import __version__
+from tokensvc.cli.admin_commands import add_admin_commands
 from tokensvc.cli.capability_commands import add_capability_commands
 from tokensvc.cli.client_commands import add_client_commands
 from tokensvc.cli.connection import RpcFailed
+from tokensvc.cli.knowledge_commands import add_knowledge_commands
 from tokensvc.cli.memory_commands import add_memory_commands
 from tokensvc.cli.server_commands import add_server_commands
 
@@ -27,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_commands(commands)
     add_capability_commands(commands)
     add_memory_commands(commands)
+    add_knowledge_commands(commands)
+    add_admin_commands(commands)
     return parser
 
 

@@ -12,15 +12,17 @@ as several words of at most that length, cut between grapheme-like units where p
 chunk exceeds `chunk_size` words, and no chunk's text grows without bound on unspaced input.
 
 - `fixed`: windows of `chunk_size` words; consecutive windows share exactly `chunk_overlap` words.
-- `recursive`: paragraphs (blank lines) that fit are kept whole; longer ones are split into
-  sentences (terminal punctuation or a line break), longer sentences into words; the pieces are
-  packed greedily up to `chunk_size` words. A new chunk repeats at most `chunk_overlap` words of
-  the previous one, starting at a sentence start when one lies in that window, else at a word.
+- `recursive`: a paragraph (blank lines end one) is kept whole if it fits the open chunk, or the
+  next one when the open chunk is at least half full; otherwise its sentences (terminal punctuation
+  or a line break ends one; `3.` opening a line is a list marker, not an end) are packed, and a
+  sentence longer than a chunk is packed word by word. A new chunk repeats at most `chunk_overlap`
+  words of the previous one: from the first sentence start in that window, else exactly that many.
 - `markdown`: sections start at ATX headings (`#`..`######`, not inside fenced code blocks;
   front matter is not special); each section is chunked recursively (overlap stays within a
-  section) and every chunk carries the section's heading path. The heading line opens its section's first
-  chunk, so searching for a title finds it; a heading whose section has no body of its own and is
-  followed by a deeper heading joins that subsection. Setext headings are not recognised.
+  section) and every chunk carries the section's heading path. The heading line opens its
+  section's first chunk, so searching for a title finds it; a heading whose section has no body of
+  its own and is followed by a deeper heading joins that subsection's first chunk. Empty headings
+  (`#` alone) and setext headings are not recognised.
 
 Line breaks are `\n`, `\r\n` or `\r`: text/plain and text/markdown documents are chunked exactly
 as uploaded (the proto promises their offsets index the decoded upload, nothing normalised).
@@ -79,7 +81,7 @@ class ChunkingStrategy:
     ) -> ChunkingStrategy:
         """Apply the proto's defaults (size 0 means 256) and validate; errors name `field.*`."""
         try:
-            parsed = ChunkingKind(kind.lower() if isinstance(kind, str) else kind)
+            parsed = ChunkingKind(kind.lower())
         except ValueError:
             choices = ", ".join(k.value for k in ChunkingKind)
             raise InvalidArgument(f"{field}.kind", f"must be one of {choices}") from None

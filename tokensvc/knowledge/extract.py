@@ -157,26 +157,31 @@ def _html_text(html: str) -> str:
             if not isinstance(node, _SKIPPED_STRINGS):
                 renderer.text(str(node))
         elif isinstance(node, Tag):
-            name = node.name.lower()
-            if name in _HEADINGS:
-                title = _SPACE.sub(" ", node.get_text(" ")).strip()
-                if title:
-                    renderer.block("#" * _HEADINGS[name] + " " + title)
-                continue
-            if name == "pre":
-                renderer.block(_fenced(node.get_text()))
-                continue
-            if name == "br":
-                renderer.request(_NEWLINE)
-                continue
-            brk = _BLANK if name in _BLOCKS else _NEWLINE if name in _LINES else ""
-            if name in _CELLS and renderer.line and not renderer.pending:
-                renderer.text(" | ")
-            renderer.request(brk)
-            if brk:
-                stack.append(brk)
-            stack.extend(reversed(node.contents))
+            _enter(node, renderer, stack)
     return renderer.result()
+
+
+def _enter(tag: Tag, renderer: _Renderer, stack: list[object]) -> None:
+    """Render `tag` whole (headings, pre, br), or push its children and its closing break."""
+    name = tag.name.lower()
+    if name in _HEADINGS:
+        title = _SPACE.sub(" ", tag.get_text()).strip()
+        if title:
+            renderer.block("#" * _HEADINGS[name] + " " + title)
+    elif name == "pre":
+        code = tag.get_text()
+        if code.strip():
+            renderer.block(_fenced(code))
+    elif name == "br":
+        renderer.request(_NEWLINE)
+    else:
+        brk = _BLANK if name in _BLOCKS else _NEWLINE if name in _LINES else ""
+        if name in _CELLS and renderer.line and not renderer.pending:
+            renderer.text(" | ")
+        renderer.request(brk)
+        if brk:
+            stack.append(brk)
+        stack.extend(reversed(tag.contents))
 
 
 def _fenced(code: str) -> str:

@@ -8,6 +8,8 @@ only knowledge bases in its capability's roster, and a refusal names no other co
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +22,7 @@ from tokensvc.audit import AuditKind, AuditLog
 from tokensvc.auth.scope import TenantScope
 from tokensvc.embedders import Embedder, EmbedderRegistry, EmbedderSpec
 from tokensvc.errors import InvalidArgument, NotFound, PermissionDenied, PinnedConfiguration, Reason
-from tokensvc.knowledge.chunking import ChunkingStrategy, chunk_document
+from tokensvc.knowledge.chunking import Chunk, ChunkingStrategy, chunk_document
 from tokensvc.knowledge.extract import extract_text
 from tokensvc.memory.filters import Filter
 from tokensvc.memory.metadata import MetadataScalar
@@ -173,9 +175,9 @@ class KnowledgeBases:
                     current = await self._store.get_document(tenant, kb_ref, doc_ref)
                     assert current is not None
                 return UploadResult(current, unchanged=True)
-            text = extract_text(content, content_type)
             strategy = ChunkingStrategy.from_stored(base.chunking, base.chunk_size, base.chunk_overlap)
-            chunks = chunk_document(text, strategy)
+            # CPU-bound for large documents (seconds for tens of MiB): off the event loop.
+            chunks = await asyncio.to_thread(_extract_and_chunk, content, content_type, strategy)
             embedder = self._embedder(base)
             vectors = await self._embed(embedder, [chunk.text for chunk in chunks])
             rows = [
@@ -257,16 +259,21 @@ class KnowledgeBases:
                     await self._store.chunk_count(tenant, group, self._exact_threshold + 1)
                     <= self._exact_threshold
                 )
-                rows = await self._store.search(
+                search = functools.partial(
+                    self._store.search,
                     tenant,
                     group,
                     query_vector=vector,
                     query_text=query if hybrid else None,
                     k=candidates,
                     filter_=filter_,
-                    exact=exact or spec.dimension > 2000,
                     ef_search=max(self._ef_search, 2 * candidates),
                 )
+                exact = exact or spec.dimension > 2000
+                rows = await search(exact=exact)
+                if not exact and sum(row.ranker == "vector" for row in rows) < candidates:
+                    # The approximate scan stopped early: search exactly so results stay complete.
+                    rows = await search(exact=True)
                 ranked.append(_fuse(rows) if hybrid else _vector_only(rows))
             passages = _merge(ranked)
             if min_score is not None:
@@ -285,6 +292,10 @@ class KnowledgeBases:
                 f"{spec.dimension} dimensions), which is not configured the same way any more"
             )
         return self._embedders.get(spec.name)
+
+
+def _extract_and_chunk(content: bytes, content_type: str, strategy: ChunkingStrategy) -> list[Chunk]:
+    return chunk_document(extract_text(content, content_type), strategy)
 
 
 def _management(namespace: str) -> Tenant:
@@ -339,7 +350,8 @@ def _passage(row: PassageRow, score: float, vector_rank: int, text_rank: int) ->
 
 
 def _vector_only(rows: Sequence[PassageRow]) -> list[Passage]:
-    return [_passage(row, row.score, row.rank, 0) for row in sorted(rows, key=lambda r: r.rank)]
+    # Ranks are reported in HYBRID mode only; the proto promises 0 for both in VECTOR mode.
+    return [_passage(row, row.score, 0, 0) for row in sorted(rows, key=lambda r: r.rank)]
 
 
 def _fuse(rows: Sequence[PassageRow]) -> list[Passage]:

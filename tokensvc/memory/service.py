@@ -9,6 +9,7 @@ pepper version's bucket move to the current bucket on first access.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import unicodedata
 import uuid
@@ -339,17 +340,23 @@ class LongTermMemory:
             exact = size <= tuning.exact_threshold or space.spec.dimension > 2000
             span.set_attribute("tokensvc.search.exact", exact)
             candidates = query.top_k if query.mode == "vector" else max(query.top_k, tuning.hybrid_candidates)
-            by_vector = await self._store.search_vector(
+            search = functools.partial(
+                self._store.search_vector,
                 space.tenant,
                 space.bucket,
                 vector,
                 k=candidates,
                 filter_=query.filter,
-                exact=exact,
                 ef_search=max(tuning.ef_search, 2 * candidates),
                 max_scan_tuples=tuning.max_scan_tuples,
                 embedder=space.spec.name,
             )
+            by_vector = await search(exact=exact)
+            if not exact and len(by_vector) < candidates:
+                # The approximate scan gave up early (a very selective filter in a big table);
+                # an exact scan of the bucket keeps searches complete: min(top_k, matching).
+                span.set_attribute("tokensvc.search.exact_fallback", True)
+                by_vector = await search(exact=True)
             if query.mode == "vector":
                 # Ranks are reported in HYBRID mode only (memory.proto: always 0 in VECTOR mode).
                 hits = [SearchHit(m.memory, m.score, 0, 0) for m in by_vector]

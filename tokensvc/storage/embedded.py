@@ -305,7 +305,9 @@ class EmbeddedPostgres:
             if not exists:
                 await conn.execute(f"CREATE DATABASE {DATABASE_NAME} OWNER {OWNER_ROLE}")
             await conn.execute(f"REVOKE ALL ON DATABASE {DATABASE_NAME} FROM PUBLIC")
-            await conn.execute(f"GRANT CONNECT ON DATABASE {DATABASE_NAME} TO {APP_GROUP_ROLE}")
+            await conn.execute(
+                f"GRANT CONNECT ON DATABASE {DATABASE_NAME} TO {APP_GROUP_ROLE}, {ROTATOR_ROLE}"
+            )
         finally:
             await conn.close()
         conn = await self._connect(superuser, DATABASE_NAME)

@@ -11,6 +11,7 @@ Contract (checked by the knowledge tests):
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -131,7 +132,9 @@ class PostgresKnowledgeStore:
                 created = _base(inserted)
             else:
                 existing = await conn.fetchrow(
-                    f"SELECT {_BASE_COLUMNS} FROM knowledge_bases WHERE namespace = $1 AND ref = $2",
+                    f"SELECT {_BASE_COLUMNS}, (SELECT count(*) FROM documents d WHERE d.namespace = b.namespace "
+                    "AND d.kb_ref = b.ref) AS document_count FROM knowledge_bases b "
+                    "WHERE namespace = $1 AND ref = $2",
                     base.namespace,
                     base.ref,
                 )
@@ -284,8 +287,8 @@ class PostgresKnowledgeStore:
                     INSERT INTO chunks (namespace, kb_ref, doc_ref, version, chunk_index, text, start_offset,
                                         end_offset, heading_path, metadata, dimension, embedding)
                     SELECT $1, $2, $3, $4, u.idx, u.text, u.start_offset, u.end_offset,
-                           ARRAY(SELECT jsonb_array_elements_text(u.heading)), $5, $6, u.embedding
-                    FROM unnest($7::int[], $8::text[], $9::int[], $10::int[], $11::jsonb[], $12::vector[])
+                           ARRAY(SELECT jsonb_array_elements_text(u.heading::jsonb)), $5, $6, u.embedding
+                    FROM unnest($7::int[], $8::text[], $9::int[], $10::int[], $11::text[], $12::vector[])
                          AS u(idx, text, start_offset, end_offset, heading, embedding)
                     """,
                     ns,
@@ -298,7 +301,8 @@ class PostgresKnowledgeStore:
                     [c.text for c in chunks],
                     [c.start for c in chunks],
                     [c.end for c in chunks],
-                    [list(c.heading_path) for c in chunks],
+                    # JSON text per chunk: asyncpg would read a list of lists as a 2-D array.
+                    [json.dumps(list(c.heading_path)) for c in chunks],
                     [Vector(c.embedding) for c in chunks],
                 )
         assert row is not None

@@ -26,6 +26,7 @@ from tokensvc.api.knowledge_codec import (
 )
 from tokensvc.api.memory_codec import decode_filter
 from tokensvc.errors import InvalidArgument, PayloadTooLarge
+from tokensvc.knowledge.extract import parse_content_type
 from tokensvc.knowledge.service import KnowledgeBases
 from tokensvc.memory.metadata import MetadataScalar, metadata_from_proto
 from tokensvc.v1 import common_pb2, knowledge_pb2, knowledge_pb2_grpc
@@ -49,9 +50,15 @@ def _decode_header(header: knowledge_pb2.UploadDocumentHeader) -> _Header:
         decode_namespace(header.namespace, "header.namespace"),
         decode_kb_ref(header.knowledge_base_ref, "header.knowledge_base_ref"),
         decode_doc_ref(header.document_ref, "header.document_ref"),
-        header.content_type,
+        # Checked here, not only at extraction: an unchanged upload is never extracted.
+        _checked_content_type(header.content_type),
         metadata_from_proto(header.metadata, "header.metadata"),
     )
+
+
+def _checked_content_type(content_type: str) -> str:
+    parse_content_type(content_type, "header.content_type")
+    return content_type
 
 
 class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):

@@ -1,0 +1,231 @@
+"""`tokensvc kb create|list|upload|documents|delete|search` — knowledge bases from the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mimetypes
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from tokensvc.cli.capability_commands import add_capability_source, read_capability
+from tokensvc.cli.connection import (
+    RpcFailed,
+    add_connection_flags,
+    call_service,
+    client_files,
+    describe_rpc_error,
+    open_channel,
+)
+from tokensvc.v1 import common_pb2, knowledge_pb2, knowledge_pb2_grpc
+
+__all__ = ["add_knowledge_commands"]
+
+_PIECE = 1024 * 1024
+_KINDS = {
+    "fixed": knowledge_pb2.CHUNKING_KIND_FIXED,
+    "recursive": knowledge_pb2.CHUNKING_KIND_RECURSIVE,
+    "markdown": knowledge_pb2.CHUNKING_KIND_MARKDOWN,
+}
+_TYPES = {".md": "text/markdown", ".markdown": "text/markdown", ".html": "text/html", ".htm": "text/html"}
+
+
+def add_knowledge_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    kb = commands.add_parser("kb", help="knowledge bases: create, upload, search")
+    sub = kb.add_subparsers(dest="kb_command", required=True, metavar="COMMAND")
+
+    create = sub.add_parser(
+        "create", help="create a knowledge base (control plane)", description="CreateKnowledgeBase."
+    )
+    create.add_argument("ref", metavar="REF")
+    create.add_argument("--embedder", default="", help="a configured embedder (default: the server's)")
+    create.add_argument("--chunking", choices=sorted(_KINDS), required=True)
+    create.add_argument("--chunk-size", type=int, default=0, help="words per chunk (16..2048, default 256)")
+    create.add_argument("--overlap", type=int, default=0, help="words shared by neighbouring chunks")
+    create.add_argument("--display-name", default="")
+    create.set_defaults(handler=_create)
+
+    listing = sub.add_parser(
+        "list", help="list knowledge bases (control plane)", description="ListKnowledgeBases."
+    )
+    listing.set_defaults(handler=_list)
+
+    upload = sub.add_parser(
+        "upload",
+        help="upload a document (control plane)",
+        description="UploadDocument, streamed in 1 MiB pieces.",
+    )
+    upload.add_argument("ref", metavar="REF")
+    upload.add_argument("file", metavar="FILE", type=Path)
+    upload.add_argument("--doc-ref", help="document ref (default: the file name)")
+    upload.add_argument(
+        "--content-type", help="text/plain, text/markdown or text/html (default: from the name)"
+    )
+    upload.set_defaults(handler=_upload)
+
+    documents = sub.add_parser(
+        "documents", help="list a knowledge base's documents", description="ListDocuments."
+    )
+    documents.add_argument("ref", metavar="REF")
+    documents.set_defaults(handler=_documents)
+
+    delete = sub.add_parser(
+        "delete", help="delete a knowledge base and all its documents", description="DeleteKnowledgeBase."
+    )
+    delete.add_argument("ref", metavar="REF")
+    delete.set_defaults(handler=_delete)
+
+    search = sub.add_parser(
+        "search", help="search knowledge bases (launcher, capability)", description="SearchKnowledge."
+    )
+    search.add_argument("query", metavar="QUERY")
+    search.add_argument(
+        "--kb", action="append", default=[], metavar="REF", help="(repeatable; default: the roster)"
+    )
+    search.add_argument("-k", "--top-k", type=int, default=5)
+    search.add_argument("--vector", action="store_true", help="vector ranking only (default: hybrid)")
+    add_capability_source(search)
+    search.set_defaults(handler=_search)
+
+    for parser in (create, listing, upload, documents, delete):
+        parser.add_argument(
+            "--namespace", default="default", help="namespace of the knowledge base (default: default)"
+        )
+    for parser in (create, listing, upload, documents, delete, search):
+        parser.add_argument("--json", action="store_true", help="print the response as JSON")
+        add_connection_flags(parser)
+
+
+def _stub(channel: grpc.aio.Channel) -> knowledge_pb2_grpc.KnowledgeServiceAsyncStub:
+    return knowledge_pb2_grpc.KnowledgeServiceStub(channel)
+
+
+def _manage(args: argparse.Namespace, method: str, request: Any) -> Any:
+    return call_service(args, "control-plane", lambda channel: getattr(_stub(channel), method), request)
+
+
+def _output(args: argparse.Namespace, response: Any, text: str) -> int:
+    if args.json:
+        print(json.dumps(json_format.MessageToDict(response, preserving_proto_field_name=True)))
+    else:
+        print(text)
+    return 0
+
+
+def _create(args: argparse.Namespace) -> int:
+    request = knowledge_pb2.CreateKnowledgeBaseRequest(
+        namespace=args.namespace,
+        ref=args.ref,
+        display_name=args.display_name,
+        embedder=args.embedder,
+        chunking=knowledge_pb2.ChunkingStrategy(
+            kind=_KINDS[args.chunking], chunk_size=args.chunk_size, chunk_overlap=args.overlap
+        ),
+    )
+    response = _manage(args, "CreateKnowledgeBase", request)
+    base = response.knowledge_base
+    verb = "created" if response.created else "already exists (same pinned configuration)"
+    return _output(
+        args, response, f"{base.namespace}/{base.ref} {verb}: embedder {base.embedder}, {args.chunking}"
+    )
+
+
+def _list(args: argparse.Namespace) -> int:
+    response = _manage(
+        args, "ListKnowledgeBases", knowledge_pb2.ListKnowledgeBasesRequest(namespace=args.namespace)
+    )
+    lines = [
+        f"{b.ref}  embedder={b.embedder}  documents={b.document_count}" for b in response.knowledge_bases
+    ]
+    return _output(args, response, "\n".join(lines) or "(no knowledge bases)")
+
+
+def _documents(args: argparse.Namespace) -> int:
+    request = knowledge_pb2.ListDocumentsRequest(namespace=args.namespace, knowledge_base_ref=args.ref)
+    response = _manage(args, "ListDocuments", request)
+    lines = [
+        f"{d.ref}  v{d.version}  {d.chunk_count} chunks  {d.size_bytes} bytes" for d in response.documents
+    ]
+    return _output(args, response, "\n".join(lines) or "(no documents)")
+
+
+def _delete(args: argparse.Namespace) -> int:
+    request = knowledge_pb2.DeleteKnowledgeBaseRequest(namespace=args.namespace, ref=args.ref)
+    response = _manage(args, "DeleteKnowledgeBase", request)
+    return _output(args, response, f"deleted {args.ref} with {response.deleted_document_count} documents")
+
+
+def _upload(args: argparse.Namespace) -> int:
+    path: Path = args.file
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    content_type = (
+        args.content_type
+        or _TYPES.get(path.suffix.lower())
+        or mimetypes.guess_type(path.name)[0]
+        or "text/plain"
+    )
+    header = knowledge_pb2.UploadDocumentHeader(
+        namespace=args.namespace,
+        knowledge_base_ref=args.ref,
+        document_ref=args.doc_ref or path.name,
+        content_type=content_type,
+    )
+    total = path.stat().st_size
+    show_progress = total > 4 * _PIECE and sys.stderr.isatty()
+
+    async def requests() -> AsyncIterator[knowledge_pb2.UploadDocumentRequest]:
+        yield knowledge_pb2.UploadDocumentRequest(header=header)
+        sent = 0
+        with path.open("rb") as handle:
+            while piece := handle.read(_PIECE):
+                sent += len(piece)
+                if show_progress:
+                    print(
+                        f"\ruploading {sent / _PIECE:.1f} / {total / _PIECE:.1f} MiB", end="", file=sys.stderr
+                    )
+                yield knowledge_pb2.UploadDocumentRequest(content=piece)
+        if show_progress:
+            print(file=sys.stderr)
+
+    files = client_files(args, role="control-plane")
+
+    async def call() -> knowledge_pb2.UploadDocumentResponse:
+        async with open_channel(args.target, files) as channel:
+            return await _stub(channel).UploadDocument(requests(), timeout=max(args.timeout, 600))
+
+    try:
+        response = asyncio.run(call())
+    except grpc.aio.AioRpcError as exc:
+        raise RpcFailed(describe_rpc_error(exc)) from None
+    document = response.document
+    state = (
+        "unchanged" if response.unchanged else f"version {document.version}, {response.chunk_count} chunks"
+    )
+    return _output(args, response, f"{document.ref}: {state}")
+
+
+def _search(args: argparse.Namespace) -> int:
+    request = knowledge_pb2.SearchKnowledgeRequest(
+        knowledge_base_refs=args.kb,
+        query_text=args.query,
+        top_k=args.top_k,
+        mode=common_pb2.SEARCH_MODE_VECTOR if args.vector else common_pb2.SEARCH_MODE_HYBRID,
+    )
+    response = call_service(
+        args, "launcher", lambda channel: _stub(channel).SearchKnowledge, request, read_capability(args)
+    )
+    lines = []
+    for passage in response.passages:
+        heading = " > ".join(passage.heading_path)
+        lines.append(f"[{passage.knowledge_base_ref}:{passage.citation}] {passage.score:.4f} {heading}")
+        lines.append(
+            "    " + passage.text[:300].replace("\n", " ") + ("..." if len(passage.text) > 300 else "")
+        )
+    return _output(args, response, "\n".join(lines) or "(no passages)")
