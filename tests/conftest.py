@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,8 +23,13 @@ def dev(tmp_path_factory: pytest.TempPathFactory) -> DevPaths:
 
 @pytest.fixture(scope="session")
 async def database(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[SharedDatabase]:
-    """A real PostgreSQL 18 + pgvector for the whole session, migrated once."""
-    server = EmbeddedPostgres(tmp_path_factory.mktemp("postgres"))
+    """A real PostgreSQL 18 + pgvector for the whole session, migrated once.
+
+    Its directory is not under pytest's basetemp: another pytest session starting on the same
+    machine resets that tree to mode 0700, which would lock out PostgreSQL's unprivileged user.
+    """
+    state = Path(tempfile.mkdtemp(prefix="tokensvc-test-pg-"))
+    server = EmbeddedPostgres(state)
     await server.start()
     shared = SharedDatabase(server)
     settings = service_settings(shared, ensure_dev_material(tmp_path_factory.mktemp("mig")), Path("."))
@@ -30,6 +37,7 @@ async def database(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Sh
     await migrate(located, settings)
     yield shared
     await server.stop()
+    shutil.rmtree(state, ignore_errors=True)
 
 
 ServiceFactory = Callable[..., Awaitable[Service]]

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import grpc
 from grpc_health.v1 import _async as health_aio  # re-exported as health.aio; named for mypy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,6 +40,7 @@ from tokensvc.credentials.journal import PostgresRotationJournal
 from tokensvc.embedders import EmbedderRegistry, load_embedders
 from tokensvc.knowledge.service import KnowledgeBases
 from tokensvc.memory.service import LongTermMemory, SearchTuning
+from tokensvc.observability import METRICS, configure_tracing, start_metrics_server
 from tokensvc.settings import Settings, SettingsError
 from tokensvc.storage import (
     Database,
@@ -51,6 +53,7 @@ from tokensvc.storage.audit import PostgresAuditStore
 from tokensvc.storage.knowledge import PostgresKnowledgeStore
 from tokensvc.storage.memories import PostgresMemoryStore
 from tokensvc.storage.revocations import PostgresRevocationStore
+from tokensvc.supervision import HealthMonitor, refresh_memory_gauge_forever, sweep_forever
 from tokensvc.tls import ReloadingServerCredentials, TlsMaterialError
 
 __all__ = ["Service", "run_service"]
@@ -82,20 +85,58 @@ class Service:
     audit: AuditLog | None = None
     custodian: CredentialCustodian | None = None
     tls: ReloadingServerCredentials | None = None
+    monitor: HealthMonitor | None = None
+    _stop_metrics: Callable[[], None] | None = None
+    _unwatch_pool: Callable[[], None] | None = None
     _background: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def start(self) -> None:
-        cert_file, key_file, ca_file = self.settings.require_tls_files()
-        try:
-            self.tls = ReloadingServerCredentials(cert_file, key_file, ca_file)
-        except TlsMaterialError as exc:
-            raise SettingsError(f"tls_cert_file/tls_key_file/tls_client_ca_file: {exc}") from None
+        """Check every file and setting, open the database, build the domain, serve."""
+        configure_tracing(self.settings.otlp_endpoint)
+        self.tls = self._tls()
         bundle_file, pepper_dir = self.settings.require_capability_files()
         bundle = TrustBundle(bundle_file)
         bundle.load()
         keyring = _load_keyring(pepper_dir)
         issuer = self._issuer()
+        self.embedders = self._embedders()
 
+        pool = await self._open_database()
+        self.revocations = RevocationList(
+            PostgresRevocationStore(pool), poll_seconds=self.settings.revocation_poll_seconds
+        )
+        await self.revocations.start()
+        identities = self._identities()
+        self.authenticator = self._authenticator(bundle, keyring, identities)
+        domain = self._domain(pool, bundle, keyring, issuer)
+        self.server = self._server(domain, identities)
+        self.port = self.server.add_secure_port(self.settings.listen_address, self.tls.credentials())
+        if self.port == 0:
+            raise SettingsError(f"listen_address: cannot bind {self.settings.listen_address}")
+        await self.server.start()
+        for name in ("", *service_names()):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._start_background(pool)
+        _log.info("serving", extra={"address": self.settings.listen_address, "port": self.port})
+
+    def _tls(self) -> ReloadingServerCredentials:
+        cert_file, key_file, ca_file = self.settings.require_tls_files()
+        try:
+            return ReloadingServerCredentials(cert_file, key_file, ca_file)
+        except TlsMaterialError as exc:
+            raise SettingsError(f"tls_cert_file/tls_key_file/tls_client_ca_file: {exc}") from None
+
+    def _embedders(self) -> EmbedderRegistry:
+        embedders = load_embedders(self.settings.embedders_file)
+        if self.settings.memory_embedder not in embedders.names:
+            raise SettingsError(
+                f"memory_embedder: {self.settings.memory_embedder!r} is not a configured embedder "
+                f"({', '.join(embedders.names)})"
+            )
+        return embedders
+
+    async def _open_database(self) -> asyncpg.Pool:
+        """Locate (or start) the database, migrate if asked, open the pool, recover rotations."""
         self.database = await Database.locate(self.settings)
         if self.settings.migrate_on_start:
             await migrate(self.database, self.settings)
@@ -114,18 +155,13 @@ class Service:
         self.audit = AuditLog(PostgresAuditStore(pool))
         self.custodian.attach(pool, PostgresRotationJournal(pool), self.audit)
         await self.custodian.recover()
-        self._background.append(
-            asyncio.create_task(
-                self.custodian.watch(self.settings.credential_watch_seconds), name="credential-watch"
-            )
-        )
+        return pool
 
-        self.revocations = RevocationList(
-            PostgresRevocationStore(pool), poll_seconds=self.settings.revocation_poll_seconds
-        )
-        await self.revocations.start()
-        identities = self._identities()
-        self.authenticator = Authenticator(
+    def _authenticator(
+        self, bundle: TrustBundle, keyring: PepperKeyring, identities: IdentityPolicy
+    ) -> Authenticator:
+        assert self.revocations is not None
+        return Authenticator(
             verifier=CapabilityVerifier(
                 bundle,
                 issuers=self.settings.capability_issuers,
@@ -139,81 +175,105 @@ class Service:
             launcher_id=identities.launcher_id,
             cache_size=self.settings.capability_cache_size,
         )
-        self.embedders = load_embedders(self.settings.embedders_file)
-        if self.settings.memory_embedder not in self.embedders.names:
-            raise SettingsError(
-                f"memory_embedder: {self.settings.memory_embedder!r} is not a configured embedder "
-                f"({', '.join(self.embedders.names)})"
-            )
+
+    def _domain(
+        self, pool: asyncpg.Pool, bundle: TrustBundle, keyring: PepperKeyring, issuer: CapabilityIssuer | None
+    ) -> Domain:
+        assert self.embedders is not None
+        assert self.audit is not None
+        assert self.custodian is not None
+        assert self.revocations is not None
+        settings = self.settings
         self.memory = LongTermMemory(
             PostgresMemoryStore(pool),
             self.embedders,
-            default_embedder=self.settings.memory_embedder,
+            default_embedder=settings.memory_embedder,
             tuning=SearchTuning(
-                exact_threshold=self.settings.memory_exact_search_threshold,
-                ef_search=self.settings.memory_hnsw_ef_search,
-                max_scan_tuples=self.settings.memory_hnsw_max_scan_tuples,
+                exact_threshold=settings.memory_exact_search_threshold,
+                ef_search=settings.memory_hnsw_ef_search,
+                max_scan_tuples=settings.memory_hnsw_max_scan_tuples,
             ),
         )
-        self._background.append(asyncio.create_task(self._sweep_forever(), name="memory-sweeper"))
         self.knowledge = KnowledgeBases(
             PostgresKnowledgeStore(pool),
             self.embedders,
             audit=self.audit,
-            default_embedder=self.settings.memory_embedder,
-            exact_threshold=self.settings.memory_exact_search_threshold,
-            ef_search=self.settings.memory_hnsw_ef_search,
+            default_embedder=settings.memory_embedder,
+            exact_threshold=settings.memory_exact_search_threshold,
+            ef_search=settings.memory_hnsw_ef_search,
         )
-        domain = Domain(
+        return Domain(
             capabilities=CapabilityOperations(revocations=self.revocations, issuer=issuer, audit=self.audit),
             memory=self.memory,
             knowledge=self.knowledge,
-            max_upload_bytes=self.settings.knowledge_max_upload_bytes,
+            max_upload_bytes=settings.knowledge_max_upload_bytes,
             administration=Administration(
                 custodian=self.custodian, bundle=bundle, keyring=keyring, audit=self.audit, pool=pool
             ),
         )
 
-        self.server = grpc.aio.server(
+    def _server(self, domain: Domain, identities: IdentityPolicy) -> grpc.aio.Server:
+        settings = self.settings
+        server = grpc.aio.server(
             interceptors=[
-                EdgeInterceptor(identities, self.authenticator, {**POLICIES, **self.extra_policies})
+                EdgeInterceptor(
+                    identities,
+                    self.authenticator,
+                    {**POLICIES, **self.extra_policies},
+                    max_in_flight_per_caller=settings.max_concurrent_rpcs_per_caller,
+                )
             ],
             options=[
-                ("grpc.max_receive_message_length", self.settings.max_message_bytes),
-                ("grpc.max_send_message_length", self.settings.max_message_bytes),
+                ("grpc.max_receive_message_length", settings.max_message_bytes),
+                ("grpc.max_send_message_length", settings.max_message_bytes),
                 # A capability may be 8 KiB; gRPC's default 8 KiB metadata budget (all headers
                 # together) would shed such calls with RESOURCE_EXHAUSTED.
                 ("grpc.max_metadata_size", 32 * 1024),
                 ("grpc.absolute_max_metadata_size", 64 * 1024),
                 # One process per port unless scaling on one host is asked for explicitly.
                 ("grpc.so_reuseport", 0),
-                # Connections older than this are closed (after a grace period for in-flight RPCs), so a
-                # reloaded certificate reaches every client in bounded time.
-                ("grpc.max_connection_age_ms", int(self.settings.max_connection_age_seconds * 1000)),
-                ("grpc.max_connection_age_grace_ms", int(self.settings.shutdown_grace_seconds * 1000)),
+                # Connections older than this are closed (after a grace period for in-flight RPCs),
+                # so a reloaded certificate reaches every client in bounded time.
+                ("grpc.max_connection_age_ms", int(settings.max_connection_age_seconds * 1000)),
+                ("grpc.max_connection_age_grace_ms", int(settings.shutdown_grace_seconds * 1000)),
             ],
         )
-        register_servicers(self.server, domain)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        if self.settings.reflection:
+        register_servicers(server, domain)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        if settings.reflection:
+            health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
             reflection.enable_server_reflection(
-                [
-                    *service_names(),
-                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                    reflection.SERVICE_NAME,
-                ],
-                self.server,
+                [*service_names(), health_name, reflection.SERVICE_NAME], server
             )
         for handler in self.extra_handlers:
-            self.server.add_generic_rpc_handlers((handler,))
+            server.add_generic_rpc_handlers((handler,))
+        return server
 
-        self.port = self.server.add_secure_port(self.settings.listen_address, self.tls.credentials())
-        if self.port == 0:
-            raise SettingsError(f"listen_address: cannot bind {self.settings.listen_address}")
-        await self.server.start()
-        for name in ("", *service_names()):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        _log.info("serving", extra={"address": self.settings.listen_address, "port": self.port})
+    def _start_background(self, pool: asyncpg.Pool) -> None:
+        assert self.database is not None
+        assert self.custodian is not None
+        assert self.memory is not None
+        settings = self.settings
+        self.monitor = HealthMonitor(
+            pool,
+            self.health,
+            service_names(),
+            embedded=self.database.embedded,
+            interval=settings.health_check_interval_seconds,
+            probe_timeout=settings.database_connect_timeout_seconds,
+        )
+        duties = {
+            "health-monitor": self.monitor.run(),
+            "credential-watch": self.custodian.watch(settings.credential_watch_seconds),
+            "memory-sweeper": sweep_forever(self.memory, settings.memory_sweep_interval_seconds),
+            "memory-gauge": refresh_memory_gauge_forever(pool, 60.0),
+        }
+        self._background += [asyncio.create_task(duty, name=name) for name, duty in duties.items()]
+        self._unwatch_pool = METRICS.live.watch_pool(
+            lambda: (pool.get_size(), pool.get_size() - pool.get_idle_size())
+        )
+        if settings.metrics_address is not None:
+            self._stop_metrics = start_metrics_server(settings.metrics_address)
 
     def _issuer(self) -> CapabilityIssuer | None:
         if self.settings.signing_key_file is None:
@@ -260,21 +320,13 @@ class Service:
         await asyncio.gather(*self._background, return_exceptions=True)
         if self.embedders is not None:
             await self.embedders.aclose()
+        if self._stop_metrics is not None:
+            await asyncio.to_thread(self._stop_metrics)
+        if self._unwatch_pool is not None:
+            self._unwatch_pool()
         if self.database is not None:
             await self.database.close()
         _log.info("stopped")
-
-    async def _sweep_forever(self) -> None:
-        assert self.memory is not None
-        while True:
-            await asyncio.sleep(self.settings.memory_sweep_interval_seconds)
-            try:
-                swept = await self.memory.sweep_expired()
-            except Exception as exc:
-                _log.warning("memory sweep failed", extra={"error": type(exc).__name__})
-                continue
-            if swept:
-                _log.info("expired memories deleted", extra={"count": swept})
 
     async def wait(self) -> None:
         assert self.server is not None

@@ -162,6 +162,23 @@ class Settings:
     )
     migrate_on_start: bool = field(default=False, metadata=_doc("Apply migrations when serving starts."))
 
+    # --- observability and limits ------------------------------------------------------------
+    otlp_endpoint: str | None = field(
+        default=None,
+        metadata=_doc("OTLP/gRPC endpoint for traces (e.g. http://otel-collector:4317); unset: none."),
+    )
+    metrics_address: str | None = field(
+        default=None,
+        metadata=_doc("host:port of the Prometheus /metrics endpoint; unset: no metrics server."),
+    )
+    max_concurrent_rpcs_per_caller: int = field(
+        default=64,
+        metadata=_doc("In-flight RPCs one caller (SPIFFE ID) may have; beyond: RESOURCE_EXHAUSTED."),
+    )
+    health_check_interval_seconds: float = field(
+        default=1.0, metadata=_doc("How often the database is probed for the health service.")
+    )
+
     # --- logging ---------------------------------------------------------------------------
     log_level: str = field(default="INFO", metadata=_doc("DEBUG, INFO, WARNING or ERROR."))
 
@@ -169,7 +186,7 @@ class Settings:
     def embedded_database(self) -> bool:
         return self.database_dsn is None
 
-    def validate(self) -> Settings:  # noqa: PLR0912 - one flat list of independent checks
+    def validate(self) -> Settings:
         """Check cross-field rules; returns self so calls chain."""
         _check_address("listen_address", self.listen_address)
         if not _TRUST_DOMAIN.match(self.trust_domain):
@@ -200,6 +217,11 @@ class Settings:
         ):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name}: must be greater than 0")
+        self._validate_capabilities()
+        self._validate_memory_and_limits()
+        return self._validate_database()
+
+    def _validate_capabilities(self) -> None:
         if not 0 <= self.capability_leeway_seconds <= 60:
             raise SettingsError("capability_leeway_seconds: must be between 0 and 60")
         if self.capability_max_lifetime_seconds < 60:
@@ -210,6 +232,8 @@ class Settings:
             raise SettingsError("capability_cache_size: must not be negative")
         if not 0 < self.revocation_poll_seconds <= 5:
             raise SettingsError("revocation_poll_seconds: must be in (0, 5] so revocations apply within 5 s")
+
+    def _validate_memory_and_limits(self) -> None:
         for name in ("memory_exact_search_threshold", "memory_hnsw_ef_search", "memory_hnsw_max_scan_tuples"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name}: must be at least 1")
@@ -217,10 +241,20 @@ class Settings:
             raise SettingsError("knowledge_max_upload_bytes: must be at least 1")
         if self.memory_sweep_interval_seconds <= 0:
             raise SettingsError("memory_sweep_interval_seconds: must be greater than 0")
+        if self.metrics_address is not None:
+            _check_address("metrics_address", self.metrics_address)
+        if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise SettingsError("otlp_endpoint: must start with http:// or https://")
+        if self.max_concurrent_rpcs_per_caller < 1:
+            raise SettingsError("max_concurrent_rpcs_per_caller: must be at least 1")
+        if self.health_check_interval_seconds <= 0:
+            raise SettingsError("health_check_interval_seconds: must be greater than 0")
         if self.max_message_bytes < 64 * 1024:
             raise SettingsError("max_message_bytes: must be at least 65536")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise SettingsError(f"log_level: {self.log_level!r} is not DEBUG, INFO, WARNING or ERROR")
+
+    def _validate_database(self) -> Settings:
         if self.database_dsn is not None:
             if not self.database_dsn.startswith(("postgresql://", "postgres://")):
                 raise SettingsError("database_dsn: must start with postgresql://")

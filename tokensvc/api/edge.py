@@ -9,6 +9,7 @@ errors are logged with the request id and answered with a generic message.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -19,23 +20,29 @@ import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
+from opentelemetry import propagate, trace
 
 from tokensvc.api.context import CallContext, reset_call, use_call
 from tokensvc.api.policy import POLICIES, RpcPolicy
 from tokensvc.auth.identity import Caller, IdentityPolicy, caller_from_auth_context
+from tokensvc.auth.scope import TenantScope
 from tokensvc.errors import (
     ERROR_DOMAIN,
     CapabilityMissing,
+    ConcurrencyLimit,
     NotImplementedRpc,
     PermissionDenied,
     Reason,
     StatusInfo,
     status_for,
 )
+from tokensvc.observability.deadlines import reset_deadline, use_deadline
+from tokensvc.observability.metrics import METRICS
 
 __all__ = ["CapabilityAuthenticator", "EdgeInterceptor", "abort_with"]
 
 _log = logging.getLogger("tokensvc.rpc")
+_tracer = trace.get_tracer("tokensvc.rpc")
 _REQUEST_ID_KEY = "x-request-id"
 _AUTHORIZATION_KEY = "authorization"
 _MAX_REQUEST_ID = 64
@@ -54,6 +61,16 @@ def _request_id(metadata: tuple[tuple[str, str | bytes], ...]) -> str:
             if cleaned:
                 return cleaned
     return uuid.uuid4().hex
+
+
+def _annotate(span: trace.Span, call: CallContext) -> None:
+    """Tenant identifiers on the server span: never content, tokens or user ids."""
+    span.set_attribute("tokensvc.caller", call.caller.spiffe_id)
+    scope = call.capability
+    if isinstance(scope, TenantScope):
+        span.set_attribute("tokensvc.namespace", scope.namespace)
+        span.set_attribute("tokensvc.agent", scope.agent)
+        span.set_attribute("tokensvc.bucket", scope.bucket_id)
 
 
 def _bearer(metadata: tuple[tuple[str, str | bytes], ...]) -> str | None:
@@ -98,10 +115,28 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         identities: IdentityPolicy,
         authenticator: CapabilityAuthenticator | None,
         policies: Mapping[str, RpcPolicy] = POLICIES,
+        *,
+        max_in_flight_per_caller: int = 64,
     ):
         self._identities = identities
         self._authenticator = authenticator
         self._policies = policies
+        self._max_in_flight = max_in_flight_per_caller
+        self._in_flight: dict[str, int] = {}
+
+    def enter(self, caller: str) -> None:
+        """Take one of the caller's in-flight slots, or refuse with RESOURCE_EXHAUSTED."""
+        count = self._in_flight.get(caller, 0)
+        if count >= self._max_in_flight:
+            raise ConcurrencyLimit(f"more than {self._max_in_flight} concurrent calls from this caller")
+        self._in_flight[caller] = count + 1
+
+    def leave(self, caller: str) -> None:
+        count = self._in_flight.get(caller, 1) - 1
+        if count <= 0:
+            self._in_flight.pop(caller, None)
+        else:
+            self._in_flight[caller] = count
 
     async def intercept_service(
         self,
@@ -161,7 +196,8 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 raise CapabilityMissing()
             if self._authenticator is None:
                 raise PermissionDenied(Reason.SCOPE_NOT_GRANTED)
-            capability = await self._authenticator.authenticate(token, caller)
+            with _tracer.start_as_current_span("capability.verify"):
+                capability = await self._authenticator.authenticate(token, caller)
         return CallContext(request_id=request_id, method=method, caller=caller, capability=capability)
 
 
@@ -193,46 +229,62 @@ class _Call:
 
     def wrap_unary(self, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            started = time.perf_counter()
-            try:
-                call = await self.edge.admit(
-                    self.method, self.policy, self.metadata, context, self.request_id
-                )
-                self.caller = call.caller.spiffe_id
-                token = use_call(call)
-                try:
-                    return await behavior(request, context)
-                finally:
-                    reset_call(token)
-            except Exception as exc:
-                await self._fail(context, exc)
-                raise  # unreachable: _fail aborts
-            finally:
-                self._log(started)
+            async with self._serving(context):
+                return await behavior(request, context)
 
         return unary
 
     def wrap_stream(self, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
         async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-            started = time.perf_counter()
+            async with self._serving(context):
+                async for response in behavior(request, context):
+                    yield response
+
+        return stream
+
+    @contextlib.asynccontextmanager
+    async def _serving(self, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
+        """Span, deadline, admission, concurrency slot, call context; errors become statuses."""
+        started = time.perf_counter()
+        parent = propagate.extract({key: value for key, value in self.metadata if isinstance(value, str)})
+        with _tracer.start_as_current_span(
+            self.method,
+            context=parent,
+            kind=trace.SpanKind.SERVER,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.method": self.method,
+                "tokensvc.request_id": self.request_id,
+            },
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            deadline = use_deadline(context.time_remaining())
+            call_token = None
+            holding_slot = False
             try:
                 call = await self.edge.admit(
                     self.method, self.policy, self.metadata, context, self.request_id
                 )
                 self.caller = call.caller.spiffe_id
-                token = use_call(call)
-                try:
-                    async for response in behavior(request, context):
-                        yield response
-                finally:
-                    reset_call(token)
+                self.edge.enter(self.caller)
+                holding_slot = True
+                _annotate(span, call)
+                call_token = use_call(call)
+                yield
             except Exception as exc:
                 await self._fail(context, exc)
                 raise  # unreachable: _fail aborts
             finally:
+                if call_token is not None:
+                    reset_call(call_token)
+                if holding_slot and self.caller is not None:
+                    self.edge.leave(self.caller)
+                reset_deadline(deadline)
+                span.set_attribute("rpc.grpc.status_code", self.code.value[0])
+                if self.code is not grpc.StatusCode.OK:
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, self.code.name))
                 self._log(started)
-
-        return stream
 
     async def _fail(self, context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> None:
         if isinstance(exc, grpc.aio.AbortError):
@@ -248,6 +300,11 @@ class _Call:
         await abort_with(context, info, self.request_id)
 
     def _log(self, started: float) -> None:
+        elapsed = time.perf_counter() - started
+        # Unknown method names are the caller's free text: one label for all of them.
+        label = self.method if self.policy is not None else "unknown"
+        METRICS.rpcs.labels(label, self.code.name).inc()
+        METRICS.rpc_seconds.labels(label).observe(elapsed)
         _log.info(
             "rpc",
             extra={
@@ -255,6 +312,6 @@ class _Call:
                 "method": self.method,
                 "caller": self.caller,
                 "status": self.code.name,
-                "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+                "duration_ms": round(elapsed * 1000, 3),
             },
         )

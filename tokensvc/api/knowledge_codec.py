@@ -7,7 +7,7 @@ import binascii
 import re
 
 from tokensvc.api.convert import timestamp
-from tokensvc.api.memory_codec import DEFAULT_TOP_K, MAX_QUERY_BYTES, MAX_TOP_K, decode_page_size
+from tokensvc.api.memory_codec import DEFAULT_TOP_K, MAX_TOP_K, decode_page_size
 from tokensvc.errors import InvalidArgument
 from tokensvc.knowledge.chunking import ChunkingKind, ChunkingStrategy
 from tokensvc.knowledge.service import Passage
@@ -28,6 +28,9 @@ __all__ = [
     "encode_page_token",
     "encode_passage",
 ]
+
+# SearchKnowledgeRequest.query_text: "at most 8 KiB" (memory queries may be 32 KiB; not this one).
+MAX_QUERY_BYTES = 8 * 1024
 
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _KB_REF = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")

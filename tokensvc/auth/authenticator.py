@@ -23,7 +23,8 @@ from tokensvc.auth.identity import Caller
 from tokensvc.auth.keyset import TrustBundle
 from tokensvc.auth.revocation import RevocationList
 from tokensvc.auth.scope import TenantScope, scope_of
-from tokensvc.errors import CapabilityExpired, CapabilityRevoked, PermissionDenied, Reason
+from tokensvc.errors import CapabilityExpired, CapabilityRevoked, PermissionDenied, Reason, TokensvcError
+from tokensvc.observability.metrics import METRICS
 from tokensvc.storage.revocations import RevocationKind
 
 __all__ = ["Authenticator", "VerificationCache"]
@@ -104,10 +105,15 @@ class Authenticator:
         revocations.on_revoked(self.cache.evict)
 
     async def authenticate(self, token: str, caller: Caller) -> TenantScope:
-        capability, scope = self._verified(token)
-        if self._revocations.is_revoked(capability.jti, capability.run_id):
-            raise CapabilityRevoked()
-        self._check_binding(capability, caller)
+        try:
+            capability, scope = self._verified(token)
+            if self._revocations.is_revoked(capability.jti, capability.run_id):
+                raise CapabilityRevoked()
+            self._check_binding(capability, caller)
+        except TokensvcError as exc:
+            METRICS.verifications.labels(exc.reason.value.lower()).inc()
+            raise
+        METRICS.verifications.labels("accepted").inc()
         return scope
 
     def _verified(self, token: str) -> tuple[VerifiedCapability, TenantScope]:
@@ -115,6 +121,7 @@ class Authenticator:
         key = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
         now = self._clock()
         entry = self.cache.get(key, now, self._bundle.generation)
+        METRICS.verification_cache.labels("miss" if entry is None else "hit").inc()
         if entry is None:
             generation = self._bundle.generation
             capability = self._verifier.verify(token)

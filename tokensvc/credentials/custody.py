@@ -30,6 +30,7 @@ from tokensvc.credentials.journal import PostgresRotationJournal, RotationEntry
 from tokensvc.credentials.scram import generate_password, scram_sha256_verifier
 from tokensvc.credentials.source import DatabaseCredential, FileCredentialSource
 from tokensvc.errors import DatabaseUnavailable, Reason, TokensvcError
+from tokensvc.observability.metrics import METRICS
 
 __all__ = ["CredentialCustodian", "CredentialStatus", "RotationMode"]
 
@@ -106,8 +107,11 @@ class CredentialCustodian:
 
     async def reload(self, actor: str) -> int | None:
         """Adopt the credential an external rotator put in the secret source, after testing it."""
-        async with self._exclusive():
-            new = self._source.read()
+        async with self._exclusive(AuditKind.CREDENTIAL_RELOAD, actor):
+            try:
+                new = self._source.read()
+            except TokensvcError as exc:
+                raise await self._refuse(AuditKind.CREDENTIAL_RELOAD, actor, exc) from None
             self._stamp = self._source.stamp()
             if new == self._active:
                 return None
@@ -124,6 +128,7 @@ class CredentialCustodian:
             await journal.step(rotation, "switch")
             await self._switch(new)
             version = await journal.close(rotation, outcome="succeeded", step="completed")
+            METRICS.rotations.labels("reload", "succeeded").inc()
             await self._record(
                 AuditKind.CREDENTIAL_RELOAD,
                 actor,
@@ -136,16 +141,19 @@ class CredentialCustodian:
 
     async def rotate(self, actor: str) -> int | None:
         """Rotate to the inactive login role with a fresh password (alternating users)."""
+        kind = AuditKind.CREDENTIAL_ROTATION
         if self._rotator is None:
-            raise _rotation_failed(
+            missing = _rotation_failed(
                 "ROTATE needs a rotator credential (setting database_rotator_credential_dir)"
             )
-        async with self._exclusive():
+            raise await self._refuse(kind, actor, missing)
+        async with self._exclusive(kind, actor):
             current = self._active
             if current.username not in self._roles:
-                raise _rotation_failed(
+                foreign = _rotation_failed(
                     f"the active role {current.username!r} is not one of the alternating login roles {self._roles}"
                 )
+                raise await self._refuse(kind, actor, foreign)
             inactive = self._roles[1] if current.username == self._roles[0] else self._roles[0]
             new = DatabaseCredential(inactive, generate_password())
             journal = self._require_journal()
@@ -187,6 +195,7 @@ class CredentialCustodian:
                 reason = f"old role {current.username} not retired ({type(exc).__name__}); retry the rotation"
                 _log.warning("old login role not retired", extra={"role": current.username})
             version = await journal.close(rotation, outcome="succeeded", step="completed", reason=reason)
+            METRICS.rotations.labels("rotate", "succeeded").inc()
             await self._record(
                 AuditKind.CREDENTIAL_ROTATION,
                 actor,
@@ -284,20 +293,30 @@ class CredentialCustodian:
     # --- steps ------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _exclusive(self) -> AsyncIterator[None]:
-        """One rotation at a time: in this process, and across replicas (advisory lock)."""
+    async def _exclusive(
+        self, kind: AuditKind | None = None, actor: str = SYSTEM_ACTOR
+    ) -> AsyncIterator[None]:
+        """One rotation at a time: in this process, and across replicas (advisory lock).
+
+        With `kind`, a refusal (busy, database unreachable) is recorded as that kind's failure.
+        """
         if self._local_lock.locked():
-            raise TokensvcError(
+            busy = TokensvcError(
                 "a credential rotation is already running", reason=Reason.ROTATION_IN_PROGRESS
             )
+            raise await self._refuse(kind, actor, busy)
         async with self._local_lock:
-            conn = await self._connect(self._active)
+            try:
+                conn = await self._connect(self._active)
+            except TokensvcError as exc:
+                raise await self._refuse(kind, actor, exc) from None
             try:
                 if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", _ROTATION_LOCK):
-                    raise TokensvcError(
+                    elsewhere = TokensvcError(
                         "a credential rotation is already running on another replica",
                         reason=Reason.ROTATION_IN_PROGRESS,
                     )
+                    raise await self._refuse(kind, actor, elsewhere)
                 yield
             finally:
                 await conn.close()  # ends the session, releasing the lock
@@ -342,6 +361,9 @@ class CredentialCustodian:
             await self._pool.expire_connections()
 
     async def _fail(self, rotation: int, kind: AuditKind, actor: str, exc: TokensvcError) -> None:
+        METRICS.rotations.labels(
+            "rotate" if kind is AuditKind.CREDENTIAL_ROTATION else "reload", "failed"
+        ).inc()
         with contextlib.suppress(Exception):
             await self._require_journal().close(rotation, outcome="failed", reason=exc.reason.value)
         await self._record(
@@ -355,6 +377,18 @@ class CredentialCustodian:
         )
         _log.warning("credential change failed; still on the previous credential",
                      extra={"reason": exc.reason.value, "role": self._active.username})  # fmt: skip
+
+    async def _refuse(self, kind: AuditKind | None, actor: str, exc: TokensvcError) -> TokensvcError:
+        """Record a change refused before it was journaled; returns `exc` for the caller to raise.
+
+        The watcher's own "already running" is not a failure: it retries on its next tick.
+        """
+        if kind is not None and not (actor == SYSTEM_ACTOR and exc.reason is Reason.ROTATION_IN_PROGRESS):
+            action = kind.value.replace("_", " ")
+            await self._record(
+                kind, actor, action, "", AuditOutcome.FAILED, reason=exc.reason, detail=exc.message
+            )
+        return exc
 
     async def _record(
         self,

@@ -25,6 +25,8 @@ __all__ = ["DatabaseCredential", "FileCredentialSource", "write_secret_file"]
 
 _DATA = "..data"
 _FILES = ("username", "password")
+# Re-resolve `..data` this often when a concurrent write removes the version being read.
+_READ_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
@@ -53,15 +55,20 @@ class FileCredentialSource:
         return data.resolve() if data.is_symlink() else self.directory
 
     def read(self) -> DatabaseCredential:
-        base = self._version_dir()
-        try:
-            username = (base / "username").read_text(encoding="utf-8").strip()
-            password = (base / "password").read_text(encoding="utf-8").rstrip("\r\n")
-        except OSError as exc:
-            raise TokensvcError(
-                f"database credential files in {self.directory} cannot be read ({exc.strerror})",
-                reason=Reason.CREDENTIAL_INVALID,
-            ) from None
+        for attempt in range(_READ_ATTEMPTS):
+            base = self._version_dir()
+            try:
+                username = (base / "username").read_text(encoding="utf-8").strip()
+                password = (base / "password").read_text(encoding="utf-8").rstrip("\r\n")
+                break
+            except OSError as exc:
+                # A writer swapped `..data` and removed the version resolved above: read the new one.
+                if attempt + 1 < _READ_ATTEMPTS and base != self.directory and base != self._version_dir():
+                    continue
+                raise TokensvcError(
+                    f"database credential files in {self.directory} cannot be read ({exc.strerror})",
+                    reason=Reason.CREDENTIAL_INVALID,
+                ) from None
         if not username or not password:
             raise TokensvcError(
                 f"database credential in {self.directory} has an empty username or password",

@@ -27,6 +27,7 @@ from tokensvc.knowledge.extract import extract_text
 from tokensvc.memory.filters import Filter
 from tokensvc.memory.metadata import MetadataScalar
 from tokensvc.memory.ranking import RRF_K
+from tokensvc.observability.metrics import observe_embedding
 from tokensvc.storage.knowledge import BaseRow, ChunkRow, DocumentRow, PassageRow, PostgresKnowledgeStore
 from tokensvc.storage.tenant import ALL_KNOWLEDGE_BASES, Tenant
 
@@ -184,7 +185,7 @@ class KnowledgeBases:
                 ChunkRow(c.index, c.text, c.start, c.end, tuple(c.heading_path), vector)
                 for c, vector in zip(chunks, vectors, strict=True)
             ]
-            document = await self._store.replace_document(
+            document, written = await self._store.replace_document(
                 tenant,
                 kb_ref=kb_ref,
                 ref=doc_ref,
@@ -195,14 +196,16 @@ class KnowledgeBases:
                 chunks=rows,
             )
             span.set_attribute("tokensvc.result_count", len(rows))
-            return UploadResult(document, unchanged=False)
+            return UploadResult(document, unchanged=not written)
 
     async def _embed(self, embedder: Embedder, texts: list[str]) -> list[np.ndarray]:
         vectors: list[np.ndarray] = []
         with _tracer.start_as_current_span("embed") as span:
             span.set_attribute("tokensvc.embed.count", len(texts))
             for start in range(0, len(texts), _EMBED_BATCH):
-                batch = await embedder.embed_documents(texts[start : start + _EMBED_BATCH])
+                batch = await observe_embedding(
+                    embedder.spec.name, embedder.embed_documents(texts[start : start + _EMBED_BATCH])
+                )
                 vectors.extend(_unit_rows(batch))
         return vectors
 
@@ -254,7 +257,9 @@ class KnowledgeBases:
             ranked: list[list[Passage]] = []
             for spec, group in groups.items():
                 embedder = self._embedder_for(spec)
-                vector = _unit_rows(np.asarray([await embedder.embed_query(query)]))[0]
+                with _tracer.start_as_current_span("embed"):
+                    query_vector = await observe_embedding(spec.name, embedder.embed_query(query))
+                vector = _unit_rows(np.asarray([query_vector]))[0]
                 exact = (
                     await self._store.chunk_count(tenant, group, self._exact_threshold + 1)
                     <= self._exact_threshold
@@ -318,10 +323,13 @@ def _authorised_refs(scope: TenantScope, refs: Sequence[str]) -> list[str]:
         return sorted(roster)
     if len(refs) > _MAX_SEARCH_REFS:
         raise InvalidArgument("knowledge_base_refs", f"at most {_MAX_SEARCH_REFS} knowledge bases per search")
-    for ref in refs:
+    for index, ref in enumerate(refs):
         if ref not in roster:
-            # Whether or not it exists: the refusal must not reveal other corpora.
-            raise PermissionDenied(Reason.SCOPE_NOT_GRANTED)
+            # Whether or not it exists: the refusal must not reveal other corpora. It names the
+            # offending position (the proto's `knowledge_base_refs[i]`), never a ref.
+            refused = PermissionDenied(Reason.SCOPE_NOT_GRANTED)
+            refused.field = f"knowledge_base_refs[{index}]"
+            raise refused
     return list(dict.fromkeys(refs))
 
 

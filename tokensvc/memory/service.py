@@ -35,6 +35,7 @@ from tokensvc.memory.metadata import MAX_METADATA_ENTRIES, MetadataScalar
 from tokensvc.memory.models import MemoryRecord, NewMemory, ScoredMemory
 from tokensvc.memory.paging import PageCursor
 from tokensvc.memory.ranking import SearchHit, reciprocal_rank_fusion
+from tokensvc.observability.metrics import observe_embedding
 from tokensvc.storage.memories import PostgresMemoryStore
 from tokensvc.storage.tenant import Tenant
 
@@ -217,7 +218,7 @@ class LongTermMemory:
     async def _embed_documents(self, embedder: Embedder, texts: list[str]) -> np.ndarray:
         with _tracer.start_as_current_span("embed") as span:
             span.set_attribute("tokensvc.embed.count", len(texts))
-            return await embedder.embed_documents(texts)
+            return await observe_embedding(embedder.spec.name, embedder.embed_documents(texts))
 
     async def update(
         self,
@@ -388,7 +389,9 @@ class LongTermMemory:
         embedder = self._require_embedder(space)
         with _tracer.start_as_current_span("embed") as span:
             span.set_attribute("tokensvc.embed.count", 1)
-            return _unit(await embedder.embed_query(query.text), "query_text")
+            return _unit(
+                await observe_embedding(embedder.spec.name, embedder.embed_query(query.text)), "query_text"
+            )
 
     async def sweep_expired(self) -> int:
         total = 0

@@ -136,8 +136,20 @@ class EmbeddedPostgres:
             return None
         return port
 
-    def _launch(self) -> None:
-        port = _free_port()
+    async def restart(self) -> None:
+        """Start a stopped (or killed) postmaster again on the same port, so pools keep their DSN."""
+        await asyncio.to_thread(self._restart_locked)
+
+    def _restart_locked(self) -> None:
+        with open(self.paths.lock, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self._process is not None:
+                self._process.poll()  # reap the dead child
+            if self._running_port() is None:
+                self._launch(self.port)
+
+    def _launch(self, port: int | None = None) -> None:
+        port = port or _free_port()
         log = open(self.paths.log, "ab")  # noqa: SIM115 - handed to the child process
         self._process = subprocess.Popen(
             [

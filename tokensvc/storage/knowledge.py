@@ -232,8 +232,13 @@ class PostgresKnowledgeStore:
         size_bytes: int,
         metadata: dict[str, Any],
         chunks: Sequence[ChunkRow],
-    ) -> DocumentRow:
-        """Store the next version of a document and swap its chunks in one transaction."""
+    ) -> tuple[DocumentRow, bool]:
+        """Store the next version of a document and swap its chunks in one transaction.
+
+        Returns the current document and whether a version was written: when the current version
+        (read under the lock) already has this content, as after a concurrent identical upload,
+        only the metadata is replaced and no version is created.
+        """
         ns = tenant.namespace
         async with tenant_transaction(self._pool, tenant) as conn:
             # Serialise writers of the same document; the first writer creates the row.
@@ -243,12 +248,31 @@ class PostgresKnowledgeStore:
                 kb_ref,
                 ref,
             )
-            current = await conn.fetchval(
-                "SELECT version FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref = $3",
+            stored = await conn.fetchrow(
+                "SELECT version, content_sha256 FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref = $3",
                 ns,
                 kb_ref,
                 ref,
             )
+            if stored is not None and stored["content_sha256"] == content_sha256:
+                row = await conn.fetchrow(
+                    "UPDATE documents SET metadata = $4, updated_at = clock_timestamp() "
+                    f"WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING {_DOC_COLUMNS}",
+                    ns,
+                    kb_ref,
+                    ref,
+                    metadata,
+                )
+                await conn.execute(
+                    "UPDATE chunks SET metadata = $4 WHERE namespace = $1 AND kb_ref = $2 AND doc_ref = $3",
+                    ns,
+                    kb_ref,
+                    ref,
+                    metadata,
+                )
+                assert row is not None
+                return _document(row), False
+            current = None if stored is None else stored["version"]
             version = 1 if current is None else current + 1
             values = (
                 ns,
@@ -306,7 +330,7 @@ class PostgresKnowledgeStore:
                     [Vector(c.embedding) for c in chunks],
                 )
         assert row is not None
-        return _document(row)
+        return _document(row), True
 
     async def delete_document(self, tenant: Tenant, kb_ref: str, ref: str) -> int | None:
         async with tenant_transaction(self._pool, tenant) as conn:
@@ -368,6 +392,7 @@ class PostgresKnowledgeStore:
         )
         sql = vector_part
         if query_text is not None:
+            # Web-search syntax, as in memory search: all words unless `or`; phrases; -exclusions.
             params.append(query_text)
             text_param = f"${len(params)}"
             sql += (

@@ -360,6 +360,8 @@ class PostgresMemoryStore:
             rows = await conn.fetch(sql, *params)
         return [ScoredMemory(_record(row, embedder), float(row["score"])) for row in rows]
 
+    # Full-text ranking uses web-search syntax: every word must match unless the query says
+    # `or`; "quoted phrases" and -exclusions work. The vector ranking covers loose paraphrases.
     async def search_text(
         self, tenant: Tenant, bucket: str, text: str, *, k: int, filter_: Filter | None, embedder: str
     ) -> list[ScoredMemory]:

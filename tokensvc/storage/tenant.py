@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import asyncpg
 
+from tokensvc.observability.deadlines import remaining_ms
+
 __all__ = ["ALL_KNOWLEDGE_BASES", "Tenant", "tenant_transaction"]
 
 _BUCKET = re.compile(r"^v[1-9][0-9]{0,8}\.[a-z2-7]{1,128}$")
@@ -50,10 +52,13 @@ async def tenant_transaction(
     async with pool.acquire() as conn, conn.transaction(isolation=isolation):  # type: ignore[arg-type]
         await conn.execute(
             "SELECT set_config('tokensvc.buckets', $1, true), set_config('tokensvc.namespace', $2, true), "
-            "set_config('tokensvc.agent', $3, true), set_config('tokensvc.kbs', $4, true)",
+            "set_config('tokensvc.agent', $3, true), set_config('tokensvc.kbs', $4, true), "
+            "set_config('statement_timeout', coalesce($5, current_setting('statement_timeout')), true)",
             ",".join(tenant.buckets),
             tenant.namespace,
             tenant.agent,
             ",".join(tenant.knowledge_bases),
+            # The caller's deadline bounds every statement; without one the server default stays.
+            None if (left := remaining_ms()) is None else str(left),
         )
         yield conn  # type: ignore[misc]

@@ -50,15 +50,11 @@ def _decode_header(header: knowledge_pb2.UploadDocumentHeader) -> _Header:
         decode_namespace(header.namespace, "header.namespace"),
         decode_kb_ref(header.knowledge_base_ref, "header.knowledge_base_ref"),
         decode_doc_ref(header.document_ref, "header.document_ref"),
-        # Checked here, not only at extraction: an unchanged upload is never extracted.
-        _checked_content_type(header.content_type),
+        # Checked here, not only at extraction: an unchanged upload is never extracted. The
+        # media type alone is kept, so Document.content_type is one of the three documented values.
+        parse_content_type(header.content_type, "header.content_type"),
         metadata_from_proto(header.metadata, "header.metadata"),
     )
-
-
-def _checked_content_type(content_type: str) -> str:
-    parse_content_type(content_type, "header.content_type")
-    return content_type
 
 
 class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):

@@ -1,0 +1,15 @@
+"""Tracing (OpenTelemetry), metrics (Prometheus) and request deadlines."""
+
+from tokensvc.observability.deadlines import current_deadline, use_deadline
+from tokensvc.observability.metrics import METRICS, Metrics, start_metrics_server
+from tokensvc.observability.tracing import configure_tracing, tracer
+
+__all__ = [
+    "METRICS",
+    "Metrics",
+    "configure_tracing",
+    "current_deadline",
+    "start_metrics_server",
+    "tracer",
+    "use_deadline",
+]

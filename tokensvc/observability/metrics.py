@@ -1,0 +1,116 @@
+"""Prometheus metrics, served on their own HTTP port (never on the mTLS gRPC port).
+
+One set of metrics per process (Prometheus registries reject duplicates); live values such as
+pool sizes are read at scrape time from the components registered with `METRICS.watch_pool`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["METRICS", "Metrics", "observe_embedding", "start_metrics_server"]
+
+_T = TypeVar("_T")
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class _LiveGauges(Collector):
+    """Gauges computed when scraped: pool sizes and memories per space."""
+
+    def __init__(self) -> None:
+        self._pools: list[Callable[[], tuple[int, int]]] = []
+        self.memories_per_space: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+
+    def watch_pool(self, sizes: Callable[[], tuple[int, int]]) -> Callable[[], None]:
+        with self._lock:
+            self._pools.append(sizes)
+        return lambda: self._unwatch(sizes)
+
+    def _unwatch(self, sizes: Callable[[], tuple[int, int]]) -> None:
+        with self._lock:
+            if sizes in self._pools:
+                self._pools.remove(sizes)
+
+    def collect(self) -> Iterator[Any]:
+        size = GaugeMetricFamily("tokensvc_db_pool_connections", "Open database connections.")
+        in_use = GaugeMetricFamily("tokensvc_db_pool_in_use", "Database connections serving a request now.")
+        with self._lock:
+            pools = list(self._pools)
+        total = busy = 0
+        for sizes in pools:
+            open_, used = sizes()
+            total += open_
+            busy += used
+        size.add_metric([], total)
+        in_use.add_metric([], busy)
+        yield size
+        yield in_use
+        spaces = GaugeMetricFamily(
+            "tokensvc_memories", "Live memories per memory space.", labels=["namespace", "agent"]
+        )
+        for (namespace, agent), count in sorted(self.memories_per_space.items()):
+            spaces.add_metric([namespace, agent], count)
+        yield spaces
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.rpcs = Counter("tokensvc_rpcs", "RPCs by method and status code.", ["method", "code"])
+        self.rpc_seconds = Histogram(
+            "tokensvc_rpc_duration_seconds", "RPC latency by method.", ["method"], buckets=_LATENCY_BUCKETS
+        )
+        self.verifications = Counter(
+            "tokensvc_capability_verifications", "Capability checks by outcome.", ["outcome"]
+        )
+        self.verification_cache = Counter(
+            "tokensvc_capability_cache", "Verified-capability cache lookups.", ["result"]
+        )
+        self.embed_seconds = Histogram(
+            "tokensvc_embed_duration_seconds",
+            "Embedding latency by embedder.",
+            ["embedder"],
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.embed_errors = Counter("tokensvc_embed_errors", "Embedding failures by embedder.", ["embedder"])
+        self.rotations = Counter(
+            "tokensvc_credential_rotations", "Credential rotations by mode and outcome.", ["mode", "outcome"]
+        )
+        self.live = _LiveGauges()
+        REGISTRY.register(self.live)
+
+
+METRICS = Metrics()
+
+
+def start_metrics_server(address: str) -> Callable[[], None]:
+    """Serve /metrics on `host:port`; returns a function that stops it."""
+    host, _, port = address.rpartition(":")
+    server, thread = start_http_server(int(port), addr=host.strip("[]"))
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+    return stop
+
+
+async def observe_embedding(embedder: str, call: Awaitable[_T]) -> _T:
+    """Time one embedder call and count its failures."""
+    started = time.perf_counter()
+    try:
+        return await call
+    except Exception:
+        METRICS.embed_errors.labels(embedder).inc()
+        raise
+    finally:
+        METRICS.embed_seconds.labels(embedder).observe(time.perf_counter() - started)

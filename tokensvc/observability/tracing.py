@@ -1,0 +1,45 @@
+"""OpenTelemetry tracing: one tracer provider per process, OTLP export when configured.
+
+Span attributes carry tenant identifiers (namespace, agent, bucket id) and counts — never content,
+tokens or user ids. Database spans come from the asyncpg instrumentation, which records the SQL
+text (our SQL has no literals: every value is a bind parameter) and not the parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+__all__ = ["configure_tracing", "tracer"]
+
+_log = logging.getLogger(__name__)
+_state = {"configured": False}
+
+
+def tracer(name: str = "tokensvc") -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def configure_tracing(otlp_endpoint: str | None, *, extra_processor: SpanProcessor | None = None) -> None:
+    """Install the SDK provider once per process; later calls only add processors."""
+    provider = trace.get_tracer_provider()
+    if not _state["configured"]:
+        if not isinstance(provider, TracerProvider):
+            provider = TracerProvider(resource=Resource.create({"service.name": "tokensvc"}))
+            trace.set_tracer_provider(provider)
+        from opentelemetry.instrumentation.asyncpg import AsyncPGInstrumentor
+
+        AsyncPGInstrumentor().instrument(tracer_provider=provider)  # type: ignore[no-untyped-call]
+        _state["configured"] = True
+    assert isinstance(provider, TracerProvider)
+    if otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint)))
+        _log.info("exporting traces over OTLP", extra={"endpoint": otlp_endpoint})
+    if extra_processor is not None:
+        provider.add_span_processor(extra_processor)
