@@ -9,7 +9,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from tokensvc.cli.connection import add_connection_flags, call_service
-from tokensvc.v1 import admin_pb2, admin_pb2_grpc
+from tokensvc.v1 import admin_pb2
 
 __all__ = ["add_admin_commands"]
 
@@ -47,9 +47,7 @@ def add_admin_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
-    return call_service(
-        args, "admin", lambda channel: getattr(admin_pb2_grpc.AdminServiceStub(channel), method), request
-    )
+    return call_service(args, "admin", "AdminService", method, request)
 
 
 def _output(args: argparse.Namespace, response: Any, text: str) -> int:

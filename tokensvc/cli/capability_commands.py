@@ -16,7 +16,7 @@ from tokensvc.auth import devpki
 from tokensvc.auth.capabilities import mint_capability
 from tokensvc.cli.connection import add_connection_flags, call_service
 from tokensvc.settings import load_settings
-from tokensvc.v1 import capability_pb2, capability_pb2_grpc
+from tokensvc.v1 import capability_pb2
 
 __all__ = ["add_capability_commands", "add_capability_source", "read_capability"]
 
@@ -138,7 +138,8 @@ def _verify(args: argparse.Namespace) -> int:
     response = call_service(
         args,
         "launcher",
-        lambda channel: capability_pb2_grpc.CapabilityServiceStub(channel).VerifyCapability,
+        "CapabilityService",
+        "VerifyCapability",
         capability_pb2.VerifyCapabilityRequest(),
         token,
     )
@@ -165,12 +166,7 @@ def _revoke(args: argparse.Namespace) -> int:
         request.jti = args.jti
     else:
         request.run_id = args.run_id
-    response = call_service(
-        args,
-        "control-plane",
-        lambda channel: capability_pb2_grpc.CapabilityServiceStub(channel).RevokeCapability,
-        request,
-    )
+    response = call_service(args, "control-plane", "CapabilityService", "RevokeCapability", request)
     _print(response, args.json, f"revoked at {response.revoked_at.ToJsonString()}")
     return 0
 
@@ -182,13 +178,8 @@ def _session_key(args: argparse.Namespace) -> int:
         if args.scope == "shared"
         else capability_pb2.SESSION_SCOPE_SESSION
     )
-    response = call_service(
-        args,
-        "launcher",
-        lambda channel: capability_pb2_grpc.CapabilityServiceStub(channel).DeriveSessionKey,
-        capability_pb2.DeriveSessionKeyRequest(conversation_id=args.conversation_id, scope=scope),
-        token,
-    )
+    request = capability_pb2.DeriveSessionKeyRequest(conversation_id=args.conversation_id, scope=scope)
+    response = call_service(args, "launcher", "CapabilityService", "DeriveSessionKey", request, token)
     if response.downgraded and not args.json:
         print("note: shared scope needs registry membership; the private layout is used", file=sys.stderr)
     _print(response, args.json, response.key)

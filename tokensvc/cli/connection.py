@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import grpc
 
 from tokensvc.auth.devpki import DevPaths
+from tokensvc.client import TokensvcClient, TokensvcError
 
 __all__ = [
     "ClientFiles",
@@ -24,7 +24,7 @@ __all__ = [
     "add_connection_flags",
     "call_service",
     "client_files",
-    "describe_rpc_error",
+    "client_for",
     "open_channel",
 ]
 
@@ -101,38 +101,28 @@ class RpcFailed(Exception):
     """A call failed; the message carries the status code and the ErrorInfo reason."""
 
 
+def client_for(args: argparse.Namespace, role: str, capability: str | None = None) -> TokensvcClient:
+    files = client_files(args, role=role)
+    return TokensvcClient(
+        args.target, files.ca, files.cert, files.key, capability=capability, timeout=args.timeout
+    )
+
+
 def call_service(
     args: argparse.Namespace,
     role: str,
-    method: Callable[[grpc.aio.Channel], Callable[..., Any]],
+    service: str,
+    method: str,
     request: Any,
     capability: str | None = None,
 ) -> Any:
-    """One unary call with the role's certificate (and a capability), as a plain function."""
-    files = client_files(args, role=role)
-    metadata = (("authorization", f"Bearer {capability}"),) if capability else ()
+    """One call through the Python client, as a plain function for the CLI."""
 
     async def call() -> Any:
-        async with open_channel(args.target, files) as channel:
-            return await method(channel)(request, timeout=args.timeout, metadata=metadata)
+        async with client_for(args, role, capability) as client:
+            return await client.call(service, method, request, capability=capability is not None)
 
     try:
         return asyncio.run(call())
-    except grpc.aio.AioRpcError as exc:
-        raise RpcFailed(describe_rpc_error(exc)) from None
-
-
-def describe_rpc_error(exc: grpc.aio.AioRpcError) -> str:
-    """`CODE (REASON): message`, reading the ErrorInfo from the status details."""
-    from google.rpc import error_details_pb2
-    from grpc_status import rpc_status
-
-    reason = ""
-    status = rpc_status.from_call(exc)  # type: ignore[arg-type]
-    if status is not None:
-        for detail in status.details:
-            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-                info = error_details_pb2.ErrorInfo()
-                detail.Unpack(info)
-                reason = f" ({info.reason})"
-    return f"{exc.code().name}{reason}: {exc.details()}"
+    except TokensvcError as exc:
+        raise RpcFailed(str(exc)) from None

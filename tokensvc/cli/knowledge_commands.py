@@ -7,23 +7,16 @@ import asyncio
 import json
 import mimetypes
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 from google.protobuf import json_format
 
 from tokensvc.cli.capability_commands import add_capability_source, read_capability
-from tokensvc.cli.connection import (
-    RpcFailed,
-    add_connection_flags,
-    call_service,
-    client_files,
-    describe_rpc_error,
-    open_channel,
-)
-from tokensvc.v1 import common_pb2, knowledge_pb2, knowledge_pb2_grpc
+from tokensvc.cli.connection import RpcFailed, add_connection_flags, call_service, client_for
+from tokensvc.client import TokensvcError
+from tokensvc.v1 import common_pb2, knowledge_pb2
 
 __all__ = ["add_knowledge_commands"]
 
@@ -102,12 +95,8 @@ def add_knowledge_commands(commands: argparse._SubParsersAction[argparse.Argumen
         add_connection_flags(parser)
 
 
-def _stub(channel: grpc.aio.Channel) -> knowledge_pb2_grpc.KnowledgeServiceAsyncStub:
-    return knowledge_pb2_grpc.KnowledgeServiceStub(channel)
-
-
 def _manage(args: argparse.Namespace, method: str, request: Any) -> Any:
-    return call_service(args, "control-plane", lambda channel: getattr(_stub(channel), method), request)
+    return call_service(args, "control-plane", "KnowledgeService", method, request)
 
 
 def _output(args: argparse.Namespace, response: Any, text: str) -> int:
@@ -180,8 +169,7 @@ def _upload(args: argparse.Namespace) -> int:
     total = path.stat().st_size
     show_progress = total > 4 * _PIECE and sys.stderr.isatty()
 
-    async def requests() -> AsyncIterator[knowledge_pb2.UploadDocumentRequest]:
-        yield knowledge_pb2.UploadDocumentRequest(header=header)
+    def pieces() -> Iterator[bytes]:
         sent = 0
         with path.open("rb") as handle:
             while piece := handle.read(_PIECE):
@@ -190,20 +178,18 @@ def _upload(args: argparse.Namespace) -> int:
                     print(
                         f"\ruploading {sent / _PIECE:.1f} / {total / _PIECE:.1f} MiB", end="", file=sys.stderr
                     )
-                yield knowledge_pb2.UploadDocumentRequest(content=piece)
+                yield piece
         if show_progress:
             print(file=sys.stderr)
 
-    files = client_files(args, role="control-plane")
-
-    async def call() -> knowledge_pb2.UploadDocumentResponse:
-        async with open_channel(args.target, files) as channel:
-            return await _stub(channel).UploadDocument(requests(), timeout=max(args.timeout, 600))
+    async def upload() -> knowledge_pb2.UploadDocumentResponse:
+        async with client_for(args, "control-plane") as client:
+            return await client.upload_document(header, pieces(), deadline_seconds=max(args.timeout, 600))
 
     try:
-        response = asyncio.run(call())
-    except grpc.aio.AioRpcError as exc:
-        raise RpcFailed(describe_rpc_error(exc)) from None
+        response = asyncio.run(upload())
+    except TokensvcError as exc:
+        raise RpcFailed(str(exc)) from None
     document = response.document
     state = (
         "unchanged" if response.unchanged else f"version {document.version}, {response.chunk_count} chunks"
@@ -219,7 +205,7 @@ def _search(args: argparse.Namespace) -> int:
         mode=common_pb2.SEARCH_MODE_VECTOR if args.vector else common_pb2.SEARCH_MODE_HYBRID,
     )
     response = call_service(
-        args, "launcher", lambda channel: _stub(channel).SearchKnowledge, request, read_capability(args)
+        args, "launcher", "KnowledgeService", "SearchKnowledge", request, read_capability(args)
     )
     lines = []
     for passage in response.passages:

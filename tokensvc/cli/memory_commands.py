@@ -10,7 +10,7 @@ from google.protobuf import duration_pb2, json_format
 
 from tokensvc.cli.capability_commands import add_capability_source, read_capability
 from tokensvc.cli.connection import add_connection_flags, call_service
-from tokensvc.v1 import common_pb2, memory_pb2, memory_pb2_grpc
+from tokensvc.v1 import common_pb2, memory_pb2
 
 __all__ = ["add_memory_commands", "parse_metadata"]
 
@@ -98,13 +98,7 @@ def _filter(raw: str | None) -> common_pb2.Filter | None:
 
 def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
     token = read_capability(args)
-    return call_service(
-        args,
-        "launcher",
-        lambda channel: getattr(memory_pb2_grpc.MemoryServiceStub(channel), method),
-        request,
-        token,
-    )
+    return call_service(args, "launcher", "MemoryService", method, request, token)
 
 
 def _output(args: argparse.Namespace, response: Any, text: str) -> int:
