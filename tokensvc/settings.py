@@ -434,4 +434,6 @@ def load_settings(
 
 
 # Variables read by client commands, not by the service.
-_CLIENT_ONLY_VARIABLES = frozenset({f"{ENV_PREFIX}CAPABILITY", f"{ENV_PREFIX}TARGET"})
+_CLIENT_ONLY_VARIABLES = frozenset(
+    f"{ENV_PREFIX}{name}" for name in ("CAPABILITY", "TARGET", "CA", "CERT", "KEY")
+)

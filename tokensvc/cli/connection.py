@@ -44,9 +44,19 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="take the CA and the role's certificate from a `tokensvc dev` state dir",
     )
-    group.add_argument("--ca", type=Path, help="CA bundle that the server certificate chains to")
-    group.add_argument("--cert", type=Path, help="client certificate (PEM)")
-    group.add_argument("--key", type=Path, help="client private key (PEM)")
+    for flag, what in (
+        ("ca", "CA bundle the server certificate chains to"),
+        ("cert", "client certificate (PEM)"),
+        ("key", "client private key (PEM)"),
+    ):
+        variable = f"TOKENSVC_{flag.upper()}"
+        default = os.environ.get(variable)
+        group.add_argument(
+            f"--{flag}",
+            type=Path,
+            default=Path(default) if default else None,
+            help=f"{what} (or ${variable})",
+        )
     group.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds (default 10)")
 
 
