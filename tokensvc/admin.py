@@ -71,14 +71,22 @@ class Administration:
             kids = self._bundle.reload()
         except TokensvcError as exc:
             await self._audit.record(
-                AuditKind.TRUST_BUNDLE_RELOAD, actor=actor, action="reload trust bundle",
-                target=str(self._bundle.path), outcome=AuditOutcome.FAILED, reason=exc.reason, detail=exc.message,
-            )  # fmt: skip
+                AuditKind.TRUST_BUNDLE_RELOAD,
+                actor=actor,
+                action="reload trust bundle",
+                target=str(self._bundle.path),
+                outcome=AuditOutcome.FAILED,
+                reason=exc.reason,
+                detail=exc.message,
+            )
             raise
         await self._audit.record(
-            AuditKind.TRUST_BUNDLE_RELOAD, actor=actor, action="reload trust bundle",
-            target=str(self._bundle.path), detail=f"key ids: {', '.join(kids)}",
-        )  # fmt: skip
+            AuditKind.TRUST_BUNDLE_RELOAD,
+            actor=actor,
+            action="reload trust bundle",
+            target=str(self._bundle.path),
+            detail=f"key ids: {', '.join(kids)}",
+        )
         return kids, self._bundle.loaded_at
 
     async def audit_page(

@@ -51,11 +51,22 @@ _STUBS: dict[str, Callable[[grpc.aio.Channel], Any]] = {
 # Reads and derivations: safe to send again after UNAVAILABLE.
 _IDEMPOTENT = frozenset(
     {
-        "VerifyCapability", "DeriveSessionKey", "SearchMemories", "GetMemory", "ListMemories",
-        "GetKnowledgeBase", "ListKnowledgeBases", "GetDocument", "ListDocuments", "SearchKnowledge",
-        "GetCredentialStatus", "ListAuditEvents", "ReloadTrustBundle", "RevokeCapability",
+        "VerifyCapability",
+        "DeriveSessionKey",
+        "SearchMemories",
+        "GetMemory",
+        "ListMemories",
+        "GetKnowledgeBase",
+        "ListKnowledgeBases",
+        "GetDocument",
+        "ListDocuments",
+        "SearchKnowledge",
+        "GetCredentialStatus",
+        "ListAuditEvents",
+        "ReloadTrustBundle",
+        "RevokeCapability",
     }
-)  # fmt: skip
+)
 
 
 class TokensvcError(Exception):
@@ -235,9 +246,12 @@ class TokensvcClient:
         # Retrying is safe only when every item carries an idempotency key.
         idempotent = all(item.idempotency_key for item in messages)
         response = await self.call(
-            "MemoryService", "Remember", memory_pb2.RememberRequest(items=messages),
-            capability=True, idempotent=idempotent,
-        )  # fmt: skip
+            "MemoryService",
+            "Remember",
+            memory_pb2.RememberRequest(items=messages),
+            capability=True,
+            idempotent=idempotent,
+        )
         return list(response.results)
 
     async def search_memories(

@@ -205,6 +205,10 @@ _DATABASE_UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.CannotConnectNowError,
     asyncpg.TooManyConnectionsError,
     asyncpg.InterfaceError,
+    # The server ended the connection between two operations (its FATAL arrived while the
+    # connection sat idle) and the next one, often the pool's reset on release, finds the protocol
+    # mid-error (MagicStack/asyncpg#784). The pool has already terminated that connection.
+    asyncpg.InternalClientError,
     asyncpg.AdminShutdownError,
     asyncpg.CrashShutdownError,
     ConnectionError,

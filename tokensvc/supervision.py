@@ -49,7 +49,13 @@ class HealthMonitor:
         try:
             async with asyncio.timeout(self._timeout), self._pool.acquire() as conn:
                 await conn.fetchval("SELECT 1")
-        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        except (
+            TimeoutError,
+            OSError,
+            asyncpg.PostgresError,
+            asyncpg.InterfaceError,
+            asyncpg.InternalClientError,
+        ):
             return False
         return True
 
@@ -64,13 +70,20 @@ class HealthMonitor:
     async def check_once(self) -> None:
         healthy = await self.probe()
         if not healthy and self._embedded is not None and self._embedded.postmaster_pid() is None:
+            # NOT_SERVING for the whole restart (crash recovery can take a while), not only when it fails.
+            await self._set_serving(False)
             _log.warning("the embedded PostgreSQL is not running; restarting it")
             try:
                 await self._embedded.restart()
             except Exception as exc:
                 _log.error("embedded PostgreSQL restart failed", extra={"error": str(exc)})
             else:
+                # Pooled connections belong to the dead server: probe (and serve) on fresh ones.
+                await self._pool.expire_connections()
                 healthy = await self.probe()
+        await self._set_serving(healthy)
+
+    async def _set_serving(self, healthy: bool) -> None:
         if healthy == self.serving:
             return
         self.serving = healthy

@@ -106,10 +106,16 @@ async def test_search_never_returns_another_buckets_memories(neighbours: Neighbo
     found = await neighbours.intruder.search(query, **fields)
     assert [r.memory.id for r in found] == [neighbours.own_id]
     filtered = await neighbours.intruder.search(
-        query, filter=common_pb2.Filter(field=common_pb2.FieldFilter(
-            key="kind", operator=common_pb2.FILTER_OPERATOR_EQ, value=meta("recipe"),
-        )), **fields,
-    )  # fmt: skip
+        query,
+        filter=common_pb2.Filter(
+            field=common_pb2.FieldFilter(
+                key="kind",
+                operator=common_pb2.FILTER_OPERATOR_EQ,
+                value=meta("recipe"),
+            )
+        ),
+        **fields,
+    )
     assert neighbours.secret_id not in {r.memory.id for r in filtered}
     # The owner, asking the same, finds it first: the search itself works.
     assert (await neighbours.owner.search(query, **fields))[0].memory.id == neighbours.secret_id

@@ -34,8 +34,12 @@ from tokensvc.embedders import HashEmbedder
 from tokensvc.v1 import common_pb2, memory_pb2
 
 Request = Callable[[list[str]], tuple[str, Any]]
-LT, GTE, GT, IN = (common_pb2.FILTER_OPERATOR_LT, common_pb2.FILTER_OPERATOR_GTE,
-                   common_pb2.FILTER_OPERATOR_GT, common_pb2.FILTER_OPERATOR_IN)  # fmt: skip
+LT, GTE, GT, IN = (
+    common_pb2.FILTER_OPERATOR_LT,
+    common_pb2.FILTER_OPERATOR_GTE,
+    common_pb2.FILTER_OPERATOR_GT,
+    common_pb2.FILTER_OPERATOR_IN,
+)
 HYBRID = common_pb2.SEARCH_MODE_HYBRID
 DIMENSION = 384  # the default `hash` embedder's
 
@@ -234,11 +238,17 @@ BAD_INPUT = [
     ("update-bad-metadata", update(metadata={"x": common_pb2.MetadataValue()}), 'metadata["x"]'),
     ("update-33-keys", update(metadata={f"new{i}": meta(i) for i in range(32)}), "metadata"),
     ("update-ttl-zero", update(ttl=ttl(0)), "ttl"),
-    ("update-remove-and-replace", update(replace_metadata=True, remove_metadata_keys=["n"]),
-     "remove_metadata_keys"),
-    ("update-remove-and-set", update(metadata={"n": meta(2)}, remove_metadata_keys=["n"]),
-     "remove_metadata_keys[0]"),
-]  # fmt: skip
+    (
+        "update-remove-and-replace",
+        update(replace_metadata=True, remove_metadata_keys=["n"]),
+        "remove_metadata_keys",
+    ),
+    (
+        "update-remove-and-set",
+        update(metadata={"n": meta(2)}, remove_metadata_keys=["n"]),
+        "remove_metadata_keys[0]",
+    ),
+]
 TOO_LARGE = {"content-32KiB+1", "long-metadata", "query-32KiB+1", "update-content-32KiB+1"}
 
 
@@ -561,9 +571,11 @@ async def test_forget_all_empties_the_bucket_and_leaves_other_buckets_untouched(
 
 
 async def test_a_changed_embedder_configuration_is_refused_and_new_spaces_pin_the_new_one(
-    launchers_on: Callable[..., Awaitable[Launchers]], start_service: Any, tmp_path: Path,
+    launchers_on: Callable[..., Awaitable[Launchers]],
+    start_service: Any,
+    tmp_path: Path,
     database: SharedDatabase,
-) -> None:  # fmt: skip
+) -> None:
     pool = await launchers_on()
     config = tmp_path / "embedders.toml"
     config.write_text('[embedders.hash]\nkind = "hash"\ndimension = 256\n')

@@ -212,10 +212,38 @@ def test_empty_html_headings_are_dropped_and_inline_tags_joined() -> None:
 
 
 _HTML_PIECES = st.sampled_from(
-    ["<p>", "</p>", "<div>", "</div>", "<h1>", "</h1>", "<h3>", "<pre>", "</pre>", "<br>", "<li>",
-     "<script>", "</script>", "<td>", "<tr>", "<!--", "-->", "&amp;", "&#0;", "<", ">", "\r\n", " ",
-     "# x", "```", "word", "Zürich", "e\u0301", "\U0001f680"]
-)  # fmt: skip
+    [
+        "<p>",
+        "</p>",
+        "<div>",
+        "</div>",
+        "<h1>",
+        "</h1>",
+        "<h3>",
+        "<pre>",
+        "</pre>",
+        "<br>",
+        "<li>",
+        "<script>",
+        "</script>",
+        "<td>",
+        "<tr>",
+        "<!--",
+        "-->",
+        "&amp;",
+        "&#0;",
+        "<",
+        ">",
+        "\r\n",
+        " ",
+        "# x",
+        "```",
+        "word",
+        "Zürich",
+        "e\u0301",
+        "\U0001f680",
+    ]
+)
 
 
 @settings(max_examples=300, deadline=None)

@@ -171,9 +171,16 @@ async def search(
     store: PostgresMemoryStore, corpus: Corpus, query: np.ndarray, *, k: int, f: Filter | None, exact: bool
 ) -> list[ScoredMemory]:
     return await store.search_vector(
-        corpus.tenant, corpus.bucket, query, k=k, filter_=f, exact=exact,
-        ef_search=max(TUNING.ef_search, 2 * k), max_scan_tuples=TUNING.max_scan_tuples, embedder="test",
-    )  # fmt: skip
+        corpus.tenant,
+        corpus.bucket,
+        query,
+        k=k,
+        filter_=f,
+        exact=exact,
+        ef_search=max(TUNING.ef_search, 2 * k),
+        max_scan_tuples=TUNING.max_scan_tuples,
+        embedder="test",
+    )
 
 
 @pytest.mark.parametrize(

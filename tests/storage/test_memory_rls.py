@@ -215,9 +215,16 @@ async def test_a_pooled_connection_never_carries_the_previous_tenant(
         store = PostgresMemoryStore(pool)
         query = rows(1, "q")[0].embedding
         await store.search_vector(
-            a, a.buckets[0], query, k=3, filter_=None, exact=False, ef_search=123, max_scan_tuples=4567,
+            a,
+            a.buckets[0],
+            query,
+            k=3,
+            filter_=None,
+            exact=False,
+            ef_search=123,
+            max_scan_tuples=4567,
             embedder="test",
-        )  # fmt: skip
+        )
         async with pool.acquire() as conn:
             assert await conn.fetchval("SELECT pg_backend_pid()") == backend
             assert await conn.fetchval("SELECT current_setting('hnsw.ef_search', true)") != "123"

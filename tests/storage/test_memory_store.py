@@ -232,9 +232,10 @@ async def test_expired_rows_are_never_returned_counted_or_updated(
     for exact in (True, False):
         hits = await store.search_vector(tenant, bucket, query, k=10, exact=exact, **search)
         assert [hit.memory.id for hit in hits] == [live.id]
-    assert [hit.memory.id for hit in await store.search_text(
-        tenant, bucket, "true", k=10, filter_=None, embedder=EMBEDDER
-    )] == [live.id]  # fmt: skip
+    assert [
+        hit.memory.id
+        for hit in await store.search_text(tenant, bucket, "true", k=10, filter_=None, embedder=EMBEDDER)
+    ] == [live.id]
     page = await store.list_page(
         tenant,
         bucket,
@@ -358,10 +359,14 @@ async def test_update_changes_content_metadata_and_expiry(
     new_vector = unit(rng)
 
     updated = await store.update(
-        tenant, bucket, row.id,
+        tenant,
+        bucket,
+        row.id,
         content=("the meeting is on tuesday", sha("the meeting is on tuesday"), new_vector),
-        metadata={"b": "two"}, ttl_seconds=600, embedder=EMBEDDER,
-    )  # fmt: skip
+        metadata={"b": "two"},
+        ttl_seconds=600,
+        embedder=EMBEDDER,
+    )
 
     assert updated is not None
     assert (updated.id, updated.content, updated.metadata) == (
@@ -372,19 +377,30 @@ async def test_update_changes_content_metadata_and_expiry(
     assert updated.updated_at > updated.created_at
     assert updated.expires_at is not None
     hits = await store.search_vector(
-        tenant, bucket, new_vector, k=1, filter_=None, exact=True, ef_search=40, max_scan_tuples=1000,
+        tenant,
+        bucket,
+        new_vector,
+        k=1,
+        filter_=None,
+        exact=True,
+        ef_search=40,
+        max_scan_tuples=1000,
         embedder=EMBEDDER,
-    )  # fmt: skip
+    )
     assert [(hit.memory.id, round(hit.score, 5)) for hit in hits] == [(row.id, 1.0)]
     found = await store.find_existing(tenant, bucket, [sha("the meeting is on tuesday")], [])
     assert [ref.id for ref in found] == [row.id]
 
     with pytest.raises(AlreadyExists) as raised:
         await store.update(
-            tenant, bucket, row.id,
+            tenant,
+            bucket,
+            row.id,
             content=("the office is in paris", sha("the office is in paris"), unit(rng)),
-            metadata=None, ttl_seconds=None, embedder=EMBEDDER,
-        )  # fmt: skip
+            metadata=None,
+            ttl_seconds=None,
+            embedder=EMBEDDER,
+        )
     assert raised.value.field == "content"
     unchanged = await store.get(tenant, bucket, row.id, EMBEDDER)
     assert unchanged is not None
@@ -531,9 +547,16 @@ async def test_spaces_of_different_dimensions_both_store_search_and_use_their_ow
 
         for exact in (True, False):
             hits = await store.search_vector(
-                tenant, bucket, target.embedding, k=3, filter_=None, exact=exact, ef_search=40,
-                max_scan_tuples=20_000, embedder=EMBEDDER,
-            )  # fmt: skip
+                tenant,
+                bucket,
+                target.embedding,
+                k=3,
+                filter_=None,
+                exact=exact,
+                ef_search=40,
+                max_scan_tuples=20_000,
+                embedder=EMBEDDER,
+            )
             assert len(hits) == 3
             assert hits[0].memory.id == target.id
             assert hits[0].score == pytest.approx(1.0, abs=1e-5)

@@ -9,7 +9,9 @@ errors are logged with the request id and answered with a generic message.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import logging
 import time
 import uuid
@@ -46,6 +48,8 @@ _tracer = trace.get_tracer("tokensvc.rpc")
 _REQUEST_ID_KEY = "x-request-id"
 _AUTHORIZATION_KEY = "authorization"
 _MAX_REQUEST_ID = 64
+# A handler cancelled with less time than this left was cancelled by its deadline.
+_DEADLINE_SLACK_SECONDS = 0.05
 
 
 class CapabilityAuthenticator(Protocol):
@@ -175,16 +179,19 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             response_serializer=handler.response_serializer,
         )
 
+    def identify(self, context: Any) -> Caller:
+        """The caller's identity from its client certificate; raises when it is not acceptable."""
+        return caller_from_auth_context(context.auth_context(), self._identities)
+
     async def admit(
         self,
         method: str,
         policy: RpcPolicy | None,
         metadata: tuple[tuple[str, Any], ...],
-        context: Any,
+        caller: Caller,
         request_id: str,
     ) -> CallContext:
-        """Identity, role, capability: raise on the first refusal."""
-        caller = caller_from_auth_context(context.auth_context(), self._identities)
+        """Role, capability: raise on the first refusal."""
         if policy is None:
             raise PermissionDenied(Reason.ROLE_NOT_ALLOWED)
         if not policy.any_authenticated_peer and not caller.roles & policy.roles:
@@ -234,7 +241,11 @@ class _Call:
 
         return unary
 
-    def wrap_stream(self, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    def wrap_stream(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        if not inspect.isasyncgenfunction(behavior):
+            # A coroutine that writes its responses with context.write (grpc's Health.Watch).
+            return self.wrap_unary(behavior)
+
         async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
             async with self._serving(context):
                 async for response in behavior(request, context):
@@ -263,15 +274,22 @@ class _Call:
             call_token = None
             holding_slot = False
             try:
-                call = await self.edge.admit(
-                    self.method, self.policy, self.metadata, context, self.request_id
-                )
-                self.caller = call.caller.spiffe_id
+                # Known before the role and capability checks, so refusals are logged with it.
+                caller = self.edge.identify(context)
+                self.caller = caller.spiffe_id
+                call = await self.edge.admit(self.method, self.policy, self.metadata, caller, self.request_id)
                 self.edge.enter(self.caller)
                 holding_slot = True
                 _annotate(span, call)
                 call_token = use_call(call)
                 yield
+            except asyncio.CancelledError:
+                # gRPC cancelled the handler: the client went away or its deadline passed. The
+                # client already has its status; record that one, not OK.
+                left = context.time_remaining()
+                expired = left is not None and left <= _DEADLINE_SLACK_SECONDS
+                self.code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+                raise
             except Exception as exc:
                 await self._fail(context, exc)
                 raise  # unreachable: _fail aborts

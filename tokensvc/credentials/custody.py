@@ -82,6 +82,7 @@ class CredentialCustodian:
         self._stamp = source.stamp()
         self._changed = asyncio.Event()
         self._local_lock = asyncio.Lock()
+        self._reloading = False
         self._pool: asyncpg.Pool | None = None
         self._journal: PostgresRotationJournal | None = None
         self._audit = audit
@@ -250,9 +251,12 @@ class CredentialCustodian:
             )
         await self._record(
             AuditKind.CREDENTIAL_ROTATION if entry.mode == "rotate" else AuditKind.CREDENTIAL_RELOAD,
-            SYSTEM_ACTOR, "recover interrupted rotation", in_source.username, AuditOutcome.SUCCEEDED,
+            SYSTEM_ACTOR,
+            "recover interrupted rotation",
+            in_source.username,
+            AuditOutcome.SUCCEEDED,
             detail=f"rotation {entry.id} interrupted at step {entry.step}; {'forward' if forward else 'back'}",
-        )  # fmt: skip
+        )
 
     async def watch(self, interval: float) -> None:
         """Reload by itself when the secret source changes on disk (an external rotator)."""
@@ -268,8 +272,10 @@ class CredentialCustodian:
             except TokensvcError as exc:
                 if exc.reason is not Reason.ROTATION_IN_PROGRESS:
                     self._stamp = stamp  # report a bad file once, not every tick
-                    _log.error("credential reload from the secret source failed; still on the previous credential",
-                               extra={"reason": exc.reason.value})  # fmt: skip
+                    _log.error(
+                        "credential reload from the secret source failed; still on the previous credential",
+                        extra={"reason": exc.reason.value},
+                    )
             except Exception as exc:
                 _log.warning("credential watch failed", extra={"error": type(exc).__name__})
 
@@ -300,12 +306,15 @@ class CredentialCustodian:
 
         With `kind`, a refusal (busy, database unreachable) is recorded as that kind's failure.
         """
-        if self._local_lock.locked():
+        if self._local_lock.locked() and not (kind is AuditKind.CREDENTIAL_RELOAD and self._reloading):
             busy = TokensvcError(
                 "a credential rotation is already running", reason=Reason.ROTATION_IN_PROGRESS
             )
             raise await self._refuse(kind, actor, busy)
+        # A RELOAD that meets a reload in progress here (the file watcher's) waits for it and then
+        # finds the credential already adopted, instead of failing.
         async with self._local_lock:
+            self._reloading = kind is AuditKind.CREDENTIAL_RELOAD
             try:
                 conn = await self._connect(self._active)
             except TokensvcError as exc:
@@ -319,14 +328,19 @@ class CredentialCustodian:
                     raise await self._refuse(kind, actor, elsewhere)
                 yield
             finally:
+                self._reloading = False
                 await conn.close()  # ends the session, releasing the lock
 
     async def _connect(self, credential: DatabaseCredential) -> asyncpg.Connection:
         try:
             return await asyncpg.connect(
-                host=self._host, port=self._port, database=self._database, user=credential.username,
-                password=credential.password, timeout=self._timeout,
-            )  # fmt: skip
+                host=self._host,
+                port=self._port,
+                database=self._database,
+                user=credential.username,
+                password=credential.password,
+                timeout=self._timeout,
+            )
         except (asyncpg.InvalidPasswordError, asyncpg.InvalidAuthorizationSpecificationError):
             raise TokensvcError(
                 f"the credential for role {credential.username!r} does not log in",
@@ -375,8 +389,10 @@ class CredentialCustodian:
             reason=exc.reason,
             detail=exc.message,
         )
-        _log.warning("credential change failed; still on the previous credential",
-                     extra={"reason": exc.reason.value, "role": self._active.username})  # fmt: skip
+        _log.warning(
+            "credential change failed; still on the previous credential",
+            extra={"reason": exc.reason.value, "role": self._active.username},
+        )
 
     async def _refuse(self, kind: AuditKind | None, actor: str, exc: TokensvcError) -> TokensvcError:
         """Record a change refused before it was journaled; returns `exc` for the caller to raise.

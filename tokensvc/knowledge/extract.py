@@ -77,11 +77,35 @@ def extract_text(content: bytes, content_type: str, field: str = "header.content
 _DROPPED = frozenset({"script", "style", "noscript", "template", "head"})
 _BLOCKS = frozenset(
     {
-        "address", "article", "aside", "blockquote", "body", "dd", "details", "dialog", "div", "dl",
-        "dt", "fieldset", "figcaption", "figure", "footer", "form", "header", "hr", "html", "main",
-        "nav", "ol", "p", "section", "summary", "table", "ul",
+        "address",
+        "article",
+        "aside",
+        "blockquote",
+        "body",
+        "dd",
+        "details",
+        "dialog",
+        "div",
+        "dl",
+        "dt",
+        "fieldset",
+        "figcaption",
+        "figure",
+        "footer",
+        "form",
+        "header",
+        "hr",
+        "html",
+        "main",
+        "nav",
+        "ol",
+        "p",
+        "section",
+        "summary",
+        "table",
+        "ul",
     }
-)  # fmt: skip
+)
 _LINES = frozenset({"li", "tr", "caption", "thead", "tbody", "tfoot"})
 _HEADINGS = {f"h{level}": level for level in range(1, 7)}
 _CELLS = frozenset({"td", "th"})
