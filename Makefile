@@ -32,9 +32,16 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-protolint: install
+protolint: install  ## buf lint + format; buf breaking against the newest v1.* tag (docs/api.md, "Stability").
 	$(BIN)/buf lint
 	$(BIN)/buf format --diff --exit-code
+	@tag=$$(git tag --list 'v1.*' --sort=-v:refname 2>/dev/null | head -n1); \
+	if [ -n "$$tag" ]; then \
+		echo "buf breaking --against .git#tag=$$tag"; \
+		$(BIN)/buf breaking --against ".git#tag=$$tag"; \
+	else \
+		echo "no released v1 tag; skipping buf breaking"; \
+	fi
 
 proto: install  ## Regenerate tokensvc/v1 from protos/ (never edit the stubs by hand).
 	$(PY) -m grpc_tools.protoc -I protos \
@@ -42,8 +49,9 @@ proto: install  ## Regenerate tokensvc/v1 from protos/ (never edit the stubs by 
 		--plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc \
 		--python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. $(PROTOS)
 
-bench: install
-	$(PY) -m bench.run
+bench: install  ## Benchmarks (bench/, docs/benchmarks.md); BENCH_ARGS=--quick for a smaller run.
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m bench.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -93,6 +93,7 @@ POLICIES: dict[str, RpcPolicy] = {
     ),
     "/grpc.health.v1.Health/Check": _OPEN,
     "/grpc.health.v1.Health/Watch": _OPEN,
+    "/grpc.health.v1.Health/List": _OPEN,
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": _OPEN,
     "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": _OPEN,
 }

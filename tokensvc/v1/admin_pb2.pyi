@@ -431,7 +431,9 @@ class AuditEvent(_message.Message):
     DETAIL_FIELD_NUMBER: _builtins.int
     OCCURRED_AT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
-    """The event's id, a UUID."""
+    """The event's id: a decimal integer, increasing with time (opaque to clients; compare for
+    equality only).
+    """
     kind: Global___AuditEventKind.ValueType
     """The category of the action."""
     actor: _builtins.str
@@ -439,8 +441,8 @@ class AuditEvent(_message.Message):
     (a file change, crash recovery).
     """
     action: _builtins.str
-    """What was done, for example the full RPC method name `tokensvc.v1.AdminService/ReloadTrustBundle`
-    or `secret-file-changed`.
+    """What was done, in words, for example `rotate database credential`, `reload trust bundle`,
+    `revoke run_id` or `create knowledge base`.
     """
     target: _builtins.str
     """What it was done to, for example `jti:<id>`, `run:<id>`, `kb:<namespace>/<ref>` or

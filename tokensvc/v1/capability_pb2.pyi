@@ -284,9 +284,9 @@ class IssueCapabilityRequest(_message.Message):
     characters.
     """
     agent: _builtins.str
-    """The agent name (claim `agent`); required, a DNS-1123 subdomain of at most 253 characters."""
+    """The agent name (claim `agent`); required, a DNS-1123 label of at most 63 characters."""
     user: _builtins.str
-    """The end-user id (claim `user`), 1 to 256 characters when set; tokensvc never stores or logs
+    """The end-user id (claim `user`), 1 to 512 characters when set; tokensvc never stores or logs
     it, only the bucket derived from it.
     """
     per_user: _builtins.bool
@@ -298,8 +298,8 @@ class IssueCapabilityRequest(_message.Message):
     long_term_memory: _builtins.bool
     """Whether long-term memory is enabled for the run (claim `ltm`)."""
     run_id: _builtins.str
-    """The run id (claim `sub`), at most 128 characters; empty means the server generates a UUID,
-    returned in the response.
+    """The run id (claim `sub`), 1 to 256 characters of `[A-Za-z0-9._:-]`; empty means the server
+    generates a UUID, returned in the response.
     """
     cnf_x5t_s256: _builtins.bytes
     """The SHA-256 of the DER-encoded leaf certificate the capability is bound to (claim
@@ -311,8 +311,9 @@ class IssueCapabilityRequest(_message.Message):
 
     @_builtins.property
     def ttl(self) -> _duration_pb2.Duration:
-        """The capability's lifetime from now; unset means 1 hour; it must be positive and at most the
-        server's configured maximum lifetime, otherwise INVALID_ARGUMENT naming `ttl`.
+        """The capability's lifetime from now in whole seconds; unset means 1 hour; it must be at least
+        60 seconds and at most the server's configured maximum lifetime, otherwise INVALID_ARGUMENT
+        naming `ttl`.
         """
 
     def __init__(
@@ -385,13 +386,13 @@ class RevokeCapabilityRequest(_message.Message):
     RUN_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     jti: _builtins.str
-    """Revokes the one capability with this `jti` (1 to 128 characters)."""
+    """Revokes the one capability with this `jti` (1 to 256 characters)."""
     run_id: _builtins.str
-    """Revokes every capability whose `sub` is this run id (1 to 128 characters), including ones
+    """Revokes every capability whose `sub` is this run id (1 to 256 characters), including ones
     minted later.
     """
     reason: _builtins.str
-    """A free-text reason recorded in the audit trail, at most 512 characters; optional."""
+    """A free-text reason recorded in the audit trail, at most 1,024 characters; optional."""
     def __init__(
         self,
         *,
