@@ -47,8 +47,14 @@ class HealthMonitor:
 
     async def probe(self) -> bool:
         try:
-            async with asyncio.timeout(self._timeout), self._pool.acquire() as conn:
-                await conn.fetchval("SELECT 1")
+            async with self._pool.acquire(timeout=self._timeout) as conn:
+                try:
+                    await conn.fetchval("SELECT 1", timeout=self._timeout)
+                except TimeoutError:
+                    # A hung server never answers the cancel request that returning this connection
+                    # to the pool waits for (the probe would hang with it): drop the connection.
+                    conn.terminate()
+                    raise
         except (
             TimeoutError,
             OSError,

@@ -307,16 +307,21 @@ async def test_the_sweeper_deletes_expired_rows_of_every_bucket_and_no_live_row(
     async with pool.acquire() as conn:
         live_ids = [row.id for bucket_rows in live.values() for row in bucket_rows]
         assert await conn.execute("DELETE FROM memories WHERE id = ANY($1::uuid[])", live_ids) == "DELETE 0"
-    # Declaring a sweep reveals expired rows only.
+    # Expired rows of other buckets stay invisible to the serving role, whatever it declares:
+    # only the owner's sweep function sees them.
     async with pool.acquire() as conn, conn.transaction():
         await conn.execute("SELECT set_config('tokensvc.sweep', 'on', true)")
-        visible = await conn.fetch("SELECT bucket, expires_at <= now() AS expired FROM memories")
-        assert all(row["expired"] for row in visible)
-        assert sum(row["bucket"] in buckets for row in visible) == 6
-        deleted = await conn.execute(
-            "DELETE FROM memories WHERE bucket = ANY($1::text[]) AND expires_at IS NULL", buckets
+        assert (
+            await conn.fetchval("SELECT count(*) FROM memories WHERE bucket = ANY($1::text[])", buckets) == 0
         )
-        assert deleted == "DELETE 0"
+        assert (
+            await conn.execute("DELETE FROM memories WHERE bucket = ANY($1::text[])", buckets) == "DELETE 0"
+        )
+    async with tenant_transaction(pool, Tenant(NAMESPACE, agent, (new_bucket(),))) as conn:
+        assert await conn.fetchval("SELECT count(*) FROM memories WHERE expires_at <= now()") == 0
+    with pytest.raises(asyncpg.PostgresError, match="between 1 and 10000"):
+        async with pool.acquire() as conn:
+            await conn.fetchval("SELECT sweep_expired_memories(0)")
 
     assert await store.sweep_expired(limit=1) == 1
     while await store.sweep_expired() > 0:

@@ -14,12 +14,14 @@ import contextlib
 import inspect
 import logging
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol, cast
 
 import grpc
 from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from opentelemetry import propagate, trace
@@ -32,6 +34,7 @@ from tokensvc.errors import (
     ERROR_DOMAIN,
     CapabilityMissing,
     ConcurrencyLimit,
+    InvalidArgument,
     NotImplementedRpc,
     PermissionDenied,
     Reason,
@@ -50,6 +53,9 @@ _AUTHORIZATION_KEY = "authorization"
 _MAX_REQUEST_ID = 64
 # A handler cancelled with less time than this left was cancelled by its deadline.
 _DEADLINE_SLACK_SECONDS = 0.05
+# Error messages and field paths longer than this are cut (see rich_status).
+_MAX_MESSAGE_CHARS = 512
+_MAX_FIELD_CHARS = 256
 
 
 class CapabilityAuthenticator(Protocol):
@@ -77,6 +83,46 @@ def _annotate(span: trace.Span, call: CallContext) -> None:
         span.set_attribute("tokensvc.bucket", scope.bucket_id)
 
 
+class _Undecodable:
+    """Stands for request bytes that do not parse as the RPC's request message."""
+
+
+_UNDECODABLE = _Undecodable()
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """The handler's deserializer, answering `_UNDECODABLE` instead of raising.
+
+    gRPC would turn a parse error (corrupt wire bytes, or nesting past protobuf's depth limit)
+    into UNKNOWN with the Python exception in the message; the edge answers INVALID_ARGUMENT,
+    after admission, like every other malformed request.
+    """
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError:
+            return _UNDECODABLE
+
+    return deserialize
+
+
+def _decoded(request: Any) -> Any:
+    """The request (or request stream) for the servicer; raises for bytes that did not parse."""
+    if request is _UNDECODABLE:
+        raise InvalidArgument("request", "is not a well-formed message of this RPC's request type")
+    if hasattr(request, "__aiter__"):
+        return _decoded_stream(request)
+    return request
+
+
+async def _decoded_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _decoded(request)
+
+
 def _bearer(metadata: tuple[tuple[str, str | bytes], ...]) -> str | None:
     values = [value for key, value in metadata if key == _AUTHORIZATION_KEY]
     if len(values) != 1 or not isinstance(values[0], str):
@@ -87,18 +133,29 @@ def _bearer(metadata: tuple[tuple[str, str | bytes], ...]) -> str | None:
     return token.strip()
 
 
+def _bounded(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
 def rich_status(info: StatusInfo, request_id: str) -> grpc.Status:
-    """A grpc.Status whose details carry ErrorInfo (and BadRequest when a field is named)."""
+    """A grpc.Status whose details carry ErrorInfo (and BadRequest when a field is named).
+
+    Messages and field paths may quote the caller's input; they are cut short so the status
+    trailers stay far below the 16 KiB metadata limit of gRPC clients (over it, the client sees
+    RESOURCE_EXHAUSTED instead of this status).
+    """
+    message = _bounded(info.message, _MAX_MESSAGE_CHARS)
+    field = _bounded(info.field, _MAX_FIELD_CHARS) if info.field else None
     metadata = {"request_id": request_id}
-    if info.field:
-        metadata["field"] = info.field
+    if field:
+        metadata["field"] = field
     details = [
         _pack(error_details_pb2.ErrorInfo(reason=info.reason.value, domain=ERROR_DOMAIN, metadata=metadata))
     ]
-    if info.field:
-        violation = error_details_pb2.BadRequest.FieldViolation(field=info.field, description=info.message)
+    if field:
+        violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=message)
         details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
-    status = status_pb2.Status(code=info.code.value[0], message=info.message, details=details)
+    status = status_pb2.Status(code=info.code.value[0], message=message, details=details)
     return rpc_status.to_status(status)
 
 
@@ -158,24 +215,24 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 edge.wrap_unary(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
                 edge.wrap_unary(handler.stream_unary),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 edge.wrap_stream(cast(Any, handler.unary_stream)),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return grpc.stream_stream_rpc_method_handler(
             edge.wrap_stream(cast(Any, handler.stream_stream)),
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_lenient(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
 
@@ -203,7 +260,7 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 raise CapabilityMissing()
             if self._authenticator is None:
                 raise PermissionDenied(Reason.SCOPE_NOT_GRANTED)
-            with _tracer.start_as_current_span("capability.verify"):
+            with _tracer.start_as_current_span("capability.verify", record_exception=False):
                 capability = await self._authenticator.authenticate(token, caller)
         return CallContext(request_id=request_id, method=method, caller=caller, capability=capability)
 
@@ -237,7 +294,7 @@ class _Call:
     def wrap_unary(self, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             async with self._serving(context):
-                return await behavior(request, context)
+                return await behavior(_decoded(request), context)
 
         return unary
 
@@ -248,7 +305,7 @@ class _Call:
 
         async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
             async with self._serving(context):
-                async for response in behavior(request, context):
+                async for response in behavior(_decoded(request), context):
                     yield response
 
         return stream
@@ -310,10 +367,16 @@ class _Call:
         info = status_for(exc)
         self.code = info.code
         if info.internal:
+            # The exception's type and frames, not its message: a message can quote request
+            # content (asyncpg's "invalid input ..." does), which must never reach a log.
             _log.error(
                 "internal error",
-                exc_info=exc,
-                extra={"request_id": self.request_id, "method": self.method},
+                extra={
+                    "request_id": self.request_id,
+                    "method": self.method,
+                    "error_type": type(exc).__qualname__,
+                    "traceback": "".join(traceback.format_tb(exc.__traceback__)),
+                },
             )
         await abort_with(context, info, self.request_id)
 

@@ -93,7 +93,7 @@ def decode_page(page_size: int, token: str) -> tuple[int, str | None]:
         after = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode("utf-8")
     except (binascii.Error, UnicodeDecodeError, ValueError):
         raise InvalidArgument("page_token", "is not a token this service issued") from None
-    if not after or len(after) > 512:
+    if not after or len(after) > 512 or "\x00" in after:
         raise InvalidArgument("page_token", "is not a token this service issued")
     return decode_page_size(page_size), after
 

@@ -23,7 +23,14 @@ from tokensvc.auth.identity import Caller
 from tokensvc.auth.keyset import TrustBundle
 from tokensvc.auth.revocation import RevocationList
 from tokensvc.auth.scope import TenantScope, scope_of
-from tokensvc.errors import CapabilityExpired, CapabilityRevoked, PermissionDenied, Reason, TokensvcError
+from tokensvc.errors import (
+    CapabilityExpired,
+    CapabilityRevoked,
+    DatabaseUnavailable,
+    PermissionDenied,
+    Reason,
+    TokensvcError,
+)
 from tokensvc.observability.metrics import METRICS
 from tokensvc.storage.revocations import RevocationKind
 
@@ -109,6 +116,9 @@ class Authenticator:
             capability, scope = self._verified(token)
             if self._revocations.is_revoked(capability.jti, capability.run_id):
                 raise CapabilityRevoked()
+            if not self._revocations.is_current:
+                # Fail closed: a replica cut off from the revocation table cannot vouch for a token.
+                raise DatabaseUnavailable("revocations cannot be checked right now; retry later")
             self._check_binding(capability, caller)
         except TokensvcError as exc:
             METRICS.verifications.labels(exc.reason.value.lower()).inc()

@@ -11,7 +11,7 @@ import base64
 import re
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -32,7 +32,7 @@ _DEFAULT_TTL = 3600
 class IssueRequest:
     namespace: str
     agent: str
-    user: str | None
+    user: str | None = field(repr=False)
     per_user: bool
     registry: str | None
     long_term_memory: bool
@@ -44,7 +44,7 @@ class IssueRequest:
 
 @dataclass(frozen=True)
 class IssuedCapability:
-    token: str
+    token: str = field(repr=False)
     jti: str
     run_id: str
     expires_at: int
@@ -69,7 +69,7 @@ class CapabilityIssuer:
         _check_request(request, self._max_lifetime)
         jti = uuid.uuid4().hex
         run_id = request.run_id or str(uuid.uuid4())
-        ttl = request.ttl_seconds or _DEFAULT_TTL
+        ttl = request.ttl_seconds or min(_DEFAULT_TTL, self._max_lifetime)
         thumbprint = (
             base64.urlsafe_b64encode(request.cnf_x5t_s256).rstrip(b"=").decode()
             if request.cnf_x5t_s256

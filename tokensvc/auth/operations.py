@@ -70,6 +70,10 @@ class CapabilityOperations:
             raise InvalidArgument(field, f"must be 1..{_MAX_REVOKE_VALUE} characters")
         if len(reason) > _MAX_REASON:
             raise InvalidArgument("reason", f"must be at most {_MAX_REASON} characters")
+        # PostgreSQL text cannot hold U+0000: refuse it here rather than fail in the database.
+        for name, text in ((field, value), ("reason", reason)):
+            if "\x00" in text:
+                raise InvalidArgument(name, "must not contain U+0000 (NUL)")
         revoked_at = await self._revocations.revoke(kind, value, reason=reason, revoked_by=revoked_by)
         await self._audit.record(
             AuditKind.CAPABILITY_REVOCATION,

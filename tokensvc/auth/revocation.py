@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
@@ -23,7 +24,13 @@ _OVERLAP = timedelta(seconds=30)
 
 
 class RevocationList:
-    def __init__(self, store: RevocationStore, *, poll_seconds: float = 1.0):
+    def __init__(
+        self,
+        store: RevocationStore,
+        *,
+        poll_seconds: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._store = store
         self._poll_seconds = poll_seconds
         self._jtis: set[str] = set()
@@ -31,6 +38,10 @@ class RevocationList:
         self._newest: datetime | None = None
         self._task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[RevocationKind, str], None]] = []
+        self._clock = clock
+        self._last_sync = clock()
+        # Past this age the list may miss revocations made elsewhere: refuse rather than trust it.
+        self.max_staleness = max(5.0, 3 * poll_seconds) + poll_seconds
 
     def on_revoked(self, listener: Callable[[RevocationKind, str], None]) -> None:
         """Call `listener(kind, value)` for every newly seen revocation (cache eviction)."""
@@ -39,8 +50,14 @@ class RevocationList:
     def is_revoked(self, jti: str, run_id: str) -> bool:
         return jti in self._jtis or run_id in self._runs
 
+    @property
+    def is_current(self) -> bool:
+        """Whether the last successful sync is recent enough to honour every replica's revocations."""
+        return self._clock() - self._last_sync <= self.max_staleness
+
     async def start(self) -> None:
         self._apply(await self._store.all())
+        self._last_sync = self._clock()
         self._task = asyncio.create_task(self._poll_forever(), name="revocation-poller")
 
     async def stop(self) -> None:
@@ -56,10 +73,12 @@ class RevocationList:
         return revoked_at
 
     async def poll_once(self) -> None:
+        synced_at = self._clock()
         if self._newest is None:
             self._apply(await self._store.all())
         else:
             self._apply(await self._store.since(self._newest - _OVERLAP))
+        self._last_sync = synced_at
 
     async def _poll_forever(self) -> None:
         while True:

@@ -93,7 +93,7 @@ class KnowledgeBases:
         *,
         actor: str,
     ) -> tuple[BaseRow, bool]:
-        with _tracer.start_as_current_span("knowledge.create") as span:
+        with _tracer.start_as_current_span("knowledge.create", record_exception=False) as span:
             span.set_attribute("tokensvc.namespace", namespace)
             name = embedder_name or self._default
             if name not in self._embedders.names:
@@ -141,7 +141,7 @@ class KnowledgeBases:
         return await self._store.list_bases(_management(namespace), after=after, limit=limit)
 
     async def delete(self, namespace: str, ref: str, *, actor: str) -> int:
-        with _tracer.start_as_current_span("knowledge.delete"):
+        with _tracer.start_as_current_span("knowledge.delete", record_exception=False):
             count = await self._store.delete_base(_management(namespace), ref)
             if count is None:
                 raise NotFound(f"no knowledge base {ref!r} in namespace {namespace!r}")
@@ -163,7 +163,7 @@ class KnowledgeBases:
         metadata: dict[str, MetadataScalar],
         content: bytes,
     ) -> UploadResult:
-        with _tracer.start_as_current_span("knowledge.upload") as span:
+        with _tracer.start_as_current_span("knowledge.upload", record_exception=False) as span:
             span.set_attribute("tokensvc.namespace", namespace)
             span.set_attribute("tokensvc.upload.bytes", len(content))
             tenant = _management(namespace)
@@ -200,7 +200,7 @@ class KnowledgeBases:
 
     async def _embed(self, embedder: Embedder, texts: list[str]) -> list[np.ndarray]:
         vectors: list[np.ndarray] = []
-        with _tracer.start_as_current_span("embed") as span:
+        with _tracer.start_as_current_span("embed", record_exception=False) as span:
             span.set_attribute("tokensvc.embed.count", len(texts))
             for start in range(0, len(texts), _EMBED_BATCH):
                 batch = await observe_embedding(
@@ -244,7 +244,7 @@ class KnowledgeBases:
         filter_: Filter | None,
         hybrid: bool,
     ) -> list[Passage]:
-        with _tracer.start_as_current_span("knowledge.search") as span:
+        with _tracer.start_as_current_span("knowledge.search", record_exception=False) as span:
             span.set_attribute("tokensvc.namespace", scope.namespace)
             span.set_attribute("tokensvc.agent", scope.agent)
             refs = _authorised_refs(scope, refs)
@@ -257,7 +257,7 @@ class KnowledgeBases:
             ranked: list[list[Passage]] = []
             for spec, group in groups.items():
                 embedder = self._embedder_for(spec)
-                with _tracer.start_as_current_span("embed"):
+                with _tracer.start_as_current_span("embed", record_exception=False):
                     query_vector = await observe_embedding(spec.name, embedder.embed_query(query))
                 vector = _unit_rows(np.asarray([query_vector]))[0]
                 exact = (

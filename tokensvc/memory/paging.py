@@ -13,7 +13,7 @@ import hashlib
 import json
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from tokensvc.errors import InvalidArgument
 
@@ -48,10 +48,12 @@ def decode_page_token(token: str, filter_bytes: bytes) -> PageCursor | None:
         created_at = datetime.fromisoformat(body["c"])
         memory_id = str(uuid.UUID(body["i"]))
         tag = body["f"]
-    except (ValueError, KeyError, TypeError, binascii.Error, UnicodeDecodeError):
+        if created_at.tzinfo is None:
+            raise ValueError("naive timestamp")
+        # In UTC, as the database compares it: a forged 0001-01-01T00:00+14:00 has no UTC value.
+        created_at = created_at.astimezone(UTC)
+    except (ValueError, KeyError, TypeError, OverflowError, binascii.Error, UnicodeDecodeError):
         raise InvalidArgument(_FIELD, "is not a token this service issued") from None
-    if created_at.tzinfo is None:
-        raise InvalidArgument(_FIELD, "is not a token this service issued")
     if tag != _filter_tag(filter_bytes):
         raise InvalidArgument(_FIELD, "was issued for a different filter")
     return PageCursor(created_at, memory_id)

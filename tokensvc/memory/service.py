@@ -154,7 +154,7 @@ class LongTermMemory:
 
     async def remember(self, scope: TenantScope, items: Sequence[RememberItem]) -> list[tuple[str, bool]]:
         """An (id, deduplicated) per item, in order; all-or-nothing."""
-        with _tracer.start_as_current_span("memory.remember") as span:
+        with _tracer.start_as_current_span("memory.remember", record_exception=False) as span:
             _annotate(span, scope, items=len(items))
             space = await self._space(scope, for_write=True)
             assert space is not None
@@ -216,7 +216,7 @@ class LongTermMemory:
             return [pair for pair in resolved if pair is not None]
 
     async def _embed_documents(self, embedder: Embedder, texts: list[str]) -> np.ndarray:
-        with _tracer.start_as_current_span("embed") as span:
+        with _tracer.start_as_current_span("embed", record_exception=False) as span:
             span.set_attribute("tokensvc.embed.count", len(texts))
             return await observe_embedding(embedder.spec.name, embedder.embed_documents(texts))
 
@@ -231,7 +231,7 @@ class LongTermMemory:
         remove_keys: Sequence[str],
         ttl_seconds: int | None,
     ) -> MemoryRecord:
-        with _tracer.start_as_current_span("memory.update") as span:
+        with _tracer.start_as_current_span("memory.update", record_exception=False) as span:
             _annotate(span, scope)
             space = await self._space(scope, for_write=False)
             current = (
@@ -273,7 +273,7 @@ class LongTermMemory:
             return updated
 
     async def forget(self, scope: TenantScope, ids: Sequence[str]) -> int:
-        with _tracer.start_as_current_span("memory.forget") as span:
+        with _tracer.start_as_current_span("memory.forget", record_exception=False) as span:
             _annotate(span, scope, items=len(ids))
             space = await self._space(scope, for_write=False)
             if space is None:
@@ -283,7 +283,7 @@ class LongTermMemory:
             return count
 
     async def forget_all(self, scope: TenantScope) -> int:
-        with _tracer.start_as_current_span("memory.forget") as span:
+        with _tracer.start_as_current_span("memory.forget", record_exception=False) as span:
             _annotate(span, scope)
             space = await self._space(scope, for_write=False)
             tenant = Tenant(scope.namespace, scope.agent, (scope.bucket_id,))
@@ -294,7 +294,7 @@ class LongTermMemory:
     # --- reads ------------------------------------------------------------------------------
 
     async def get(self, scope: TenantScope, memory_id: str) -> MemoryRecord:
-        with _tracer.start_as_current_span("memory.get") as span:
+        with _tracer.start_as_current_span("memory.get", record_exception=False) as span:
             _annotate(span, scope)
             space = await self._space(scope, for_write=False)
             record = (
@@ -310,7 +310,7 @@ class LongTermMemory:
         self, scope: TenantScope, *, page_size: int, cursor: PageCursor | None, filter_: Filter | None
     ) -> tuple[list[MemoryRecord], MemoryRecord | None]:
         """A page, newest first, and the last record when there may be more (for the next token)."""
-        with _tracer.start_as_current_span("memory.list") as span:
+        with _tracer.start_as_current_span("memory.list", record_exception=False) as span:
             _annotate(span, scope)
             space = await self._space(scope, for_write=False)
             if space is None:
@@ -329,7 +329,7 @@ class LongTermMemory:
             return records, None
 
     async def search(self, scope: TenantScope, query: SearchQuery) -> list[SearchHit]:
-        with _tracer.start_as_current_span("memory.search") as span:
+        with _tracer.start_as_current_span("memory.search", record_exception=False) as span:
             _annotate(span, scope)
             span.set_attribute("tokensvc.search.mode", query.mode)
             space = await self._space(scope, for_write=False)
@@ -387,7 +387,7 @@ class LongTermMemory:
             return _unit(query.vector, "query_vector")
         assert query.text is not None
         embedder = self._require_embedder(space)
-        with _tracer.start_as_current_span("embed") as span:
+        with _tracer.start_as_current_span("embed", record_exception=False) as span:
             span.set_attribute("tokensvc.embed.count", 1)
             return _unit(
                 await observe_embedding(embedder.spec.name, embedder.embed_query(query.text)), "query_text"

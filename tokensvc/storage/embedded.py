@@ -24,11 +24,11 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import asyncpg
 
@@ -48,6 +48,11 @@ SUPERUSER = "postgres"
 # When tokensvc runs as root, PostgreSQL refuses to; it runs as this unprivileged system user.
 _SYSTEM_USER = "pgserver"
 _START_TIMEOUT_S = 30.0
+# argv: gid, uid, program, arguments...
+_DROP_PRIVILEGES = (
+    "import os, sys; os.setgroups([]); os.setgid(int(sys.argv[1])); os.setuid(int(sys.argv[2])); "
+    "os.execv(sys.argv[3], sys.argv[3:])"
+)
 
 
 class EmbeddedPostgresError(RuntimeError):
@@ -152,7 +157,7 @@ class EmbeddedPostgres:
         port = port or _free_port()
         log = open(self.paths.log, "ab")  # noqa: SIM115 - handed to the child process
         self._process = subprocess.Popen(
-            [
+            self._as_system_user(
                 str(self._bin / "postgres"),
                 "-D",
                 str(self.paths.data),
@@ -170,11 +175,10 @@ class EmbeddedPostgres:
                 "shared_buffers=256MB",
                 "-c",
                 "password_encryption=scram-sha-256",
-            ],
+            ),
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
-            **self._drop_privileges(),  # a Ctrl-C in the terminal must not kill it before we drain
+            start_new_session=True,  # a Ctrl-C in the terminal must not kill it before we drain
         )
         log.close()
         deadline = time.monotonic() + _START_TIMEOUT_S
@@ -223,13 +227,21 @@ class EmbeddedPostgres:
     def _system_user(self) -> str | None:
         return _SYSTEM_USER if os.geteuid() == 0 else None
 
-    def _drop_privileges(self) -> dict[str, Any]:
-        """subprocess arguments that run a child as the system user, its group and no other."""
+    def _as_system_user(self, *command: str) -> list[str]:
+        """`command`, run as the system user (its group and no other) when we are root.
+
+        Not through Popen's user=/group=/extra_groups=: those make subprocess fork() rather than
+        vfork(), and the forked child of a process with gRPC threads runs gRPC's atfork handlers
+        and can crash before exec (SIGSEGV/SIGABRT in about half of the restarts under traffic).
+        A fresh interpreter, spawned without fork handlers, drops the privileges and execs.
+        """
         user = self._system_user()
         if user is None:
-            return {}
-        # user= alone keeps gid 0 (root's group): set the group and drop supplementary groups too.
-        return {"user": user, "group": user, "extra_groups": []}
+            return list(command)
+        import pwd
+
+        entry = pwd.getpwnam(user)
+        return [sys.executable, "-I", "-c", _DROP_PRIVILEGES, str(entry.pw_gid), str(entry.pw_uid), *command]
 
     def _initdb(self) -> None:
         superuser = FileCredentialSource(self.paths.credential_dir("superuser"))
@@ -237,13 +249,16 @@ class EmbeddedPostgres:
         data = self.paths.data
         data.mkdir(mode=0o700, exist_ok=True)
         pwfile = data.parent / ".initdb-pw"
-        pwfile.write_text(superuser.read().password + "\n")
-        pwfile.chmod(0o600)
+        pwfile.unlink(missing_ok=True)
+        # Created 0600 from the start: there is no moment at which another user could read it.
+        fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(superuser.read().password + "\n")
         try:
             if self._system_user():
                 self._prepare_for_system_user([data, pwfile])
             subprocess.run(
-                [
+                self._as_system_user(
                     str(self._bin / "initdb"),
                     "-D",
                     str(data),
@@ -255,10 +270,9 @@ class EmbeddedPostgres:
                     "--encoding=UTF8",
                     "--locale=C",
                     "--no-instructions",
-                ],
+                ),
                 check=True,
                 capture_output=True,
-                **self._drop_privileges(),
             )
         except subprocess.CalledProcessError as exc:
             raise EmbeddedPostgresError(

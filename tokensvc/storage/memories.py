@@ -286,16 +286,13 @@ class PostgresMemoryStore:
         return int(live)
 
     async def sweep_expired(self, limit: int = 1000) -> int:
-        """Delete up to `limit` expired rows of any bucket (the sweep policy allows only those)."""
-        async with self._pool.acquire() as conn, conn.transaction():
-            # Its WHERE reads columns, so RLS's SELECT side applies too: memories_sweep_read.
-            await conn.execute("SELECT set_config('tokensvc.sweep', 'on', true)")
-            result = await conn.execute(
-                "DELETE FROM memories WHERE ctid = ANY (ARRAY(SELECT ctid FROM memories "
-                "WHERE expires_at <= now() LIMIT $1))",
-                limit,
-            )
-        return int(result.split()[-1])
+        """Delete up to `limit` expired rows of any bucket, through the owner's sweep function.
+
+        The serving role itself can neither see nor delete another tenant's rows, expired or not.
+        """
+        async with self._pool.acquire() as conn:
+            deleted = await conn.fetchval("SELECT sweep_expired_memories($1)", limit)
+        return int(deleted)
 
     # --- reads ------------------------------------------------------------------------------
 

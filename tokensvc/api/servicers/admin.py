@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC as _UTC
+from datetime import datetime
 from typing import Any
 
 import grpc
+from google.protobuf import timestamp_pb2
 
 from tokensvc.admin import Administration, PepperCount
 from tokensvc.api.context import current_call
@@ -42,6 +45,18 @@ _KINDS = {
     admin_pb2.AUDIT_EVENT_KIND_ADMIN_QUERY: AuditKind.ADMIN_QUERY,
 }
 _KIND_TO_PROTO = {kind: value for value, kind in _KINDS.items()}
+_PAGE_TOKEN = re.compile(r"[0-9]{1,19}")
+_MAX_EVENT_ID = 2**63 - 1
+
+
+def _datetime(value: timestamp_pb2.Timestamp, field: str) -> datetime:
+    """A request timestamp as an aware datetime; out-of-range seconds or nanos are the caller's error."""
+    try:
+        return value.ToDatetime(tzinfo=_UTC)
+    except (ValueError, OverflowError):
+        raise InvalidArgument(field, "is not a valid timestamp") from None
+
+
 _AUDIT_OUTCOMES = {
     AuditOutcome.STARTED: admin_pb2.AUDIT_OUTCOME_STARTED,
     AuditOutcome.SUCCEEDED: admin_pb2.AUDIT_OUTCOME_SUCCEEDED,
@@ -127,7 +142,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         limit = decode_page_size(request.page_size)
         before_id = None
         if request.page_token:
-            if not request.page_token.isdigit() or len(request.page_token) > 19:
+            # ASCII digits only (str.isdigit also takes "²", which int() refuses), within bigint.
+            if not _PAGE_TOKEN.fullmatch(request.page_token) or int(request.page_token) > _MAX_EVENT_ID:
                 raise InvalidArgument("page_token", "is not a token this service issued")
             before_id = int(request.page_token)
         kinds = []
@@ -135,8 +151,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             if kind not in _KINDS:
                 raise InvalidArgument(f"kinds[{index}]", "is not an audit event kind")
             kinds.append(_KINDS[kind])
-        since = request.since.ToDatetime(tzinfo=_UTC) if request.HasField("since") else None
-        until = request.until.ToDatetime(tzinfo=_UTC) if request.HasField("until") else None
+        since = _datetime(request.since, "since") if request.HasField("since") else None
+        until = _datetime(request.until, "until") if request.HasField("until") else None
         if since and until and since >= until:
             raise InvalidArgument("until", "must be later than since")
         records = await self._admin.audit_page(

@@ -1,0 +1,86 @@
+"""A replica that cannot reach the revocation table stops vouching for capabilities (fails closed)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import pytest
+
+from tokensvc.auth.revocation import RevocationList
+from tokensvc.storage.revocations import Revocation, RevocationKind
+
+
+class UnreachableAfterStart:
+    """A revocation store that answers once (at start) and then fails like a lost database."""
+
+    def __init__(self) -> None:
+        self.reachable = True
+
+    async def revoke(self, kind: RevocationKind, value: str, *, reason: str, revoked_by: str) -> datetime:
+        raise OSError("database unreachable")
+
+    async def since(self, moment: datetime) -> list[Revocation]:
+        if not self.reachable:
+            raise OSError("database unreachable")
+        return []
+
+    async def all(self) -> list[Revocation]:
+        return await self.since(datetime.min)
+
+
+async def test_the_list_is_current_while_polls_succeed_and_stale_once_they_keep_failing() -> None:
+    now = [1000.0]
+    store = UnreachableAfterStart()
+    revocations = RevocationList(store, poll_seconds=1.0, clock=lambda: now[0])
+    await revocations.start()
+    await revocations.stop()  # the test drives the polls itself
+    assert revocations.is_current
+
+    now[0] += 3
+    await revocations.poll_once()
+    assert revocations.is_current
+
+    store.reachable = False
+    for _ in range(10):
+        now[0] += 1
+        with pytest.raises(OSError, match="unreachable"):
+            await revocations.poll_once()
+    assert not revocations.is_current
+
+    store.reachable = True
+    await revocations.poll_once()
+    assert revocations.is_current
+
+
+async def test_a_service_whose_revocation_list_is_stale_answers_unavailable(service, dev) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    import grpc
+
+    from tests.support import failure_of, role_channel
+    from tokensvc.auth.capabilities import mint_capability
+    from tokensvc.auth.devpki import load_signing_key
+    from tokensvc.v1 import capability_pb2, capability_pb2_grpc
+
+    kid, key = load_signing_key(dev.signing_key)
+    token = mint_capability(
+        key,
+        kid,
+        issuer="ctxmesh-control-plane",
+        audience="tokensvc",
+        namespace="default",
+        agent="dev-agent",
+        now=time.time(),
+    )
+    service.revocations.max_staleness = -1.0  # as if every poll since start had failed
+    try:
+        async with role_channel(service.port, dev, "launcher") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await capability_pb2_grpc.CapabilityServiceStub(channel).VerifyCapability(
+                    capability_pb2.VerifyCapabilityRequest(), metadata=(("authorization", f"Bearer {token}"),)
+                )
+    finally:
+        service.revocations.max_staleness = 6.0
+    failure = failure_of(caught.value)
+    assert failure.code == grpc.StatusCode.UNAVAILABLE
+    assert failure.reason == "DATABASE_UNAVAILABLE"
