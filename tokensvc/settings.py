@@ -103,9 +103,9 @@ class Settings:
         default="hash", metadata=_doc("Embedder a new memory space is pinned to at its first write.")
     )
     memory_exact_search_threshold: int = field(
-        default=5000, metadata=_doc("Buckets up to this many rows are searched exactly, larger via HNSW.")
+        default=1000, metadata=_doc("Buckets up to this many rows are searched exactly, larger via HNSW.")
     )
-    memory_hnsw_ef_search: int = field(default=64, metadata=_doc("HNSW ef_search (at least 2 x top_k)."))
+    memory_hnsw_ef_search: int = field(default=100, metadata=_doc("HNSW ef_search (at least 2 x top_k)."))
     memory_hnsw_max_scan_tuples: int = field(
         default=20_000, metadata=_doc("Bound on tuples an iterative HNSW scan visits.")
     )

@@ -24,7 +24,8 @@ from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
-from opentelemetry import propagate, trace
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from tokensvc.api.context import CallContext, reset_call, use_call
 from tokensvc.api.policy import POLICIES, RpcPolicy
@@ -48,6 +49,7 @@ __all__ = ["CapabilityAuthenticator", "EdgeInterceptor", "abort_with"]
 
 _log = logging.getLogger("tokensvc.rpc")
 _tracer = trace.get_tracer("tokensvc.rpc")
+_TRACE_CONTEXT = TraceContextTextMapPropagator()
 _REQUEST_ID_KEY = "x-request-id"
 _AUTHORIZATION_KEY = "authorization"
 _MAX_REQUEST_ID = 64
@@ -314,7 +316,10 @@ class _Call:
     async def _serving(self, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
         """Span, deadline, admission, concurrency slot, call context; errors become statuses."""
         started = time.perf_counter()
-        parent = propagate.extract({key: value for key, value in self.metadata if isinstance(value, str)})
+        # W3C trace context only: the baggage propagator would log caller-supplied header text.
+        parent = _TRACE_CONTEXT.extract(
+            {key: value for key, value in self.metadata if isinstance(value, str)}
+        )
         with _tracer.start_as_current_span(
             self.method,
             context=parent,

@@ -281,13 +281,15 @@ class CredentialCustodian:
 
     async def status(self) -> CredentialStatus:
         journal = self._require_journal()
-        version, rotated_at = await journal.current_version()
-        latest = await journal.latest()
+        # The journal first, in one snapshot, then the active role: a rotation closes its journal
+        # row only after switching, so a closed row is never reported with the old role.
+        version, rotated_at, latest = await journal.snapshot()
+        active_role = self._active.username
         pool = self._pool
         size = pool.get_size() if pool is not None else 0
         idle = pool.get_idle_size() if pool is not None else 0
         return CredentialStatus(
-            active_role=self._active.username,
+            active_role=active_role,
             version=version,
             last_rotated_at=rotated_at,
             pool_size=size,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import asyncpg
+from asyncpg.pool import PoolConnectionProxy
 
 __all__ = ["PostgresRotationJournal", "RotationEntry"]
 
@@ -95,6 +96,21 @@ class PostgresRotationJournal:
         async with self._pool.acquire() as conn:
             row = await conn.fetchrow(f"SELECT {_COLUMNS} FROM credential_rotations ORDER BY id DESC LIMIT 1")
         return None if row is None else RotationEntry(**dict(row))
+
+    async def snapshot(self) -> tuple[int, datetime | None, RotationEntry | None]:
+        """The credential version, when it was set, and the latest rotation: one consistent read."""
+        async with self._pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+            version, rotated_at = await self._current_version(conn)
+            row = await conn.fetchrow(f"SELECT {_COLUMNS} FROM credential_rotations ORDER BY id DESC LIMIT 1")
+        return version, rotated_at, None if row is None else RotationEntry(**dict(row))
+
+    @staticmethod
+    async def _current_version(conn: PoolConnectionProxy[asyncpg.Record]) -> tuple[int, datetime | None]:
+        row = await conn.fetchrow(
+            "SELECT version, updated_at FROM credential_rotations WHERE version IS NOT NULL "
+            "ORDER BY version DESC LIMIT 1"
+        )
+        return (0, None) if row is None else (int(row["version"]), row["updated_at"])
 
     async def current_version(self) -> tuple[int, datetime | None]:
         async with self._pool.acquire() as conn:

@@ -9,8 +9,8 @@ pepper version's bucket move to the current bucket on first access.
 
 from __future__ import annotations
 
-import functools
 import hashlib
+import time
 import unicodedata
 import uuid
 from collections.abc import Sequence
@@ -42,6 +42,7 @@ from tokensvc.storage.tenant import Tenant
 __all__ = ["LongTermMemory", "RememberItem", "SearchMode", "SearchQuery", "SearchTuning"]
 
 _tracer = trace.get_tracer("tokensvc.memory")
+_SPACE_CACHE_SIZE = 10_000
 
 SearchMode = str  # "vector" | "hybrid"
 
@@ -68,10 +69,61 @@ class SearchQuery:
 class SearchTuning:
     """Knobs measured by the benchmarks (docs/benchmarks.md)."""
 
-    exact_threshold: int = 5000
-    ef_search: int = 64
+    exact_threshold: int = 1000
+    ef_search: int = 100
     max_scan_tuples: int = 20_000
     hybrid_candidates: int = 50
+    # A filtered search reads this many times more rows exactly before it takes the HNSW index: a
+    # filter makes an approximate scan visit 1/selectivity more tuples per hit, while the exact
+    # scan computes distances for matching rows only.
+    filtered_exact_factor: int = 4
+    # How long a bucket's row count (which only routes searches) is reused.
+    bucket_size_ttl_seconds: float = 30.0
+
+    @property
+    def filtered_exact_threshold(self) -> int:
+        return self.exact_threshold * self.filtered_exact_factor
+
+    def exact(self, bucket_rows: int, *, filtered: bool, dimension: int) -> bool:
+        """Whether a bucket of this many rows is searched exactly (else by HNSW, exact if short)."""
+        if dimension > _HNSW_MAX_DIMENSION:
+            return True
+        return bucket_rows <= (self.filtered_exact_threshold if filtered else self.exact_threshold)
+
+
+_HNSW_MAX_DIMENSION = 2000  # HNSW on `vector` indexes at most 2,000 dimensions
+
+
+class _BucketSizes:
+    """Row counts of buckets (capped), reused for a while: they choose a search path only.
+
+    A stale count costs speed, never results: a grown bucket searched exactly is still exact, and
+    a shrunk one searched by HNSW falls back to an exact scan when the approximate one is short.
+    Writes made by this process adjust the count at once; other replicas' after the TTL.
+    """
+
+    def __init__(self, ttl: float, capacity: int = 100_000):
+        self._ttl = ttl
+        self._capacity = capacity
+        self._entries: dict[str, tuple[int, float]] = {}
+
+    def get(self, bucket: str) -> int | None:
+        entry = self._entries.get(bucket)
+        if entry is None or entry[1] <= time.monotonic():
+            return None
+        return entry[0]
+
+    def put(self, bucket: str, rows: int) -> None:
+        if len(self._entries) >= self._capacity:
+            self._entries.pop(next(iter(self._entries)))
+        self._entries[bucket] = (rows, time.monotonic() + self._ttl)
+
+    def grew(self, bucket: str, rows: int) -> None:
+        if (entry := self._entries.get(bucket)) is not None:
+            self._entries[bucket] = (entry[0] + rows, entry[1])
+
+    def forget(self, bucket: str) -> None:
+        self._entries.pop(bucket, None)
 
 
 @dataclass(frozen=True)
@@ -112,6 +164,10 @@ class LongTermMemory:
         self._tuning = tuning or SearchTuning()
         # Buckets whose older-pepper rows were already moved by this process.
         self._moved: set[str] = set()
+        # Pinned spaces by (namespace, agent): a pin never changes (the serving role cannot UPDATE
+        # memory_spaces), so a search or write needs no round trip to read it again.
+        self._spaces: dict[tuple[str, str], EmbedderSpec] = {}
+        self._sizes = _BucketSizes(self._tuning.bucket_size_ttl_seconds)
 
     # --- space and scope --------------------------------------------------------------------
 
@@ -122,13 +178,29 @@ class LongTermMemory:
         if scope.previous_bucket_ids and scope.bucket_id not in self._moved:
             await self._store.move_buckets(tenant, scope.bucket_id, scope.previous_bucket_ids)
             self._moved.add(scope.bucket_id)
+            self._sizes.forget(scope.bucket_id)
         tenant = Tenant(scope.namespace, scope.agent, (scope.bucket_id,))
-        spec = await self._store.get_space(tenant)
+        key = (scope.namespace, scope.agent)
+        spec = self._spaces.get(key)
         if spec is None:
-            if not for_write:
-                return None
-            spec = await self._store.pin_space(tenant, self._embedders.get(self._default).spec)
+            spec = await self._store.get_space(tenant)
+            if spec is None:
+                if not for_write:
+                    return None
+                spec = await self._store.pin_space(tenant, self._embedders.get(self._default).spec)
+            if len(self._spaces) >= _SPACE_CACHE_SIZE:
+                self._spaces.pop(next(iter(self._spaces)))
+            self._spaces[key] = spec
         return _Space(tenant, scope.bucket_id, spec, self._pinned_embedder(spec))
+
+    async def _bucket_rows(self, space: _Space) -> int:
+        """The bucket's row count, counted up to one past the larger routing threshold."""
+        rows = self._sizes.get(space.bucket)
+        if rows is None:
+            cap = max(self._tuning.exact_threshold, self._tuning.filtered_exact_threshold) + 1
+            rows = await self._store.bucket_size(space.tenant, space.bucket, cap)
+            self._sizes.put(space.bucket, rows)
+        return rows
 
     def _pinned_embedder(self, spec: EmbedderSpec) -> Embedder | None:
         """The configured embedder matching the pin, None if the name is gone; refuse a drifted one."""
@@ -206,6 +278,7 @@ class LongTermMemory:
                     for i, vector in zip(pending, vectors, strict=True)
                 ]
                 stored = await self._store.insert(space.tenant, space.bucket, rows)
+                self._sizes.grew(space.bucket, sum(ref.inserted for ref in stored))
                 stored_by_hash = {ref.content_sha256: ref for ref in stored}
                 for index, digest in enumerate(hashes):
                     if resolved[index] is None:
@@ -279,6 +352,7 @@ class LongTermMemory:
             if space is None:
                 return 0
             count = await self._store.delete(space.tenant, space.bucket, ids)
+            self._sizes.grew(space.bucket, -count)
             span.set_attribute("tokensvc.memory.forgotten", count)
             return count
 
@@ -288,6 +362,7 @@ class LongTermMemory:
             space = await self._space(scope, for_write=False)
             tenant = Tenant(scope.namespace, scope.agent, (scope.bucket_id,))
             count = await self._store.delete_all(tenant, scope.bucket_id) if space is not None else 0
+            self._sizes.forget(scope.bucket_id)
             span.set_attribute("tokensvc.memory.forgotten", count)
             return count
 
@@ -337,27 +412,23 @@ class LongTermMemory:
                 return []
             vector = await self._query_vector(space, query)
             tuning = self._tuning
-            size = await self._store.bucket_size(space.tenant, space.bucket, tuning.exact_threshold + 1)
-            exact = size <= tuning.exact_threshold or space.spec.dimension > 2000
+            rows = await self._bucket_rows(space)
+            exact = tuning.exact(rows, filtered=query.filter is not None, dimension=space.spec.dimension)
             span.set_attribute("tokensvc.search.exact", exact)
             candidates = query.top_k if query.mode == "vector" else max(query.top_k, tuning.hybrid_candidates)
-            search = functools.partial(
-                self._store.search_vector,
+            # An approximate search that comes back short re-runs exactly in the store (same
+            # transaction), so searches stay complete: min(top_k, matching).
+            by_vector = await self._store.search_vector(
                 space.tenant,
                 space.bucket,
                 vector,
                 k=candidates,
                 filter_=query.filter,
+                exact=exact,
                 ef_search=max(tuning.ef_search, 2 * candidates),
                 max_scan_tuples=tuning.max_scan_tuples,
                 embedder=space.spec.name,
             )
-            by_vector = await search(exact=exact)
-            if not exact and len(by_vector) < candidates:
-                # The approximate scan gave up early (a very selective filter in a big table);
-                # an exact scan of the bucket keeps searches complete: min(top_k, matching).
-                span.set_attribute("tokensvc.search.exact_fallback", True)
-                by_vector = await search(exact=True)
             if query.mode == "vector":
                 # Ranks are reported in HYBRID mode only (memory.proto: always 0 in VECTOR mode).
                 hits = [SearchHit(m.memory, m.score, 0, 0) for m in by_vector]

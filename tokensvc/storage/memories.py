@@ -11,7 +11,8 @@ Contract (checked by tests/storage/test_memory_store.py):
 - Expired rows are never returned, counted or updated.
 - `search_vector(exact=True)` returns the true top-k by inner product among rows matching the
   filter; `exact=False` uses the HNSW index with iterative scans and returns min(k, matching)
-  rows, ordered by score.
+  rows, ordered by score (re-running exactly, in the same transaction, when the approximate scan
+  comes back short).
 - `list_page` returns newest first (created_at, then id, descending), strictly after the cursor.
 - Storage trusts its input: validation happened in the domain.
 """
@@ -24,6 +25,7 @@ from typing import Any
 
 import asyncpg
 import numpy as np
+from opentelemetry import trace
 from pgvector import Vector
 
 from tokensvc.embedders import EmbedderSpec
@@ -78,6 +80,24 @@ def _vector_search_sql(
         f"ORDER BY {typed} <#> $2::vector({dimension}) LIMIT ${len(params)}) s "
         "ORDER BY score DESC"  # relaxed_order iterative scans may return slightly out of order
     ), params
+
+
+def _hnsw_settings(*, ef_search: int, max_scan_tuples: int) -> dict[str, str]:
+    """Transaction-local settings of an approximate search (set with the tenant, one round trip).
+
+    pgvector 0.8's iterative scan, so a filtered search finds k rows, bounded by
+    `max_scan_tuples`; and `enable_sort = off`, so the planner takes the HNSW index the caller
+    chose by bucket size: under row-level security its row estimate for a bucket multiplies the
+    selectivities of the query's and the policy's bucket predicates (far too few rows), which makes
+    "read the bucket and sort" look cheap when it is the slow plan. A sort stays possible (the
+    exact statement still has one); it is only costed as a last resort.
+    """
+    return {
+        "hnsw.iterative_scan": "relaxed_order",
+        "hnsw.ef_search": str(ef_search),
+        "hnsw.max_scan_tuples": str(max_scan_tuples),
+        "enable_sort": "off",
+    }
 
 
 async def _use_iterative_hnsw_scan(conn: asyncpg.Connection, *, ef_search: int, max_scan_tuples: int) -> None:
@@ -351,10 +371,15 @@ class PostgresMemoryStore:
         embedder: str,
     ) -> list[ScoredMemory]:
         sql, params = _vector_search_sql(bucket, query, k=k, filter_=filter_, exact=exact)
-        async with tenant_transaction(self._pool, tenant) as conn:
-            if not exact:
-                await _use_iterative_hnsw_scan(conn, ef_search=ef_search, max_scan_tuples=max_scan_tuples)
+        settings = None if exact else _hnsw_settings(ef_search=ef_search, max_scan_tuples=max_scan_tuples)
+        async with tenant_transaction(self._pool, tenant, settings=settings) as conn:
             rows = await conn.fetch(sql, *params)
+            if not exact and len(rows) < k:
+                # The approximate scan gave up early (a selective filter in a big index): an exact
+                # scan of the bucket, in the same transaction, keeps the search complete.
+                trace.get_current_span().set_attribute("tokensvc.search.exact_fallback", True)
+                sql, params = _vector_search_sql(bucket, query, k=k, filter_=filter_, exact=True)
+                rows = await conn.fetch(sql, *params)
         return [ScoredMemory(_record(row, embedder), float(row["score"])) for row in rows]
 
     # Full-text ranking uses web-search syntax: every word must match unless the query says

@@ -8,7 +8,7 @@ pooled connection never carries a previous request's tenant into the next one.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -45,20 +45,36 @@ class Tenant:
                 raise ValueError("not a knowledge base ref")
 
 
+_TENANT_SETTINGS = (
+    "SELECT set_config('tokensvc.buckets', $1, true), set_config('tokensvc.namespace', $2, true), "
+    "set_config('tokensvc.agent', $3, true), set_config('tokensvc.kbs', $4, true), "
+    "set_config('statement_timeout', coalesce($5, current_setting('statement_timeout')), true)"
+)
+
+
 @asynccontextmanager
 async def tenant_transaction(
-    pool: asyncpg.Pool, tenant: Tenant, *, isolation: str = "read_committed"
+    pool: asyncpg.Pool,
+    tenant: Tenant,
+    *,
+    isolation: str = "read_committed",
+    settings: Mapping[str, str] | None = None,
 ) -> AsyncIterator[asyncpg.Connection]:
+    """A transaction bound to `tenant`; `settings` are more transaction-local settings (e.g. the
+    HNSW scan's), set by the same statement, so they cost no extra round trip."""
+    extra = list((settings or {}).items())
+    sql = _TENANT_SETTINGS + "".join(
+        f", set_config(${6 + 2 * i}, ${7 + 2 * i}, true)" for i in range(len(extra))
+    )
     async with pool.acquire() as conn, conn.transaction(isolation=isolation):  # type: ignore[arg-type]
         await conn.execute(
-            "SELECT set_config('tokensvc.buckets', $1, true), set_config('tokensvc.namespace', $2, true), "
-            "set_config('tokensvc.agent', $3, true), set_config('tokensvc.kbs', $4, true), "
-            "set_config('statement_timeout', coalesce($5, current_setting('statement_timeout')), true)",
+            sql,
             ",".join(tenant.buckets),
             tenant.namespace,
             tenant.agent,
             ",".join(tenant.knowledge_bases),
             # The caller's deadline bounds every statement; without one the server default stays.
             None if (left := remaining_ms()) is None else str(left),
+            *(value for pair in extra for value in pair),
         )
         yield conn  # type: ignore[misc]

@@ -1,0 +1,148 @@
+"""Prometheus metrics on their own HTTP port: a real service is called, then scraped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.api.memory_support import Launchers
+from tests.conftest import ServiceFactory
+from tests.support import failure_of, role_channel
+from tokensvc.app import Service
+from tokensvc.auth.devpki import DevPaths
+from tokensvc.observability import METRICS
+from tokensvc.supervision import refresh_memory_gauge_forever
+from tokensvc.v1 import memory_pb2
+
+REMEMBER = "/tokensvc.v1.MemoryService/Remember"
+SEARCH = "/tokensvc.v1.MemoryService/SearchMemories"
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def scrape_text(port: int) -> str:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        assert response.status == 200
+        return str(response.read().decode("utf-8"))
+
+
+async def scrape(port: int) -> tuple[str, Samples]:
+    text = await asyncio.to_thread(scrape_text, port)
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return text, samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+@pytest.fixture
+async def metered(start_service: ServiceFactory) -> tuple[Service, int]:
+    port = free_port()
+    service = await start_service(metrics_address=f"127.0.0.1:{port}")
+    return service, port
+
+
+@pytest.fixture
+async def launchers(metered: tuple[Service, int], dev: DevPaths, tmp_path: Path) -> AsyncIterator[Launchers]:
+    pool = Launchers(metered[0], dev, tmp_path / "launchers")
+    yield pool
+    await pool.aclose()
+
+
+async def test_scrape_counts_rpcs_verifications_pool_embedder_and_memories(
+    metered: tuple[Service, int], launchers: Launchers
+) -> None:
+    service, port = metered
+    _, before = await scrape(port)
+
+    caller = launchers.caller()
+    await caller.remember("a fact for the metrics scrape", "another fact for the metrics scrape")
+    await caller.search("metrics scrape")  # the same token again: a cache hit
+    refused = await caller.fail(
+        "SearchMemories", memory_pb2.SearchMemoriesRequest(query_text="x", top_k=1000)
+    )
+    assert refused.code is grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as missing:
+        await caller.memory.Remember(memory_pb2.RememberRequest(), timeout=10)  # no capability
+    assert failure_of(missing.value).code is grpc.StatusCode.UNAUTHENTICATED
+
+    # The gauge refreshes every minute in the background; run one refresh now.
+    assert service.database is not None
+    refresher = asyncio.create_task(refresh_memory_gauge_forever(service.database.pool, 3600.0))
+    try:
+        for _ in range(200):
+            if METRICS.live.memories_per_space.get(("default", caller.agent)) == 2:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        refresher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await refresher
+
+    text, after = await scrape(port)
+
+    def grew(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert grew("tokensvc_rpcs_total", method=REMEMBER, code="OK") >= 1
+    assert grew("tokensvc_rpcs_total", method=SEARCH, code="OK") >= 1
+    assert grew("tokensvc_rpcs_total", method=SEARCH, code="INVALID_ARGUMENT") >= 1
+    assert grew("tokensvc_rpcs_total", method=REMEMBER, code="UNAUTHENTICATED") >= 1
+    # Latency histograms: every bucket, the +Inf bucket equal to the count.
+    buckets = [
+        key
+        for key in after
+        if key[0] == "tokensvc_rpc_duration_seconds_bucket" and ("method", SEARCH) in key[1]
+    ]
+    assert len(buckets) >= 10
+    inf = value(after, "tokensvc_rpc_duration_seconds_bucket", method=SEARCH, le="+Inf")
+    assert inf == value(after, "tokensvc_rpc_duration_seconds_count", method=SEARCH) >= 2
+    assert grew("tokensvc_rpc_duration_seconds_count", method=REMEMBER) >= 2
+
+    assert grew("tokensvc_capability_verifications_total", outcome="accepted") >= 3
+    assert grew("tokensvc_capability_cache_total", result="miss") >= 1
+    assert grew("tokensvc_capability_cache_total", result="hit") >= 2
+
+    assert value(after, "tokensvc_db_pool_connections") >= 1
+    assert ("tokensvc_db_pool_in_use", frozenset()) in after
+    assert grew("tokensvc_embed_duration_seconds_count", embedder="hash") >= 2
+    assert value(after, "tokensvc_embed_duration_seconds_bucket", embedder="hash", le="+Inf") >= 2
+    assert "# TYPE tokensvc_embed_errors_total counter" in text
+    assert value(after, "tokensvc_memories", namespace="default", agent=caller.agent) == 2
+    assert "# TYPE tokensvc_credential_rotations_total counter" in text
+
+
+async def test_unknown_methods_share_one_label(metered: tuple[Service, int], dev: DevPaths) -> None:
+    """A caller's free-text method names never become new time series."""
+    service, port = metered
+    channel = role_channel(service.port, dev, "admin")
+    try:
+        for name in ("/x.Y/Z1", "/x.Y/Z2"):
+            call = channel.unary_unary(name, request_serializer=None, response_deserializer=None)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call(b"", timeout=10)
+            assert caught.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        await channel.close(grace=None)
+    text, samples = await scrape(port)
+    assert value(samples, "tokensvc_rpcs_total", method="unknown", code="UNIMPLEMENTED") >= 2
+    assert "/x.Y/Z1" not in text
