@@ -57,8 +57,15 @@ def _check_cnpg_cluster(resource: Resource) -> None:
     assert isinstance(spec["storage"]["size"], str)
     for role in spec.get("managed", {}).get("roles", []):
         assert set(role) <= {
-            "name", "ensure", "login", "inherit", "createrole", "inRoles", "passwordSecret", "comment",
-        }  # fmt: skip
+            "name",
+            "ensure",
+            "login",
+            "inherit",
+            "createrole",
+            "inRoles",
+            "passwordSecret",
+            "comment",
+        }
         assert isinstance(role["passwordSecret"]["name"], str)
 
 
