@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
-from google.protobuf import json_format
-
 from tokensvc.cli.connection import add_connection_flags, call_service
+from tokensvc.cli.output import output
 from tokensvc.v1 import admin_pb2
 
 __all__ = ["add_admin_commands"]
@@ -50,14 +48,6 @@ def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
     return call_service(args, "admin", "AdminService", method, request)
 
 
-def _output(args: argparse.Namespace, response: Any, text: str) -> int:
-    if args.json:
-        print(json.dumps(json_format.MessageToDict(response, preserving_proto_field_name=True)))
-    else:
-        print(text)
-    return 0
-
-
 def _describe(status: admin_pb2.CredentialStatus) -> str:
     lines = [
         f"active role:        {status.active_role}",
@@ -78,12 +68,12 @@ def _rotate(args: argparse.Namespace) -> int:
     response = _call(
         args, "RotateDatabaseCredentials", admin_pb2.RotateDatabaseCredentialsRequest(mode=_MODES[args.mode])
     )
-    return _output(args, response, _describe(response.status))
+    return output(args, response, _describe(response.status))
 
 
 def _status(args: argparse.Namespace) -> int:
     response = _call(args, "GetCredentialStatus", admin_pb2.GetCredentialStatusRequest())
-    return _output(args, response, _describe(response.status))
+    return output(args, response, _describe(response.status))
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -99,9 +89,9 @@ def _audit(args: argparse.Namespace) -> int:
     ]
     if response.next_page_token:
         lines.append(f"(more: --page-token {response.next_page_token})")
-    return _output(args, response, "\n".join(lines) or "(no audit events)")
+    return output(args, response, "\n".join(lines) or "(no audit events)")
 
 
 def _reload(args: argparse.Namespace) -> int:
     response = _call(args, "ReloadTrustBundle", admin_pb2.ReloadTrustBundleRequest())
-    return _output(args, response, f"trust bundle keys: {', '.join(response.key_ids)}")
+    return output(args, response, f"trust bundle keys: {', '.join(response.key_ids)}")

@@ -8,13 +8,11 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
-
-from google.protobuf import json_format
 
 from tokensvc.auth import devpki
 from tokensvc.auth.capabilities import mint_capability
 from tokensvc.cli.connection import add_connection_flags, call_service
+from tokensvc.cli.output import output
 from tokensvc.settings import load_settings
 from tokensvc.v1 import capability_pb2
 
@@ -126,13 +124,6 @@ def _mint(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print(message: Any, as_json: bool, text: str) -> None:
-    if as_json:
-        print(json.dumps(json_format.MessageToDict(message, preserving_proto_field_name=True)))
-    else:
-        print(text)
-
-
 def _verify(args: argparse.Namespace) -> int:
     token = read_capability(args)
     response = call_service(
@@ -156,7 +147,7 @@ def _verify(args: argparse.Namespace) -> int:
             f"expires:          {scope.expires_at.ToJsonString()}",
         ]
     )
-    _print(response, args.json, text)
+    output(args, response, text)
     return 0
 
 
@@ -167,7 +158,7 @@ def _revoke(args: argparse.Namespace) -> int:
     else:
         request.run_id = args.run_id
     response = call_service(args, "control-plane", "CapabilityService", "RevokeCapability", request)
-    _print(response, args.json, f"revoked at {response.revoked_at.ToJsonString()}")
+    output(args, response, f"revoked at {response.revoked_at.ToJsonString()}")
     return 0
 
 
@@ -182,5 +173,5 @@ def _session_key(args: argparse.Namespace) -> int:
     response = call_service(args, "launcher", "CapabilityService", "DeriveSessionKey", request, token)
     if response.downgraded and not args.json:
         print("note: shared scope needs registry membership; the private layout is used", file=sys.stderr)
-    _print(response, args.json, response.key)
+    output(args, response, response.key)
     return 0

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import mimetypes
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from google.protobuf import json_format
-
 from tokensvc.cli.capability_commands import add_capability_source, read_capability
 from tokensvc.cli.connection import RpcFailed, add_connection_flags, call_service, client_for
+from tokensvc.cli.output import output
 from tokensvc.client import TokensvcError
 from tokensvc.v1 import common_pb2, knowledge_pb2
 
@@ -99,14 +97,6 @@ def _manage(args: argparse.Namespace, method: str, request: Any) -> Any:
     return call_service(args, "control-plane", "KnowledgeService", method, request)
 
 
-def _output(args: argparse.Namespace, response: Any, text: str) -> int:
-    if args.json:
-        print(json.dumps(json_format.MessageToDict(response, preserving_proto_field_name=True)))
-    else:
-        print(text)
-    return 0
-
-
 def _create(args: argparse.Namespace) -> int:
     request = knowledge_pb2.CreateKnowledgeBaseRequest(
         namespace=args.namespace,
@@ -120,7 +110,7 @@ def _create(args: argparse.Namespace) -> int:
     response = _manage(args, "CreateKnowledgeBase", request)
     base = response.knowledge_base
     verb = "created" if response.created else "already exists (same pinned configuration)"
-    return _output(
+    return output(
         args, response, f"{base.namespace}/{base.ref} {verb}: embedder {base.embedder}, {args.chunking}"
     )
 
@@ -132,7 +122,7 @@ def _list(args: argparse.Namespace) -> int:
     lines = [
         f"{b.ref}  embedder={b.embedder}  documents={b.document_count}" for b in response.knowledge_bases
     ]
-    return _output(args, response, "\n".join(lines) or "(no knowledge bases)")
+    return output(args, response, "\n".join(lines) or "(no knowledge bases)")
 
 
 def _documents(args: argparse.Namespace) -> int:
@@ -141,13 +131,13 @@ def _documents(args: argparse.Namespace) -> int:
     lines = [
         f"{d.ref}  v{d.version}  {d.chunk_count} chunks  {d.size_bytes} bytes" for d in response.documents
     ]
-    return _output(args, response, "\n".join(lines) or "(no documents)")
+    return output(args, response, "\n".join(lines) or "(no documents)")
 
 
 def _delete(args: argparse.Namespace) -> int:
     request = knowledge_pb2.DeleteKnowledgeBaseRequest(namespace=args.namespace, ref=args.ref)
     response = _manage(args, "DeleteKnowledgeBase", request)
-    return _output(args, response, f"deleted {args.ref} with {response.deleted_document_count} documents")
+    return output(args, response, f"deleted {args.ref} with {response.deleted_document_count} documents")
 
 
 def _upload(args: argparse.Namespace) -> int:
@@ -194,7 +184,7 @@ def _upload(args: argparse.Namespace) -> int:
     state = (
         "unchanged" if response.unchanged else f"version {document.version}, {response.chunk_count} chunks"
     )
-    return _output(args, response, f"{document.ref}: {state}")
+    return output(args, response, f"{document.ref}: {state}")
 
 
 def _search(args: argparse.Namespace) -> int:
@@ -214,4 +204,4 @@ def _search(args: argparse.Namespace) -> int:
         lines.append(
             "    " + passage.text[:300].replace("\n", " ") + ("..." if len(passage.text) > 300 else "")
         )
-    return _output(args, response, "\n".join(lines) or "(no passages)")
+    return output(args, response, "\n".join(lines) or "(no passages)")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from google.protobuf import duration_pb2, json_format
 
 from tokensvc.cli.capability_commands import add_capability_source, read_capability
 from tokensvc.cli.connection import add_connection_flags, call_service
+from tokensvc.cli.output import output
 from tokensvc.v1 import common_pb2, memory_pb2
 
 __all__ = ["add_memory_commands", "parse_metadata"]
@@ -101,14 +101,6 @@ def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
     return call_service(args, "launcher", "MemoryService", method, request, token)
 
 
-def _output(args: argparse.Namespace, response: Any, text: str) -> int:
-    if args.json:
-        print(json.dumps(json_format.MessageToDict(response, preserving_proto_field_name=True)))
-    else:
-        print(text)
-    return 0
-
-
 def _remember(args: argparse.Namespace) -> int:
     item = memory_pb2.RememberItem(
         content=args.text, metadata=parse_metadata(args.metadata), idempotency_key=args.idempotency_key or ""
@@ -117,7 +109,7 @@ def _remember(args: argparse.Namespace) -> int:
         item.ttl.CopyFrom(duration_pb2.Duration(seconds=args.ttl))
     response = _call(args, "Remember", memory_pb2.RememberRequest(items=[item]))
     result = response.results[0]
-    return _output(args, response, f"{result.id}{' (already remembered)' if result.deduplicated else ''}")
+    return output(args, response, f"{result.id}{' (already remembered)' if result.deduplicated else ''}")
 
 
 def _search(args: argparse.Namespace) -> int:
@@ -132,7 +124,7 @@ def _search(args: argparse.Namespace) -> int:
         request.filter.CopyFrom(filter_)
     response = _call(args, "SearchMemories", request)
     lines = [f"{r.score:.4f}  {r.memory.id}  {r.memory.content}" for r in response.results]
-    return _output(args, response, "\n".join(lines) or "(no memories found)")
+    return output(args, response, "\n".join(lines) or "(no memories found)")
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -143,14 +135,14 @@ def _list(args: argparse.Namespace) -> int:
     lines = [f"{m.created_at.ToJsonString()}  {m.id}  {m.content}" for m in response.memories]
     if response.next_page_token:
         lines.append(f"(more: --page-token {response.next_page_token})")
-    return _output(args, response, "\n".join(lines) or "(no memories)")
+    return output(args, response, "\n".join(lines) or "(no memories)")
 
 
 def _forget(args: argparse.Namespace) -> int:
     response = _call(args, "Forget", memory_pb2.ForgetRequest(ids=args.ids))
-    return _output(args, response, f"forgot {response.forgotten_count}")
+    return output(args, response, f"forgot {response.forgotten_count}")
 
 
 def _forget_all(args: argparse.Namespace) -> int:
     response = _call(args, "ForgetAll", memory_pb2.ForgetAllRequest())
-    return _output(args, response, f"forgot {response.forgotten_count}")
+    return output(args, response, f"forgot {response.forgotten_count}")
