@@ -209,11 +209,14 @@ class PostgresMemoryStore:
             inserted = await conn.fetch(
                 """
                 INSERT INTO memories (bucket, id, namespace, agent, content, content_sha256, metadata,
-                                      idempotency_key, dimension, embedding, expires_at)
+                                      idempotency_key, dimension, embedding, expires_at, created_at, updated_at)
                 SELECT $1, u.id, $2, $3, u.content, u.sha, u.metadata, u.key, $4, u.embedding,
-                       CASE WHEN u.ttl IS NULL THEN NULL ELSE now() + make_interval(secs => u.ttl) END
+                       CASE WHEN u.ttl IS NULL THEN NULL ELSE t.at + make_interval(secs => u.ttl) END, t.at, t.at
                 FROM unnest($5::uuid[], $6::text[], $7::bytea[], $8::jsonb[], $9::text[], $10::vector[],
-                            $11::int[]) AS u(id, content, sha, metadata, key, embedding, ttl)
+                            $11::int[]) WITH ORDINALITY AS u(id, content, sha, metadata, key, embedding, ttl, ord)
+                -- One clock reading per row (the reference to u makes it per row, in batch order):
+                -- created == updated on insert, later items are newer, and the TTL counts from it.
+                CROSS JOIN LATERAL (SELECT clock_timestamp() AS at WHERE u.ord IS NOT NULL) t
                 ON CONFLICT DO NOTHING
                 RETURNING id, content_sha256, idempotency_key
                 """,

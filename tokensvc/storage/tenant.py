@@ -23,6 +23,7 @@ _KB_REF = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 
 ALL_KNOWLEDGE_BASES = "*"
+_ACQUIRE_CEILING_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,11 @@ async def tenant_transaction(
     sql = _TENANT_SETTINGS + "".join(
         f", set_config(${6 + 2 * i}, ${7 + 2 * i}, true)" for i in range(len(extra))
     )
-    async with pool.acquire() as conn, conn.transaction(isolation=isolation):  # type: ignore[arg-type]
+    # Waiting for a connection is bounded too: by the caller's deadline, else a fixed ceiling, so a
+    # hung database cannot queue requests forever (the wait ends as UNAVAILABLE).
+    left = remaining_ms()
+    wait = _ACQUIRE_CEILING_S if left is None else min(left / 1000, _ACQUIRE_CEILING_S)
+    async with pool.acquire(timeout=wait) as conn, conn.transaction(isolation=isolation):  # type: ignore[arg-type]
         await conn.execute(
             sql,
             ",".join(tenant.buckets),
