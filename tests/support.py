@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +13,14 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from tokensvc.auth.devpki import ADMIN_SPIFFE_ID, CONTROL_PLANE_SPIFFE_ID, DEV_TRUST_DOMAIN, DevPaths
+from tokensvc.auth.capabilities import mint_capability
+from tokensvc.auth.devpki import (
+    ADMIN_SPIFFE_ID,
+    CONTROL_PLANE_SPIFFE_ID,
+    DEV_TRUST_DOMAIN,
+    DevPaths,
+    load_signing_key,
+)
 from tokensvc.settings import Settings, load_settings
 from tokensvc.storage import EmbeddedPostgres
 
@@ -65,6 +74,23 @@ def service_settings(database: SharedDatabase, dev: DevPaths, state_dir: Path, *
     }
     values.update(overrides)
     return load_settings(environ={}, overrides=values)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def dev_capability(dev: DevPaths, **claims: Any) -> str:
+    """A capability signed with the dev key, for namespace `default` / agent `dev-agent` unless
+    `claims` (mint_capability's keyword arguments) say otherwise."""
+    kid, key = load_signing_key(dev.signing_key)
+    values: dict[str, Any] = {"namespace": "default", "agent": "dev-agent", **claims}
+    return mint_capability(
+        key, kid, issuer="ctxmesh-control-plane", audience="tokensvc", now=time.time(), **values
+    )
 
 
 def mtls_channel(

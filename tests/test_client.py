@@ -6,7 +6,6 @@ import asyncio
 import base64
 import hashlib
 import shutil
-import socket
 import time
 from pathlib import Path
 
@@ -15,34 +14,18 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from tokensvc.auth.capabilities import mint_capability
-from tokensvc.auth.devpki import LAUNCHER_SPIFFE_ID, DevPaths, issue_client_certificate, load_signing_key
+from tests.support import dev_capability, free_port
+from tokensvc.auth.devpki import LAUNCHER_SPIFFE_ID, DevPaths, issue_client_certificate
 from tokensvc.client import TokensvcClient, TokensvcError
 
 
 def capability(dev: DevPaths, **claims: object) -> str:
-    kid, key = load_signing_key(dev.signing_key)
-    values: dict[str, object] = {"namespace": "default", "agent": "dev-agent", "long_term_memory": True}
-    values.update(claims)
-    return mint_capability(
-        key,
-        kid,
-        issuer="ctxmesh-control-plane",
-        audience="tokensvc",
-        now=time.time(),
-        **values,  # type: ignore[arg-type]
-    )
+    return dev_capability(dev, **{"long_term_memory": True, **claims})
 
 
 def launcher_client(port: int, dev: DevPaths, token: str | None, **options: object) -> TokensvcClient:
     cert, key = dev.client("launcher")
     return TokensvcClient(f"127.0.0.1:{port}", dev.ca_cert, cert, key, capability=token, **options)  # type: ignore[arg-type]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def test_typed_results_and_errors_carry_the_error_info_reason(service, dev: DevPaths) -> None:  # type: ignore[no-untyped-def]

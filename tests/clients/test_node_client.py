@@ -12,14 +12,13 @@ import os
 import re
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import ServiceFactory
-from tokensvc.auth.capabilities import mint_capability
-from tokensvc.auth.devpki import DevPaths, load_signing_key
+from tests.support import dev_capability
+from tokensvc.auth.devpki import DevPaths
 
 REPO = Path(__file__).resolve().parents[2]
 CLIENT_DIR = REPO / "clients" / "node"
@@ -80,17 +79,7 @@ async def ensure_node_modules() -> None:
 
 
 def capability(dev: DevPaths, agent: str) -> str:
-    kid, key = load_signing_key(dev.signing_key)
-    return mint_capability(
-        key,
-        kid,
-        issuer="ctxmesh-control-plane",
-        audience="tokensvc",
-        namespace="default",
-        agent=agent,
-        long_term_memory=True,
-        now=time.time(),
-    )
+    return dev_capability(dev, agent=agent, long_term_memory=True)
 
 
 @pytest.mark.slow

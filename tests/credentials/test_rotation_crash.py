@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from tests.credentials.rotation_support import (
     superuser_conn,
     wait_until_serving,
 )
-from tests.support import SharedDatabase, service_settings
+from tests.support import SharedDatabase, free_port, service_settings
 from tokensvc.app import Service
 from tokensvc.audit import SYSTEM_ACTOR
 from tokensvc.auth.devpki import ADMIN_SPIFFE_ID, DevPaths
@@ -58,12 +57,6 @@ CASES = [
     ("retire_old", "switch", "forward"),
     ("completed", "retire_old", "forward"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def wait_for_rotation_lock_release(database: SharedDatabase, within: float = 10) -> None:

@@ -43,7 +43,7 @@ from tokensvc.auth.devpki import (
 )
 from tokensvc.credentials import FileCredentialSource
 from tokensvc.settings import Settings, load_settings
-from tokensvc.storage.embedded import DATABASE_NAME
+from tokensvc.storage.embedded import DATABASE_NAME, process_alive
 from tokensvc.v1 import memory_pb2, memory_pb2_grpc
 
 NAMESPACE = "default"
@@ -133,20 +133,6 @@ def postmaster_pid(state: Path) -> int | None:
 
 def postmaster_port(state: Path) -> int:
     return int(_postmaster_lines(state)[3])
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return True
 
 
 async def stop_postmaster(state: Path, grace: float = 30.0) -> None:

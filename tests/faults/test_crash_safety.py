@@ -23,7 +23,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -48,7 +47,7 @@ from tests.faults.harness import (
     superuser,
     wait_until,
 )
-from tests.support import role_channel
+from tests.support import free_port, role_channel
 from tokensvc.auth.devpki import DevPaths, ensure_dev_material
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,12 +84,6 @@ WORDS = [
     "yankee",
     "zulu",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class TokensvcProcess:

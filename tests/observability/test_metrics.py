@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api.memory_support import Launchers
 from tests.conftest import ServiceFactory
-from tests.support import failure_of, role_channel
+from tests.support import failure_of, free_port, role_channel
 from tokensvc.app import Service
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.observability import METRICS
@@ -26,12 +25,6 @@ REMEMBER = "/tokensvc.v1.MemoryService/Remember"
 SEARCH = "/tokensvc.v1.MemoryService/SearchMemories"
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def scrape_text(port: int) -> str:

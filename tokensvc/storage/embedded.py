@@ -35,7 +35,7 @@ import asyncpg
 from tokensvc.credentials.scram import generate_password, scram_sha256_verifier
 from tokensvc.credentials.source import DatabaseCredential, FileCredentialSource
 
-__all__ = ["DATABASE_NAME", "EmbeddedPaths", "EmbeddedPostgres", "EmbeddedPostgresError"]
+__all__ = ["DATABASE_NAME", "EmbeddedPaths", "EmbeddedPostgres", "EmbeddedPostgresError", "process_alive"]
 
 _log = logging.getLogger(__name__)
 
@@ -204,11 +204,11 @@ class EmbeddedPostgres:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGINT)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _alive(pid):
+        while time.monotonic() < deadline and process_alive(pid):
             if self._process is not None:
                 self._process.poll()
             time.sleep(0.05)
-        if _alive(pid):
+        if process_alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         if self._process is not None:
@@ -220,7 +220,7 @@ class EmbeddedPostgres:
             pid = int((self.paths.data / "postmaster.pid").read_text().splitlines()[0])
         except (OSError, ValueError, IndexError):
             return None
-        return pid if _alive(pid) else None
+        return pid if process_alive(pid) else None
 
     # --- first start ------------------------------------------------------------------------
 
@@ -387,7 +387,8 @@ def _free_port() -> int:
         return port
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether `pid` is a running process (a zombie is not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
