@@ -143,10 +143,12 @@ def content_hash(normalised: str) -> bytes:
 
 
 def _unit(vector: np.ndarray, field: str) -> np.ndarray:
-    norm = float(np.linalg.norm(vector))
+    # In float64: the squares of large float32 components overflow float32 but not float64.
+    wide = np.asarray(vector, dtype=np.float64)
+    norm = float(np.linalg.norm(wide))
     if not np.isfinite(norm) or norm == 0.0:
         raise InvalidArgument(field, "must be a finite, non-zero vector")
-    return np.ascontiguousarray(vector / norm, dtype=np.float32)
+    return np.ascontiguousarray(wide / norm, dtype=np.float32)
 
 
 class LongTermMemory:
