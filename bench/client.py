@@ -37,7 +37,7 @@ from bench.dataset import DIM, FILTERS, K, make_dataset
 from bench.load import binary_vectors
 from bench.peer import PeerStore
 from tokensvc.memory.filters import Condition, Filter, Operator
-from tokensvc.memory.service import SearchTuning
+from tokensvc.retrieval import SearchTuning
 from tokensvc.storage import database as tokensvc_database
 from tokensvc.storage.memories import _hnsw_settings, _vector_search_sql
 from tokensvc.storage.tenant import Tenant, tenant_transaction

@@ -43,11 +43,11 @@ import numpy as np
 
 from tokensvc.memory.filters import Condition, Filter, Operator, matches
 from tokensvc.memory.models import NewMemory
-from tokensvc.memory.service import SearchTuning
+from tokensvc.retrieval import SearchTuning
 from tokensvc.settings import load_settings
 from tokensvc.storage import Database, apply_migrations, connect_once
 from tokensvc.storage.database import _init_connection
-from tokensvc.storage.memories import PostgresMemoryStore, _use_iterative_hnsw_scan, _vector_search_sql
+from tokensvc.storage.memories import PostgresMemoryStore, _hnsw_settings, _vector_search_sql
 from tokensvc.storage.tenant import Tenant, tenant_transaction
 
 DIM = 384
@@ -130,9 +130,8 @@ async def plan_of(
     pool: asyncpg.Pool, tenant: Tenant, query: np.ndarray, f: Filter | None, exact: bool
 ) -> str:
     sql, params = _vector_search_sql(tenant.buckets[0], query, k=K, filter_=f, exact=exact)
-    async with tenant_transaction(pool, tenant) as conn:
-        if not exact:
-            await _use_iterative_hnsw_scan(conn, ef_search=64, max_scan_tuples=SearchTuning().max_scan_tuples)
+    settings = None if exact else _hnsw_settings(ef_search=64, max_scan_tuples=SearchTuning().max_scan_tuples)
+    async with tenant_transaction(pool, tenant, settings=settings) as conn:
         lines = [row[0] for row in await conn.fetch(f"EXPLAIN {sql}", *params)]
     text = "\n".join(lines)
     if f"memories_hnsw_{DIM}" in text:

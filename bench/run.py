@@ -68,7 +68,7 @@ from tokensvc.auth.capabilities import mint_capability
 from tokensvc.auth.devpki import LAUNCHER_SPIFFE_ID, load_signing_key
 from tokensvc.auth.identity import Caller, Role
 from tokensvc.embedders import HashEmbedder
-from tokensvc.memory.service import SearchTuning
+from tokensvc.retrieval import SearchTuning
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

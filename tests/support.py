@@ -71,6 +71,9 @@ def service_settings(database: SharedDatabase, dev: DevPaths, state_dir: Path, *
         "pepper_dir": str(dev.pepper_dir),
         "signing_key_file": str(dev.signing_key),
         "shutdown_grace_seconds": 5.0,
+        # Tests that need meaning choose the embedded model (multilingual-e5-small) explicitly;
+        # the rest use `hash`, which is instant and deterministic.
+        "memory_embedder": "hash",
     }
     values.update(overrides)
     return load_settings(environ={}, overrides=values)

@@ -9,6 +9,7 @@ the grace period, then closes the pool and the embedded database.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 from collections.abc import Callable, Mapping, Sequence
@@ -39,8 +40,9 @@ from tokensvc.credentials.custody import CredentialCustodian
 from tokensvc.credentials.journal import PostgresRotationJournal
 from tokensvc.embedders import EmbedderRegistry, load_embedders
 from tokensvc.knowledge.service import KnowledgeBases
-from tokensvc.memory.service import LongTermMemory, SearchTuning
+from tokensvc.memory.service import LongTermMemory
 from tokensvc.observability import METRICS, configure_tracing, start_metrics_server
+from tokensvc.retrieval import FusionWeights, SearchTuning
 from tokensvc.settings import Settings, SettingsError
 from tokensvc.storage import (
     Database,
@@ -127,7 +129,7 @@ class Service:
             raise SettingsError(f"tls_cert_file/tls_key_file/tls_client_ca_file: {exc}") from None
 
     def _embedders(self) -> EmbedderRegistry:
-        embedders = load_embedders(self.settings.embedders_file)
+        embedders = load_embedders(self.settings.embedders_file, local_threads=self.settings.embedder_threads)
         if self.settings.memory_embedder not in embedders.names:
             raise SettingsError(
                 f"memory_embedder: {self.settings.memory_embedder!r} is not a configured embedder "
@@ -184,23 +186,33 @@ class Service:
         assert self.custodian is not None
         assert self.revocations is not None
         settings = self.settings
+        tuning = SearchTuning(
+            exact_threshold=settings.memory_exact_search_threshold,
+            ef_search=settings.memory_hnsw_ef_search,
+            max_scan_tuples=settings.memory_hnsw_max_scan_tuples,
+            candidates=settings.search_candidates,
+        )
+        fusion = FusionWeights(
+            vector=settings.search_vector_weight, neighbour=settings.search_neighbour_weight
+        )
         self.memory = LongTermMemory(
             PostgresMemoryStore(pool),
             self.embedders,
             default_embedder=settings.memory_embedder,
-            tuning=SearchTuning(
-                exact_threshold=settings.memory_exact_search_threshold,
-                ef_search=settings.memory_hnsw_ef_search,
-                max_scan_tuples=settings.memory_hnsw_max_scan_tuples,
-            ),
+            default_text_config=settings.text_search_config,
+            tuning=tuning,
+            fusion=fusion,
         )
         self.knowledge = KnowledgeBases(
             PostgresKnowledgeStore(pool),
             self.embedders,
             audit=self.audit,
             default_embedder=settings.memory_embedder,
-            exact_threshold=settings.memory_exact_search_threshold,
-            ef_search=settings.memory_hnsw_ef_search,
+            default_text_config=settings.text_search_config,
+            # A corpus is searched exactly up to 5x the bucket threshold: chunks are fewer, longer
+            # rows than memories and a whole corpus is one search's scope.
+            tuning=dataclasses.replace(tuning, exact_threshold=5 * settings.memory_exact_search_threshold),
+            fusion=fusion,
         )
         return Domain(
             capabilities=CapabilityOperations(revocations=self.revocations, issuer=issuer, audit=self.audit),

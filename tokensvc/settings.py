@@ -97,10 +97,41 @@ class Settings:
     # --- long-term memory -------------------------------------------------------------------
     embedders_file: Path | None = field(
         default=None,
-        metadata=_doc("TOML file of embedders ([embedders.NAME]); unset means only the built-in `hash`."),
+        metadata=_doc(
+            "TOML file of embedders ([embedders.NAME]); unset means only the built-in "
+            "`multilingual-e5-small` and `hash`."
+        ),
     )
     memory_embedder: str = field(
-        default="hash", metadata=_doc("Embedder a new memory space is pinned to at its first write.")
+        default="multilingual-e5-small",
+        metadata=_doc(
+            "Embedder new memory spaces are pinned to at their first write, and new knowledge bases "
+            "that name none (the built-in embedded model by default)."
+        ),
+    )
+    embedder_threads: int = field(
+        default=2, metadata=_doc("Worker threads of the built-in embedded model (one per core is best).")
+    )
+    text_search_config: str = field(
+        default="english",
+        metadata=_doc(
+            "PostgreSQL text-search configuration new memory spaces and knowledge bases pin "
+            "(`simple` for no stemming)."
+        ),
+    )
+    search_vector_weight: float = field(
+        default=0.5,
+        metadata=_doc("HYBRID search: weight of the vector score (the text score gets the rest)."),
+    )
+    search_neighbour_weight: float = field(
+        default=0.7,
+        metadata=_doc(
+            "HYBRID search: how far a result is lifted towards a better-scoring neighbour (0 turns "
+            "neighbours off; below 1)."
+        ),
+    )
+    search_candidates: int = field(
+        default=50, metadata=_doc("HYBRID and TEXT search: candidates each ranker contributes.")
     )
     memory_exact_search_threshold: int = field(
         default=1000, metadata=_doc("Buckets up to this many rows are searched exactly, larger via HNSW.")
@@ -233,10 +264,29 @@ class Settings:
         if not 0 < self.revocation_poll_seconds <= 5:
             raise SettingsError("revocation_poll_seconds: must be in (0, 5] so revocations apply within 5 s")
 
+    def _validate_search(self) -> None:
+        from tokensvc.retrieval.text import TEXT_CONFIGS  # retrieval imports storage, which imports us
+
+        if not 0.0 <= self.search_vector_weight <= 1.0:
+            raise SettingsError("search_vector_weight: must be between 0 and 1")
+        if not 0.0 <= self.search_neighbour_weight < 1.0:
+            raise SettingsError("search_neighbour_weight: must be at least 0 and below 1")
+        if self.text_search_config not in TEXT_CONFIGS:
+            raise SettingsError(
+                f"text_search_config: {self.text_search_config!r} is not one of {', '.join(sorted(TEXT_CONFIGS))}"
+            )
+
     def _validate_memory_and_limits(self) -> None:
-        for name in ("memory_exact_search_threshold", "memory_hnsw_ef_search", "memory_hnsw_max_scan_tuples"):
+        for name in (
+            "memory_exact_search_threshold",
+            "memory_hnsw_ef_search",
+            "memory_hnsw_max_scan_tuples",
+            "embedder_threads",
+            "search_candidates",
+        ):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name}: must be at least 1")
+        self._validate_search()
         if self.knowledge_max_upload_bytes < 1:
             raise SettingsError("knowledge_max_upload_bytes: must be at least 1")
         if self.memory_sweep_interval_seconds <= 0:

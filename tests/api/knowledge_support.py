@@ -118,9 +118,14 @@ class Manager:
         embedder: str = "",
         display_name: str = "",
         chunking: bool = True,
+        text_search_config: str = "",
     ) -> knowledge_pb2.CreateKnowledgeBaseResponse:
         request = knowledge_pb2.CreateKnowledgeBaseRequest(
-            namespace=self.namespace, ref=ref, display_name=display_name, embedder=embedder
+            namespace=self.namespace,
+            ref=ref,
+            display_name=display_name,
+            embedder=embedder,
+            text_search_config=text_search_config,
         )
         if chunking:
             strategy = knowledge_pb2.ChunkingStrategy(

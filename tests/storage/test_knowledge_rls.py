@@ -32,7 +32,7 @@ async def pool(
 
 async def corpus(store: PostgresKnowledgeStore, namespace: str, ref: str) -> None:
     """One knowledge base with one document of two chunks."""
-    base = BaseRow(namespace, ref, "", "hash", "hash-v1", 384, True, "fixed", 64, 0, None)  # type: ignore[arg-type]
+    base = BaseRow(namespace, ref, "", "hash", "hash-v1", 384, True, "fixed", 64, 0, "english", None)  # type: ignore[arg-type]
     await store.create_base(Tenant(namespace, knowledge_bases=(ALL_KNOWLEDGE_BASES,)), base)
     vector = np.ones(384, dtype=np.float32) / np.sqrt(384)
     chunks = [ChunkRow(i, f"text {i}", 0, 6, (), vector) for i in range(2)]

@@ -26,10 +26,10 @@ from tokensvc.auth.devpki import DevPaths
 from tokensvc.credentials import FileCredentialSource
 from tokensvc.memory.filters import Condition, Filter, Operator, matches
 from tokensvc.memory.models import NewMemory, ScoredMemory
-from tokensvc.memory.service import SearchTuning
+from tokensvc.retrieval import SearchTuning
 from tokensvc.storage import Database
 from tokensvc.storage.database import _init_connection
-from tokensvc.storage.memories import PostgresMemoryStore, _use_iterative_hnsw_scan, _vector_search_sql
+from tokensvc.storage.memories import PostgresMemoryStore, _hnsw_settings, _vector_search_sql
 from tokensvc.storage.tenant import Tenant, tenant_transaction
 
 DIM = 384
@@ -218,10 +218,8 @@ async def test_the_filtered_search_under_test_is_an_hnsw_index_scan(
 ) -> None:
     _, large = corpora
     sql, params = _vector_search_sql(large.bucket, large.queries[0], k=K, filter_=RARE, exact=False)
-    async with tenant_transaction(index_pool, large.tenant) as conn:
-        await _use_iterative_hnsw_scan(
-            conn, ef_search=TUNING.ef_search, max_scan_tuples=TUNING.max_scan_tuples
-        )
+    settings = _hnsw_settings(ef_search=TUNING.ef_search, max_scan_tuples=TUNING.max_scan_tuples)
+    async with tenant_transaction(index_pool, large.tenant, settings=settings) as conn:
         plan = await conn.fetchval(f"EXPLAIN (FORMAT JSON) {sql}", *params)
     assert f'"Index Name": "memories_hnsw_{DIM}"' in json.dumps(
         plan if isinstance(plan, list) else json.loads(plan)

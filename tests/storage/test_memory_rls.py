@@ -19,7 +19,7 @@ import pytest
 from tests.support import SharedDatabase, service_settings
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.embedders import EmbedderSpec
-from tokensvc.memory.models import NewMemory
+from tokensvc.memory.models import MemorySpace, NewMemory
 from tokensvc.storage import Database
 from tokensvc.storage.memories import PostgresMemoryStore
 from tokensvc.storage.tenant import Tenant, tenant_transaction
@@ -269,7 +269,7 @@ async def test_a_pinned_memory_space_cannot_be_changed_or_seen_by_another_agent(
     pool: asyncpg.Pool, store: PostgresMemoryStore
 ) -> None:
     tenant = Tenant(NAMESPACE, f"pinned-{uuid.uuid4().hex[:12]}")
-    spec = EmbedderSpec("hash", "hash-v1", DIM, True)
+    spec = MemorySpace(EmbedderSpec("hash", "hash-v1", DIM, True), "english")
     assert await store.pin_space(tenant, spec) == spec
 
     async with tenant_transaction(pool, tenant) as conn:

@@ -23,13 +23,32 @@ from tokensvc.auth.devpki import DevPaths
 from tokensvc.embedders import EmbedderSpec
 from tokensvc.errors import AlreadyExists
 from tokensvc.memory.filters import Condition, Operator
-from tokensvc.memory.models import NewMemory
+from tokensvc.memory.models import MemorySpace, NewMemory
+from tokensvc.retrieval import BM25_B, BM25_K1, or_query
 from tokensvc.storage import Database
-from tokensvc.storage.memories import PostgresMemoryStore, _use_iterative_hnsw_scan, _vector_search_sql
+from tokensvc.storage.memories import PostgresMemoryStore, _hnsw_settings, _vector_search_sql
+from tokensvc.storage.ranking import CandidateQuery
 from tokensvc.storage.tenant import Tenant, tenant_transaction
 
 DIM = 384
 EMBEDDER = "test"
+
+
+def text_query(text: str, *, exact: bool = True, vector: np.ndarray | None = None) -> CandidateQuery:
+    """A TEXT (or, with a vector, HYBRID) candidate query with the service's constants."""
+    return CandidateQuery(
+        vector=vector,
+        text=text,
+        or_text=or_query(text),
+        text_config="english",
+        k=10,
+        row_count=100,
+        exact=exact,
+        neighbours=vector is not None,
+        bm25_k1=BM25_K1,
+        bm25_b=BM25_B,
+        hnsw_settings=_hnsw_settings(ef_search=40, max_scan_tuples=20_000),
+    )
 
 
 def new_bucket() -> str:
@@ -232,10 +251,11 @@ async def test_expired_rows_are_never_returned_counted_or_updated(
     for exact in (True, False):
         hits = await store.search_vector(tenant, bucket, query, k=10, exact=exact, **search)
         assert [hit.memory.id for hit in hits] == [live.id]
-    assert [
-        hit.memory.id
-        for hit in await store.search_text(tenant, bucket, "true", k=10, filter_=None, embedder=EMBEDDER)
-    ] == [live.id]
+    for exact in (True, False):
+        found = await store.search(
+            tenant, bucket, text_query("true", exact=exact), filter_=None, embedder=EMBEDDER
+        )
+        assert [c.item.id for c in found] == [live.id]
     page = await store.list_page(
         tenant,
         bucket,
@@ -505,11 +525,14 @@ async def test_bucket_size_counts_up_to_the_cap(
 async def test_a_space_is_pinned_once_and_visible_only_to_its_agent(
     store: PostgresMemoryStore, tenant: Tenant
 ) -> None:
-    spec = EmbedderSpec("hash", "hash-v1", DIM, True)
+    spec = MemorySpace(EmbedderSpec("hash", "hash-v1", DIM, True), "english")
     assert await store.get_space(tenant) is None
 
     assert await store.pin_space(tenant, spec) == spec
-    assert await store.pin_space(tenant, EmbedderSpec("openai", "other-model", 256, True)) == spec
+    assert (
+        await store.pin_space(tenant, MemorySpace(EmbedderSpec("openai", "other-model", 256, True), "simple"))
+        == spec
+    )
 
     assert await store.get_space(tenant) == spec
     assert await store.get_space(Tenant(tenant.namespace, f"{tenant.agent}-other")) is None
@@ -526,9 +549,8 @@ async def hnsw_plan(pool: asyncpg.Pool, tenant: Tenant, bucket: str, query: np.n
     sql, params = _vector_search_sql(
         bucket, query, k=10, filter_=Condition("n", Operator.GTE, 0), exact=False
     )
-    async with tenant_transaction(pool, tenant) as conn:
-        await _use_iterative_hnsw_scan(conn, ef_search=40, max_scan_tuples=20_000)
-        await conn.execute("SET LOCAL enable_sort = off")
+    settings = _hnsw_settings(ef_search=40, max_scan_tuples=20_000)  # enable_sort = off among them
+    async with tenant_transaction(pool, tenant, settings=settings) as conn:
         plan = await conn.fetchval(f"EXPLAIN (FORMAT JSON) {sql}", *params)
     return json.dumps(plan if isinstance(plan, list) else json.loads(plan))
 
@@ -539,7 +561,7 @@ async def test_spaces_of_different_dimensions_both_store_search_and_use_their_ow
     for dim in (DIM, 256):
         bucket = new_bucket()
         tenant = Tenant("store-tests", f"dims-{dim}-{uuid.uuid4().hex[:8]}", (bucket,))
-        spec = EmbedderSpec("test", f"model-{dim}", dim, True)
+        spec = MemorySpace(EmbedderSpec("test", f"model-{dim}", dim, True), "english")
         assert await store.pin_space(tenant, spec) == spec  # creates memories_hnsw_<dim> if missing
         rows = [memory(f"{dim}-d memory {i}", unit(rng, dim), metadata={"n": i}) for i in range(50)]
         await store.insert(tenant, bucket, rows)

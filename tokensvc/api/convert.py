@@ -10,10 +10,12 @@ from tokensvc.api.context import current_call
 from tokensvc.auth.scope import TenantScope
 from tokensvc.auth.session_keys import SessionScope
 from tokensvc.errors import InvalidArgument
-from tokensvc.v1 import capability_pb2
+from tokensvc.retrieval import SearchMode
+from tokensvc.v1 import capability_pb2, common_pb2
 
 __all__ = [
     "current_scope",
+    "decode_search_mode",
     "duration_seconds",
     "scope_to_proto",
     "session_scope_from_proto",
@@ -78,3 +80,22 @@ def session_scope_to_proto(scope: SessionScope) -> capability_pb2.SessionScope.V
     if scope is SessionScope.SHARED:
         return capability_pb2.SESSION_SCOPE_SHARED
     return capability_pb2.SESSION_SCOPE_SESSION
+
+
+_SEARCH_MODES = {
+    common_pb2.SEARCH_MODE_VECTOR: SearchMode.VECTOR,
+    common_pb2.SEARCH_MODE_TEXT: SearchMode.TEXT,
+    common_pb2.SEARCH_MODE_HYBRID: SearchMode.HYBRID,
+}
+
+
+def decode_search_mode(value: int, *, has_text: bool) -> SearchMode:
+    """The request's mode; UNSPECIFIED is HYBRID for a text query, VECTOR for a query vector."""
+    if value == common_pb2.SEARCH_MODE_UNSPECIFIED:
+        return SearchMode.HYBRID if has_text else SearchMode.VECTOR
+    mode: SearchMode | None = _SEARCH_MODES.get(value)  # type: ignore[call-overload]
+    if mode is None:
+        raise InvalidArgument("mode", "must be SEARCH_MODE_VECTOR, SEARCH_MODE_TEXT or SEARCH_MODE_HYBRID")
+    if mode is not SearchMode.VECTOR and not has_text:
+        raise InvalidArgument("mode", f"{mode.name} needs query_text (full-text search cannot use a vector)")
+    return mode

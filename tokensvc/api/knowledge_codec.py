@@ -116,6 +116,7 @@ def encode_base(base: BaseRow) -> knowledge_pb2.KnowledgeBase:
         dimension=base.dimension,
         document_count=base.document_count,
         created_at=timestamp(base.created_at),
+        text_search_config=base.text_config,
     )
 
 

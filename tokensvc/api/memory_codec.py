@@ -12,13 +12,12 @@ from collections.abc import Sequence
 import numpy as np
 from google.protobuf import duration_pb2
 
-from tokensvc.api.convert import timestamp
+from tokensvc.api.convert import decode_search_mode, timestamp
 from tokensvc.errors import InvalidArgument, PayloadTooLarge
 from tokensvc.memory.filters import Filter, filter_from_proto
 from tokensvc.memory.metadata import metadata_from_proto, metadata_to_proto
 from tokensvc.memory.models import MemoryRecord
-from tokensvc.memory.ranking import SearchHit
-from tokensvc.memory.service import RememberItem, SearchQuery
+from tokensvc.memory.service import RememberItem, SearchHit, SearchQuery
 from tokensvc.v1 import common_pb2, memory_pb2
 
 __all__ = [
@@ -123,16 +122,7 @@ def decode_search(request: memory_pb2.SearchMemoriesRequest) -> SearchQuery:
     min_score = request.min_score if request.HasField("min_score") else None
     if min_score is not None and not math.isfinite(min_score):
         raise InvalidArgument("min_score", "must be a finite number")
-    modes = {
-        common_pb2.SEARCH_MODE_UNSPECIFIED: "vector",
-        common_pb2.SEARCH_MODE_VECTOR: "vector",
-        common_pb2.SEARCH_MODE_HYBRID: "hybrid",
-    }
-    mode = modes.get(request.mode)
-    if mode is None:
-        raise InvalidArgument("mode", "must be SEARCH_MODE_VECTOR or SEARCH_MODE_HYBRID")
-    if mode == "hybrid" and text is None:
-        raise InvalidArgument("mode", "HYBRID needs query_text (full-text search cannot use a vector)")
+    mode = decode_search_mode(request.mode, has_text=text is not None)
     return SearchQuery(
         text=text,
         vector=vector,
@@ -190,7 +180,7 @@ def encode_memory(record: MemoryRecord) -> memory_pb2.Memory:
 
 def encode_hit(hit: SearchHit) -> memory_pb2.MemorySearchResult:
     return memory_pb2.MemorySearchResult(
-        memory=encode_memory(hit.memory),
+        memory=encode_memory(hit.item),
         score=hit.score,
         vector_rank=hit.vector_rank,
         text_rank=hit.text_rank,

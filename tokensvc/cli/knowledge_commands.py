@@ -12,9 +12,9 @@ from typing import Any
 
 from tokensvc.cli.capability_commands import add_capability_source, read_capability
 from tokensvc.cli.connection import RpcFailed, add_connection_flags, call_service, client_for
-from tokensvc.cli.output import output
+from tokensvc.cli.output import SEARCH_MODES, add_search_mode, output
 from tokensvc.client import TokensvcError
-from tokensvc.v1 import common_pb2, knowledge_pb2
+from tokensvc.v1 import knowledge_pb2
 
 __all__ = ["add_knowledge_commands"]
 
@@ -40,6 +40,11 @@ def add_knowledge_commands(commands: argparse._SubParsersAction[argparse.Argumen
     create.add_argument("--chunk-size", type=int, default=0, help="words per chunk (16..2048, default 256)")
     create.add_argument("--overlap", type=int, default=0, help="words shared by neighbouring chunks")
     create.add_argument("--display-name", default="")
+    create.add_argument(
+        "--text-search-config",
+        default="",
+        help="PostgreSQL text-search configuration to stem with (default: the server's, english)",
+    )
     create.set_defaults(handler=_create)
 
     listing = sub.add_parser(
@@ -80,7 +85,7 @@ def add_knowledge_commands(commands: argparse._SubParsersAction[argparse.Argumen
         "--kb", action="append", default=[], metavar="REF", help="(repeatable; default: the roster)"
     )
     search.add_argument("-k", "--top-k", type=int, default=5)
-    search.add_argument("--vector", action="store_true", help="vector ranking only (default: hybrid)")
+    add_search_mode(search)
     add_capability_source(search)
     search.set_defaults(handler=_search)
 
@@ -103,6 +108,7 @@ def _create(args: argparse.Namespace) -> int:
         ref=args.ref,
         display_name=args.display_name,
         embedder=args.embedder,
+        text_search_config=args.text_search_config,
         chunking=knowledge_pb2.ChunkingStrategy(
             kind=_KINDS[args.chunking], chunk_size=args.chunk_size, chunk_overlap=args.overlap
         ),
@@ -192,7 +198,7 @@ def _search(args: argparse.Namespace) -> int:
         knowledge_base_refs=args.kb,
         query_text=args.query,
         top_k=args.top_k,
-        mode=common_pb2.SEARCH_MODE_VECTOR if args.vector else common_pb2.SEARCH_MODE_HYBRID,
+        mode=SEARCH_MODES[args.mode],
     )
     response = call_service(
         args, "launcher", "KnowledgeService", "SearchKnowledge", request, read_capability(args)

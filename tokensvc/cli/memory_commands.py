@@ -9,7 +9,7 @@ from google.protobuf import duration_pb2, json_format
 
 from tokensvc.cli.capability_commands import add_capability_source, read_capability
 from tokensvc.cli.connection import add_connection_flags, call_service
-from tokensvc.cli.output import output
+from tokensvc.cli.output import SEARCH_MODES, add_search_mode, output
 from tokensvc.v1 import common_pb2, memory_pb2
 
 __all__ = ["add_memory_commands", "parse_metadata"]
@@ -37,7 +37,7 @@ def add_memory_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
     )
     search.add_argument("query", metavar="QUERY")
     search.add_argument("-k", "--top-k", type=int, default=10, help="results (1..100, default 10)")
-    search.add_argument("--hybrid", action="store_true", help="fuse full-text and vector rankings")
+    add_search_mode(search)
     search.add_argument("--min-score", type=float, help="drop results scoring below this")
     search.add_argument(
         "--filter",
@@ -116,7 +116,7 @@ def _search(args: argparse.Namespace) -> int:
     request = memory_pb2.SearchMemoriesRequest(
         query_text=args.query,
         top_k=args.top_k,
-        mode=common_pb2.SEARCH_MODE_HYBRID if args.hybrid else common_pb2.SEARCH_MODE_VECTOR,
+        mode=SEARCH_MODES[args.mode],
     )
     if args.min_score is not None:
         request.min_score = args.min_score

@@ -8,7 +8,9 @@ from typing import Any
 
 from google.protobuf import json_format
 
-__all__ = ["output"]
+from tokensvc.v1 import common_pb2
+
+__all__ = ["SEARCH_MODES", "add_search_mode", "output"]
 
 
 def output(args: argparse.Namespace, response: Any, text: str) -> int:
@@ -18,3 +20,20 @@ def output(args: argparse.Namespace, response: Any, text: str) -> int:
     else:
         print(text)
     return 0
+
+
+SEARCH_MODES = {
+    "hybrid": common_pb2.SEARCH_MODE_HYBRID,
+    "vector": common_pb2.SEARCH_MODE_VECTOR,
+    "text": common_pb2.SEARCH_MODE_TEXT,
+}
+
+
+def add_search_mode(parser: argparse.ArgumentParser) -> None:
+    """`--mode hybrid|vector|text` of the search commands."""
+    parser.add_argument(
+        "--mode",
+        choices=tuple(SEARCH_MODES),
+        default="hybrid",
+        help="hybrid (default): meaning and words fused; vector: meaning only; text: words only (BM25)",
+    )

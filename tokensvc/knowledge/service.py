@@ -9,7 +9,6 @@ only knowledge bases in its capability's roster, and a refusal names no other co
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,9 +25,24 @@ from tokensvc.knowledge.chunking import Chunk, ChunkingStrategy, chunk_document
 from tokensvc.knowledge.extract import extract_text
 from tokensvc.memory.filters import Filter
 from tokensvc.memory.metadata import MetadataScalar
-from tokensvc.memory.ranking import RRF_K
 from tokensvc.observability.metrics import observe_embedding
+from tokensvc.retrieval import (
+    BM25_B,
+    BM25_K1,
+    DEFAULT_TEXT_CONFIG,
+    FusionWeights,
+    Ranked,
+    RowCounts,
+    SearchMode,
+    SearchTuning,
+    apply_mode,
+    or_query,
+    unit_rows,
+    unit_vector,
+    validate_text_config,
+)
 from tokensvc.storage.knowledge import BaseRow, ChunkRow, DocumentRow, PassageRow, PostgresKnowledgeStore
+from tokensvc.storage.ranking import CandidateQuery
 from tokensvc.storage.tenant import ALL_KNOWLEDGE_BASES, Tenant
 
 __all__ = ["KnowledgeBases", "Passage", "UploadResult"]
@@ -71,15 +85,18 @@ class KnowledgeBases:
         *,
         audit: AuditLog,
         default_embedder: str,
-        exact_threshold: int = 5000,
-        ef_search: int = 64,
+        default_text_config: str = DEFAULT_TEXT_CONFIG,
+        tuning: SearchTuning | None = None,
+        fusion: FusionWeights | None = None,
     ):
         self._store = store
         self._embedders = embedders
         self._audit = audit
         self._default = default_embedder
-        self._exact_threshold = exact_threshold
-        self._ef_search = ef_search
+        self._default_text_config = default_text_config
+        self._tuning = tuning or SearchTuning(exact_threshold=5000)
+        self._fusion = fusion or FusionWeights()
+        self._sizes = RowCounts(self._tuning.row_count_ttl_seconds)
 
     # --- management (control plane, admin) --------------------------------------------------
 
@@ -91,6 +108,7 @@ class KnowledgeBases:
         embedder_name: str,
         chunking: ChunkingStrategy,
         *,
+        text_config: str = "",
         actor: str,
     ) -> tuple[BaseRow, bool]:
         with _tracer.start_as_current_span("knowledge.create", record_exception=False) as span:
@@ -102,6 +120,7 @@ class KnowledgeBases:
                     f"{name!r} is not configured; configured embedders: {', '.join(self._embedders.names)}",
                 )
             spec = self._embedders.get(name).spec
+            config = validate_text_config(text_config, "text_search_config") if text_config else None
             wanted = BaseRow(
                 namespace=namespace,
                 ref=ref,
@@ -113,6 +132,7 @@ class KnowledgeBases:
                 chunking=str(chunking.kind.value),
                 chunk_size=chunking.chunk_size,
                 chunk_overlap=chunking.chunk_overlap,
+                text_config=config or self._default_text_config,
                 created_at=None,  # type: ignore[arg-type]
             )
             stored, created = await self._store.create_base(_management(namespace), wanted)
@@ -124,10 +144,14 @@ class KnowledgeBases:
                     target=f"{namespace}/{ref}",
                     detail=f"embedder {spec.name}, {chunking.kind.value} chunking",
                 )
-            if not created and _pinned(stored) != _pinned(wanted):
+            # An empty text_search_config asks for no particular one: the pinned one stands.
+            if not created and (
+                _pinned(stored) != _pinned(wanted) or (config is not None and config != stored.text_config)
+            ):
                 raise PinnedConfiguration(
-                    f"knowledge base {ref!r} is pinned to embedder {stored.embedder!r} and {stored.chunking} "
-                    f"chunking ({stored.chunk_size}/{stored.chunk_overlap}); changing either needs re-embedding"
+                    f"knowledge base {ref!r} is pinned to embedder {stored.embedder!r}, {stored.chunking} "
+                    f"chunking ({stored.chunk_size}/{stored.chunk_overlap}) and text-search configuration "
+                    f"{stored.text_config!r}; changing them needs re-indexing"
                 )
             return stored, created
 
@@ -206,7 +230,7 @@ class KnowledgeBases:
                 batch = await observe_embedding(
                     embedder.spec.name, embedder.embed_documents(texts[start : start + _EMBED_BATCH])
                 )
-                vectors.extend(_unit_rows(batch))
+                vectors.extend(unit_rows(batch, "content"))
         return vectors
 
     async def get_document(self, namespace: str, kb_ref: str, doc_ref: str) -> DocumentRow:
@@ -242,50 +266,77 @@ class KnowledgeBases:
         top_k: int,
         min_score: float | None,
         filter_: Filter | None,
-        hybrid: bool,
+        mode: SearchMode,
     ) -> list[Passage]:
         with _tracer.start_as_current_span("knowledge.search", record_exception=False) as span:
             span.set_attribute("tokensvc.namespace", scope.namespace)
             span.set_attribute("tokensvc.agent", scope.agent)
+            span.set_attribute("tokensvc.search.mode", str(mode))
             refs = _authorised_refs(scope, refs)
             tenant = Tenant(scope.namespace, scope.agent, knowledge_bases=tuple(refs))
             bases = await self._store.get_bases(tenant, refs)
-            groups: dict[EmbedderSpec, list[str]] = {}
+            # One search per (embedder, text config): vectors and lexemes compare only within one.
+            groups: dict[tuple[EmbedderSpec, str], list[str]] = {}
             for base in bases:
-                groups.setdefault(_spec(base), []).append(base.ref)
-            candidates = max(top_k, 50) if hybrid else top_k
-            ranked: list[list[Passage]] = []
-            for spec, group in groups.items():
-                embedder = self._embedder_for(spec)
-                with _tracer.start_as_current_span("embed", record_exception=False):
-                    query_vector = await observe_embedding(spec.name, embedder.embed_query(query))
-                vector = _unit_rows(np.asarray([query_vector]))[0]
-                exact = (
-                    await self._store.chunk_count(tenant, group, self._exact_threshold + 1)
-                    <= self._exact_threshold
+                groups.setdefault((_spec(base), base.text_config), []).append(base.ref)
+            ranked: list[Ranked[PassageRow]] = []
+            for (spec, text_config), group in groups.items():
+                ranked += await self._search_group(
+                    tenant, spec, text_config, group, query, top_k, min_score, filter_, mode
                 )
-                search = functools.partial(
-                    self._store.search,
-                    tenant,
-                    group,
-                    query_vector=vector,
-                    query_text=query if hybrid else None,
-                    k=candidates,
-                    filter_=filter_,
-                    ef_search=max(self._ef_search, 2 * candidates),
-                )
-                exact = exact or spec.dimension > 2000
-                rows = await search(exact=exact)
-                if not exact and sum(row.ranker == "vector" for row in rows) < candidates:
-                    # The approximate scan stopped early: search exactly so results stay complete.
-                    rows = await search(exact=True)
-                ranked.append(_fuse(rows) if hybrid else _vector_only(rows))
-            passages = _merge(ranked)
-            if min_score is not None:
-                passages = [p for p in passages if p.score >= min_score]
-            passages = passages[:top_k]
+            if len(groups) > 1:
+                ranked.sort(key=lambda r: -r.score)
+            passages = [_passage(r) for r in ranked[:top_k]]
             span.set_attribute("tokensvc.result_count", len(passages))
             return passages
+
+    async def _search_group(
+        self,
+        tenant: Tenant,
+        spec: EmbedderSpec,
+        text_config: str,
+        refs: list[str],
+        query: str,
+        top_k: int,
+        min_score: float | None,
+        filter_: Filter | None,
+        mode: SearchMode,
+    ) -> list[Ranked[PassageRow]]:
+        vector = None
+        if mode is not SearchMode.TEXT:
+            embedder = self._embedder_for(spec)
+            with _tracer.start_as_current_span("embed", record_exception=False):
+                vector = unit_vector(
+                    await observe_embedding(spec.name, embedder.embed_query(query)), "query_text"
+                )
+        tuning = self._tuning
+        key = f"{tenant.namespace}/{','.join(refs)}"
+        rows = self._sizes.get(key)
+        if rows is None:
+            rows = await self._store.chunk_count(tenant, refs, tuning.count_cap)
+            self._sizes.put(key, rows)
+        exact = tuning.exact(rows, filtered=filter_ is not None, dimension=spec.dimension)
+        k = top_k if mode is SearchMode.VECTOR else max(top_k, tuning.candidates)
+        text = None if mode is SearchMode.VECTOR else query
+        candidates = await self._store.search(
+            tenant,
+            refs,
+            CandidateQuery(
+                vector=vector,
+                text=text,
+                or_text=or_query(text or ""),
+                text_config=text_config,
+                k=k,
+                row_count=rows,
+                exact=exact,
+                neighbours=mode is SearchMode.HYBRID and self._fusion.neighbour > 0,
+                bm25_k1=BM25_K1,
+                bm25_b=BM25_B,
+                hnsw_settings=tuning.hnsw_settings(k),
+            ),
+            filter_=filter_,
+        )
+        return apply_mode(mode, candidates, self._fusion, top_k=top_k, min_score=min_score)
 
     def _embedder(self, base: BaseRow) -> Embedder:
         return self._embedder_for(_spec(base))
@@ -333,15 +384,8 @@ def _authorised_refs(scope: TenantScope, refs: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(refs))
 
 
-def _unit_rows(matrix: np.ndarray) -> list[np.ndarray]:
-    matrix = np.asarray(matrix, dtype=np.float32)
-    norms = np.linalg.norm(matrix, axis=1, keepdims=True)
-    if not np.isfinite(norms).all() or (norms == 0).any():
-        raise InvalidArgument("content", "produced an embedding that cannot be normalised")
-    return list(np.ascontiguousarray(matrix / norms))
-
-
-def _passage(row: PassageRow, score: float, vector_rank: int, text_rank: int) -> Passage:
+def _passage(ranked: Ranked[PassageRow]) -> Passage:
+    row = ranked.item
     return Passage(
         row.kb_ref,
         row.doc_ref,
@@ -351,39 +395,7 @@ def _passage(row: PassageRow, score: float, vector_rank: int, text_rank: int) ->
         row.start,
         row.end,
         row.heading_path,
-        score,
-        vector_rank,
-        text_rank,
+        ranked.score,
+        ranked.vector_rank,
+        ranked.text_rank,
     )
-
-
-def _vector_only(rows: Sequence[PassageRow]) -> list[Passage]:
-    # Ranks are reported in HYBRID mode only; the proto promises 0 for both in VECTOR mode.
-    return [_passage(row, row.score, 0, 0) for row in sorted(rows, key=lambda r: r.rank)]
-
-
-def _fuse(rows: Sequence[PassageRow]) -> list[Passage]:
-    """Reciprocal rank fusion of the statement's vector and text rankings."""
-    by_key: dict[tuple[str, str, int], tuple[PassageRow, int, int]] = {}
-    for row in rows:
-        key = (row.kb_ref, row.doc_ref, row.chunk_index)
-        found, vector_rank, text_rank = by_key.get(key, (row, 0, 0))
-        if row.ranker == "vector":
-            vector_rank = row.rank
-        else:
-            text_rank = row.rank
-        by_key[key] = (found, vector_rank, text_rank)
-    fused = [
-        _passage(row, (1 / (RRF_K + v) if v else 0.0) + (1 / (RRF_K + t) if t else 0.0), v, t)
-        for row, v, t in by_key.values()
-    ]
-    fused.sort(key=lambda p: (-p.score, p.vector_rank or 1 << 30, p.citation))
-    return fused
-
-
-def _merge(groups: list[list[Passage]]) -> list[Passage]:
-    if len(groups) == 1:
-        return groups[0]
-    merged = [passage for group in groups for passage in group]
-    merged.sort(key=lambda p: -p.score)
-    return merged

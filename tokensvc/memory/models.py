@@ -7,9 +7,10 @@ from datetime import datetime
 
 import numpy as np
 
+from tokensvc.embedders import EmbedderSpec
 from tokensvc.memory.metadata import MetadataScalar
 
-__all__ = ["MemoryRecord", "NewMemory", "ScoredMemory", "StoredRef"]
+__all__ = ["MemoryRecord", "MemorySpace", "NewMemory", "ScoredMemory", "StoredRef"]
 
 
 @dataclass(frozen=True)
@@ -50,3 +51,11 @@ class StoredRef:
 class ScoredMemory:
     memory: MemoryRecord
     score: float
+
+
+@dataclass(frozen=True)
+class MemorySpace:
+    """What a memory space pins at its first write: the embedder and the text-search config."""
+
+    embedder: EmbedderSpec
+    text_config: str

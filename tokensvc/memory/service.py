@@ -10,7 +10,6 @@ pepper version's bucket move to the current bucket on first access.
 from __future__ import annotations
 
 import hashlib
-import time
 import unicodedata
 import uuid
 from collections.abc import Sequence
@@ -32,19 +31,32 @@ from tokensvc.errors import (
 )
 from tokensvc.memory.filters import Filter
 from tokensvc.memory.metadata import MAX_METADATA_ENTRIES, MetadataScalar
-from tokensvc.memory.models import MemoryRecord, NewMemory, ScoredMemory
+from tokensvc.memory.models import MemoryRecord, MemorySpace, NewMemory, ScoredMemory
 from tokensvc.memory.paging import PageCursor
-from tokensvc.memory.ranking import SearchHit, reciprocal_rank_fusion
 from tokensvc.observability.metrics import observe_embedding
+from tokensvc.retrieval import (
+    BM25_B,
+    BM25_K1,
+    DEFAULT_TEXT_CONFIG,
+    FusionWeights,
+    Ranked,
+    RowCounts,
+    SearchMode,
+    SearchTuning,
+    apply_mode,
+    or_query,
+    unit_vector,
+)
 from tokensvc.storage.memories import PostgresMemoryStore
+from tokensvc.storage.ranking import CandidateQuery
 from tokensvc.storage.tenant import Tenant
 
-__all__ = ["LongTermMemory", "RememberItem", "SearchMode", "SearchQuery", "SearchTuning"]
+__all__ = ["LongTermMemory", "RememberItem", "SearchHit", "SearchMode", "SearchQuery", "SearchTuning"]
 
 _tracer = trace.get_tracer("tokensvc.memory")
 _SPACE_CACHE_SIZE = 10_000
 
-SearchMode = str  # "vector" | "hybrid"
+SearchHit = Ranked[MemoryRecord]
 
 
 @dataclass(frozen=True)
@@ -66,71 +78,11 @@ class SearchQuery:
 
 
 @dataclass(frozen=True)
-class SearchTuning:
-    """Knobs measured by the benchmarks (docs/benchmarks.md)."""
-
-    exact_threshold: int = 1000
-    ef_search: int = 100
-    max_scan_tuples: int = 20_000
-    hybrid_candidates: int = 50
-    # A filtered search reads this many times more rows exactly before it takes the HNSW index: a
-    # filter makes an approximate scan visit 1/selectivity more tuples per hit, while the exact
-    # scan computes distances for matching rows only.
-    filtered_exact_factor: int = 4
-    # How long a bucket's row count (which only routes searches) is reused.
-    bucket_size_ttl_seconds: float = 30.0
-
-    @property
-    def filtered_exact_threshold(self) -> int:
-        return self.exact_threshold * self.filtered_exact_factor
-
-    def exact(self, bucket_rows: int, *, filtered: bool, dimension: int) -> bool:
-        """Whether a bucket of this many rows is searched exactly (else by HNSW, exact if short)."""
-        if dimension > _HNSW_MAX_DIMENSION:
-            return True
-        return bucket_rows <= (self.filtered_exact_threshold if filtered else self.exact_threshold)
-
-
-_HNSW_MAX_DIMENSION = 2000  # HNSW on `vector` indexes at most 2,000 dimensions
-
-
-class _BucketSizes:
-    """Row counts of buckets (capped), reused for a while: they choose a search path only.
-
-    A stale count costs speed, never results: a grown bucket searched exactly is still exact, and
-    a shrunk one searched by HNSW falls back to an exact scan when the approximate one is short.
-    Writes made by this process adjust the count at once; other replicas' after the TTL.
-    """
-
-    def __init__(self, ttl: float, capacity: int = 100_000):
-        self._ttl = ttl
-        self._capacity = capacity
-        self._entries: dict[str, tuple[int, float]] = {}
-
-    def get(self, bucket: str) -> int | None:
-        entry = self._entries.get(bucket)
-        if entry is None or entry[1] <= time.monotonic():
-            return None
-        return entry[0]
-
-    def put(self, bucket: str, rows: int) -> None:
-        if len(self._entries) >= self._capacity:
-            self._entries.pop(next(iter(self._entries)))
-        self._entries[bucket] = (rows, time.monotonic() + self._ttl)
-
-    def grew(self, bucket: str, rows: int) -> None:
-        if (entry := self._entries.get(bucket)) is not None:
-            self._entries[bucket] = (entry[0] + rows, entry[1])
-
-    def forget(self, bucket: str) -> None:
-        self._entries.pop(bucket, None)
-
-
-@dataclass(frozen=True)
 class _Space:
     tenant: Tenant
     bucket: str
     spec: EmbedderSpec
+    text_config: str
     embedder: Embedder | None
 
 
@@ -142,15 +94,6 @@ def content_hash(normalised: str) -> bytes:
     return hashlib.sha256(normalised.encode("utf-8")).digest()
 
 
-def _unit(vector: np.ndarray, field: str) -> np.ndarray:
-    # In float64: the squares of large float32 components overflow float32 but not float64.
-    wide = np.asarray(vector, dtype=np.float64)
-    norm = float(np.linalg.norm(wide))
-    if not np.isfinite(norm) or norm == 0.0:
-        raise InvalidArgument(field, "must be a finite, non-zero vector")
-    return np.ascontiguousarray(wide / norm, dtype=np.float32)
-
-
 class LongTermMemory:
     def __init__(
         self,
@@ -158,18 +101,22 @@ class LongTermMemory:
         embedders: EmbedderRegistry,
         *,
         default_embedder: str,
+        default_text_config: str = DEFAULT_TEXT_CONFIG,
         tuning: SearchTuning | None = None,
+        fusion: FusionWeights | None = None,
     ):
         self._store = store
         self._embedders = embedders
         self._default = default_embedder
+        self._default_text_config = default_text_config
         self._tuning = tuning or SearchTuning()
+        self._fusion = fusion or FusionWeights()
         # Buckets whose older-pepper rows were already moved by this process.
         self._moved: set[str] = set()
         # Pinned spaces by (namespace, agent): a pin never changes (the serving role cannot UPDATE
         # memory_spaces), so a search or write needs no round trip to read it again.
-        self._spaces: dict[tuple[str, str], EmbedderSpec] = {}
-        self._sizes = _BucketSizes(self._tuning.bucket_size_ttl_seconds)
+        self._spaces: dict[tuple[str, str], MemorySpace] = {}
+        self._sizes = RowCounts(self._tuning.row_count_ttl_seconds)
 
     # --- space and scope --------------------------------------------------------------------
 
@@ -183,24 +130,25 @@ class LongTermMemory:
             self._sizes.forget(scope.bucket_id)
         tenant = Tenant(scope.namespace, scope.agent, (scope.bucket_id,))
         key = (scope.namespace, scope.agent)
-        spec = self._spaces.get(key)
-        if spec is None:
-            spec = await self._store.get_space(tenant)
-            if spec is None:
+        pinned = self._spaces.get(key)
+        if pinned is None:
+            pinned = await self._store.get_space(tenant)
+            if pinned is None:
                 if not for_write:
                     return None
-                spec = await self._store.pin_space(tenant, self._embedders.get(self._default).spec)
+                wanted = MemorySpace(self._embedders.get(self._default).spec, self._default_text_config)
+                pinned = await self._store.pin_space(tenant, wanted)
             if len(self._spaces) >= _SPACE_CACHE_SIZE:
                 self._spaces.pop(next(iter(self._spaces)))
-            self._spaces[key] = spec
-        return _Space(tenant, scope.bucket_id, spec, self._pinned_embedder(spec))
+            self._spaces[key] = pinned
+        spec = pinned.embedder
+        return _Space(tenant, scope.bucket_id, spec, pinned.text_config, self._pinned_embedder(spec))
 
     async def _bucket_rows(self, space: _Space) -> int:
-        """The bucket's row count, counted up to one past the larger routing threshold."""
+        """The bucket's row count, counted up to the routing cap."""
         rows = self._sizes.get(space.bucket)
         if rows is None:
-            cap = max(self._tuning.exact_threshold, self._tuning.filtered_exact_threshold) + 1
-            rows = await self._store.bucket_size(space.tenant, space.bucket, cap)
+            rows = await self._store.bucket_size(space.tenant, space.bucket, self._tuning.count_cap)
             self._sizes.put(space.bucket, rows)
         return rows
 
@@ -275,7 +223,7 @@ class LongTermMemory:
                         metadata=items[i].metadata,
                         idempotency_key=items[i].idempotency_key,
                         ttl_seconds=items[i].ttl_seconds,
-                        embedding=_unit(vector, f"items[{i}]"),
+                        embedding=unit_vector(vector, f"items[{i}]"),
                     )
                     for i, vector in zip(pending, vectors, strict=True)
                 ]
@@ -321,7 +269,7 @@ class LongTermMemory:
                 normalised = normalise_content(content)
                 if normalised != current.content:
                     vector = (await self._embed_documents(self._require_embedder(space), [normalised]))[0]
-                    new_content = (normalised, content_hash(normalised), _unit(vector, "content"))
+                    new_content = (normalised, content_hash(normalised), unit_vector(vector, "content"))
             new_metadata: dict[str, Any] | None = None
             if metadata is not None or remove_keys or replace_metadata:
                 merged = {} if replace_metadata else dict(current.metadata)
@@ -408,46 +356,40 @@ class LongTermMemory:
     async def search(self, scope: TenantScope, query: SearchQuery) -> list[SearchHit]:
         with _tracer.start_as_current_span("memory.search", record_exception=False) as span:
             _annotate(span, scope)
-            span.set_attribute("tokensvc.search.mode", query.mode)
+            span.set_attribute("tokensvc.search.mode", str(query.mode))
             space = await self._space(scope, for_write=False)
             if space is None:
                 return []
-            vector = await self._query_vector(space, query)
+            # TEXT mode needs no query vector: nothing is embedded.
+            vector = None if query.mode is SearchMode.TEXT else await self._query_vector(space, query)
             tuning = self._tuning
             rows = await self._bucket_rows(space)
             exact = tuning.exact(rows, filtered=query.filter is not None, dimension=space.spec.dimension)
             span.set_attribute("tokensvc.search.exact", exact)
-            candidates = query.top_k if query.mode == "vector" else max(query.top_k, tuning.hybrid_candidates)
-            # An approximate search that comes back short re-runs exactly in the store (same
-            # transaction), so searches stay complete: min(top_k, matching).
-            by_vector = await self._store.search_vector(
+            k = query.top_k if query.mode is SearchMode.VECTOR else max(query.top_k, tuning.candidates)
+            text = None if query.mode is SearchMode.VECTOR else query.text
+            candidates = await self._store.search(
                 space.tenant,
                 space.bucket,
-                vector,
-                k=candidates,
+                CandidateQuery(
+                    vector=vector,
+                    text=text,
+                    or_text=or_query(text or ""),
+                    text_config=space.text_config,
+                    k=k,
+                    row_count=rows,
+                    exact=exact,
+                    neighbours=query.mode is SearchMode.HYBRID and self._fusion.neighbour > 0,
+                    bm25_k1=BM25_K1,
+                    bm25_b=BM25_B,
+                    hnsw_settings=tuning.hnsw_settings(k),
+                ),
                 filter_=query.filter,
-                exact=exact,
-                ef_search=max(tuning.ef_search, 2 * candidates),
-                max_scan_tuples=tuning.max_scan_tuples,
                 embedder=space.spec.name,
             )
-            if query.mode == "vector":
-                # Ranks are reported in HYBRID mode only (memory.proto: always 0 in VECTOR mode).
-                hits = [SearchHit(m.memory, m.score, 0, 0) for m in by_vector]
-            else:
-                assert query.text is not None
-                by_text = await self._store.search_text(
-                    space.tenant,
-                    space.bucket,
-                    query.text,
-                    k=candidates,
-                    filter_=query.filter,
-                    embedder=space.spec.name,
-                )
-                hits = reciprocal_rank_fusion(by_vector, by_text)
-            if query.min_score is not None:
-                hits = [hit for hit in hits if hit.score >= query.min_score]
-            hits = hits[: query.top_k]
+            hits = apply_mode(
+                query.mode, candidates, self._fusion, top_k=query.top_k, min_score=query.min_score
+            )
             span.set_attribute("tokensvc.result_count", len(hits))
             return hits
 
@@ -457,12 +399,12 @@ class LongTermMemory:
                 raise InvalidArgument(
                     "query_vector", f"must have {space.spec.dimension} dimensions (the pinned embedder's)"
                 )
-            return _unit(query.vector, "query_vector")
+            return unit_vector(query.vector, "query_vector")
         assert query.text is not None
         embedder = self._require_embedder(space)
         with _tracer.start_as_current_span("embed", record_exception=False) as span:
             span.set_attribute("tokensvc.embed.count", 1)
-            return _unit(
+            return unit_vector(
                 await observe_embedding(embedder.spec.name, embedder.embed_query(query.text)), "query_text"
             )
 

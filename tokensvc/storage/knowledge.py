@@ -5,12 +5,13 @@ Contract (checked by the knowledge tests):
 - `create_base` inserts unless the ref exists; it returns the stored row (pinned choices never change).
 - `replace_document` writes a new version atomically: the new chunks are inserted and the old
   version's deleted in one transaction, so any single statement sees exactly one version.
-- `search` is ONE statement (vector and full-text rankings together), so it reads one snapshot.
+- `search` is ONE statement (both rankings and every candidate's scores), so it reads one snapshot.
 - Deleting a knowledge base or document removes its chunks (foreign keys cascade).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,9 +20,20 @@ from typing import Any
 
 import asyncpg
 import numpy as np
+from opentelemetry import trace
 from pgvector import Vector
 
 from tokensvc.memory.filters import Filter, compile_filter
+from tokensvc.storage.ranking import (
+    Candidate,
+    CandidateQuery,
+    Corpus,
+    candidate_statement,
+    candidates_from,
+    search_settings,
+    short,
+    vector_statement,
+)
 from tokensvc.storage.tenant import Tenant, tenant_transaction
 
 __all__ = [
@@ -45,6 +57,7 @@ class BaseRow:
     chunking: str
     chunk_size: int
     chunk_overlap: int
+    text_config: str
     created_at: datetime
     document_count: int = 0
 
@@ -83,15 +96,33 @@ class PassageRow:
     start: int
     end: int
     heading_path: tuple[str, ...]
-    score: float
-    ranker: str  # "vector" or "text"
-    rank: int
+
+
+# A chunk's neighbours are the chunks before and after it in the same document version.
+_CORPUS = Corpus(
+    table="chunks",
+    partition=("namespace", "kb_ref", "doc_ref", "version"),
+    local="chunk_index",
+    order=("chunk_index",),
+    columns=(
+        "kb_ref",
+        "doc_ref",
+        "version",
+        "chunk_index",
+        "text",
+        "start_offset",
+        "end_offset",
+        "heading_path",
+    ),
+)
 
 
 _BASE_COLUMNS = (
     "namespace, ref, display_name, embedder, model, dimension, normalized, chunking, chunk_size, "
-    "chunk_overlap, created_at"
+    "chunk_overlap, text_config, created_at"
 )
+# Reads cast the regconfig to its name.
+_BASE_SELECT = _BASE_COLUMNS.replace("text_config", "text_config::text AS text_config")
 _DOC_COLUMNS = "namespace, kb_ref, ref, version, content_type, content_sha256, size_bytes, chunk_count, metadata, created_at"
 
 
@@ -115,8 +146,8 @@ class PostgresKnowledgeStore:
         async with tenant_transaction(self._pool, tenant) as conn:
             inserted = await conn.fetchrow(
                 f"INSERT INTO knowledge_bases ({_BASE_COLUMNS}) "
-                "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, now()) "
-                f"ON CONFLICT (namespace, ref) DO NOTHING RETURNING {_BASE_COLUMNS}",
+                "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::regconfig, now()) "
+                f"ON CONFLICT (namespace, ref) DO NOTHING RETURNING {_BASE_SELECT}",
                 base.namespace,
                 base.ref,
                 base.display_name,
@@ -127,12 +158,13 @@ class PostgresKnowledgeStore:
                 base.chunking,
                 base.chunk_size,
                 base.chunk_overlap,
+                base.text_config,
             )
             if inserted is not None:
                 created = _base(inserted)
             else:
                 existing = await conn.fetchrow(
-                    f"SELECT {_BASE_COLUMNS}, (SELECT count(*) FROM documents d WHERE d.namespace = b.namespace "
+                    f"SELECT {_BASE_SELECT}, (SELECT count(*) FROM documents d WHERE d.namespace = b.namespace "
                     "AND d.kb_ref = b.ref) AS document_count FROM knowledge_bases b "
                     "WHERE namespace = $1 AND ref = $2",
                     base.namespace,
@@ -147,7 +179,7 @@ class PostgresKnowledgeStore:
     async def get_bases(self, tenant: Tenant, refs: Sequence[str]) -> list[BaseRow]:
         async with tenant_transaction(self._pool, tenant) as conn:
             rows = await conn.fetch(
-                f"SELECT {_BASE_COLUMNS}, (SELECT count(*) FROM documents d WHERE d.namespace = b.namespace "
+                f"SELECT {_BASE_SELECT}, (SELECT count(*) FROM documents d WHERE d.namespace = b.namespace "
                 "AND d.kb_ref = b.ref) AS document_count FROM knowledge_bases b "
                 "WHERE namespace = $1 AND ref = ANY($2::text[]) ORDER BY ref",
                 tenant.namespace,
@@ -158,7 +190,7 @@ class PostgresKnowledgeStore:
     async def list_bases(self, tenant: Tenant, *, after: str | None, limit: int) -> list[BaseRow]:
         async with tenant_transaction(self._pool, tenant) as conn:
             rows = await conn.fetch(
-                f"SELECT {_BASE_COLUMNS}, (SELECT count(*) FROM documents d WHERE d.namespace = b.namespace "
+                f"SELECT {_BASE_SELECT}, (SELECT count(*) FROM documents d WHERE d.namespace = b.namespace "
                 "AND d.kb_ref = b.ref) AS document_count FROM knowledge_bases b "
                 "WHERE namespace = $1 AND ref > $2 ORDER BY ref LIMIT $3",
                 tenant.namespace,
@@ -309,9 +341,11 @@ class PostgresKnowledgeStore:
                 await conn.execute(
                     """
                     INSERT INTO chunks (namespace, kb_ref, doc_ref, version, chunk_index, text, start_offset,
-                                        end_offset, heading_path, metadata, dimension, embedding)
+                                        end_offset, heading_path, metadata, dimension, embedding, text_config)
                     SELECT $1, $2, $3, $4, u.idx, u.text, u.start_offset, u.end_offset,
-                           ARRAY(SELECT jsonb_array_elements_text(u.heading::jsonb)), $5, $6, u.embedding
+                           ARRAY(SELECT jsonb_array_elements_text(u.heading::jsonb)), $5, $6, u.embedding,
+                           -- The corpus's pinned configuration, read here so no writer can differ.
+                           (SELECT b.text_config FROM knowledge_bases b WHERE b.namespace = $1 AND b.ref = $2)
                     FROM unnest($7::int[], $8::text[], $9::int[], $10::int[], $11::text[], $12::vector[])
                          AS u(idx, text, start_offset, end_offset, heading, embedding)
                     """,
@@ -364,64 +398,40 @@ class PostgresKnowledgeStore:
     # --- search -----------------------------------------------------------------------------
 
     async def search(
-        self,
-        tenant: Tenant,
-        kb_refs: Sequence[str],
-        *,
-        query_vector: np.ndarray,
-        query_text: str | None,
-        k: int,
-        filter_: Filter | None,
-        exact: bool,
-        ef_search: int,
-    ) -> list[PassageRow]:
-        """Vector ranking (and, with `query_text`, full-text ranking) in one statement."""
-        dimension = int(query_vector.shape[0])
-        params: list[Any] = [tenant.namespace, list(kb_refs), query_vector, k]
-        where = f"namespace = $1 AND kb_ref = ANY($2::text[]) AND dimension = {dimension}"
-        if filter_ is not None:
-            where += f" AND ({compile_filter(filter_, 'metadata', params)})"
-        columns = "kb_ref, doc_ref, version, chunk_index, text, start_offset, end_offset, heading_path"
-        distance = (
-            "embedding <#> $3" if exact else f"embedding::vector({dimension}) <#> $3::vector({dimension})"
-        )
-        vector_part = (
-            f"SELECT 'vector' AS ranker, {columns}, -({distance}) AS score, "
-            f"row_number() OVER (ORDER BY {distance}) AS rank FROM "
-            f"(SELECT * FROM chunks WHERE {where} ORDER BY {distance} LIMIT $4) v"
-        )
-        sql = vector_part
-        if query_text is not None:
-            # Web-search syntax, as in memory search: all words unless `or`; phrases; -exclusions.
-            params.append(query_text)
-            text_param = f"${len(params)}"
-            sql += (
-                f" UNION ALL SELECT 'text', {columns}, score, row_number() OVER (ORDER BY score DESC) FROM "
-                f"(SELECT *, ts_rank_cd(content_tsv, q) AS score FROM chunks, "
-                f"websearch_to_tsquery('simple', {text_param}) q WHERE {where} AND content_tsv @@ q "
-                "ORDER BY score DESC LIMIT $4) t"
-            )
-        async with tenant_transaction(self._pool, tenant) as conn:
-            if not exact:
-                await conn.execute(
-                    "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
-                    "set_config('hnsw.ef_search', $1, true)",
-                    str(ef_search),
-                )
+        self, tenant: Tenant, kb_refs: Sequence[str], query: CandidateQuery, *, filter_: Filter | None
+    ) -> list[Candidate[PassageRow]]:
+        """Candidates with both scores in one statement (tokensvc.storage.ranking); an approximate
+        search that comes back short re-runs exactly in the same transaction."""
+
+        def statement(exact: bool) -> tuple[str, list[Any]]:
+            params: list[Any] = [tenant.namespace, list(kb_refs)]
+            where = "namespace = $1 AND kb_ref = ANY($2::text[])"
+            if filter_ is not None:
+                where += f" AND ({compile_filter(filter_, 'metadata', params)})"
+            if query.text is None:
+                assert query.vector is not None
+                return vector_statement(_CORPUS, where, params, query.vector, k=query.k, exact=exact), params
+            wanted = query if exact == query.exact else dataclasses.replace(query, exact=exact)
+            return candidate_statement(_CORPUS, where, params, wanted), params
+
+        async with tenant_transaction(self._pool, tenant, settings=search_settings(query)) as conn:
+            sql, params = statement(query.exact)
             rows = await conn.fetch(sql, *params)
-        return [
-            PassageRow(
-                kb_ref=row["kb_ref"],
-                doc_ref=row["doc_ref"],
-                version=row["version"],
-                chunk_index=row["chunk_index"],
-                text=row["text"],
-                start=row["start_offset"],
-                end=row["end_offset"],
-                heading_path=tuple(row["heading_path"]),
-                score=float(row["score"]),
-                ranker=row["ranker"],
-                rank=int(row["rank"]),
-            )
-            for row in rows
-        ]
+            if not query.exact and (short(rows, query) if query.text is not None else len(rows) < query.k):
+                trace.get_current_span().set_attribute("tokensvc.search.exact_fallback", True)
+                sql, params = statement(True)
+                rows = await conn.fetch(sql, *params)
+        return candidates_from(rows, _passage)
+
+
+def _passage(row: asyncpg.Record) -> PassageRow:
+    return PassageRow(
+        kb_ref=row["kb_ref"],
+        doc_ref=row["doc_ref"],
+        version=row["version"],
+        chunk_index=row["chunk_index"],
+        text=row["text"],
+        start=row["start_offset"],
+        end=row["end_offset"],
+        heading_path=tuple(row["heading_path"]),
+    )

@@ -19,6 +19,7 @@ Contract (checked by tests/storage/test_memory_store.py):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -31,13 +32,32 @@ from pgvector import Vector
 from tokensvc.embedders import EmbedderSpec
 from tokensvc.errors import AlreadyExists
 from tokensvc.memory.filters import Filter, compile_filter
-from tokensvc.memory.models import MemoryRecord, NewMemory, ScoredMemory, StoredRef
+from tokensvc.memory.models import MemoryRecord, MemorySpace, NewMemory, ScoredMemory, StoredRef
+from tokensvc.storage.ranking import (
+    Candidate,
+    CandidateQuery,
+    Corpus,
+    candidate_statement,
+    candidates_from,
+    hnsw_settings,
+    search_settings,
+    short,
+    vector_statement,
+)
 from tokensvc.storage.tenant import Tenant, tenant_transaction
 
 __all__ = ["PostgresMemoryStore"]
 
 _LIVE = "(expires_at IS NULL OR expires_at > now())"
 _COLUMNS = "id, content, metadata, created_at, updated_at, expires_at"
+# A memory's neighbours are the bucket's memories remembered just before and after it.
+_CORPUS = Corpus(
+    table="memories",
+    partition=("bucket",),
+    local="id",
+    order=("created_at", "id"),
+    columns=("id", "content", "metadata", "created_at", "updated_at", "expires_at"),
+)
 
 
 def _record(row: asyncpg.Record, embedder: str) -> MemoryRecord:
@@ -52,6 +72,16 @@ def _record(row: asyncpg.Record, embedder: str) -> MemoryRecord:
     )
 
 
+_SPACE_SQL = (
+    "SELECT embedder, model, dimension, normalized, text_config::text FROM memory_spaces "
+    "WHERE namespace = $1 AND agent = $2"
+)
+
+
+def _space(row: asyncpg.Record) -> MemorySpace:
+    return MemorySpace(EmbedderSpec(row[0], row[1], row[2], row[3]), row[4])
+
+
 def _where(bucket_param: str, filter_: Filter | None, params: list[Any]) -> str:
     clause = f"bucket = {bucket_param} AND {_LIVE}"
     if filter_ is not None:
@@ -62,52 +92,14 @@ def _where(bucket_param: str, filter_: Filter | None, params: list[Any]) -> str:
 def _vector_search_sql(
     bucket: str, query: np.ndarray, *, k: int, filter_: Filter | None, exact: bool
 ) -> tuple[str, list[Any]]:
-    """The statement `search_vector` runs, and its parameters (tests EXPLAIN exactly this)."""
-    dimension = int(query.shape[0])
-    params: list[Any] = [bucket, query]
+    """The statement a VECTOR search runs, and its parameters (tests EXPLAIN exactly this)."""
+    params: list[Any] = [bucket]
     where = _where("$1", filter_, params)
-    params.append(k)
-    if exact:
-        return (
-            f"SELECT {_COLUMNS}, -(embedding <#> $2) AS score FROM memories WHERE {where} "
-            f"ORDER BY embedding <#> $2 LIMIT ${len(params)}"
-        ), params
-    # The typed expression and `dimension = N` match the partial index memories_hnsw_N.
-    typed = f"embedding::vector({dimension})"
-    return (
-        f"SELECT * FROM (SELECT {_COLUMNS}, -({typed} <#> $2::vector({dimension})) AS score "
-        f"FROM memories WHERE dimension = {dimension} AND {where} "
-        f"ORDER BY {typed} <#> $2::vector({dimension}) LIMIT ${len(params)}) s "
-        "ORDER BY score DESC"  # relaxed_order iterative scans may return slightly out of order
-    ), params
+    return vector_statement(_CORPUS, where, params, query, k=k, exact=exact), params
 
 
 def _hnsw_settings(*, ef_search: int, max_scan_tuples: int) -> dict[str, str]:
-    """Transaction-local settings of an approximate search (set with the tenant, one round trip).
-
-    pgvector 0.8's iterative scan, so a filtered search finds k rows, bounded by
-    `max_scan_tuples`; and `enable_sort = off`, so the planner takes the HNSW index the caller
-    chose by bucket size: under row-level security its row estimate for a bucket multiplies the
-    selectivities of the query's and the policy's bucket predicates (far too few rows), which makes
-    "read the bucket and sort" look cheap when it is the slow plan. A sort stays possible (the
-    exact statement still has one); it is only costed as a last resort.
-    """
-    return {
-        "hnsw.iterative_scan": "relaxed_order",
-        "hnsw.ef_search": str(ef_search),
-        "hnsw.max_scan_tuples": str(max_scan_tuples),
-        "enable_sort": "off",
-    }
-
-
-async def _use_iterative_hnsw_scan(conn: asyncpg.Connection, *, ef_search: int, max_scan_tuples: int) -> None:
-    """pgvector 0.8 iterative scans for this transaction, so a filtered search finds k rows."""
-    await conn.execute(
-        "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
-        "set_config('hnsw.ef_search', $1, true), set_config('hnsw.max_scan_tuples', $2, true)",
-        str(ef_search),
-        str(max_scan_tuples),
-    )
+    return hnsw_settings(ef_search=ef_search, max_scan_tuples=max_scan_tuples)
 
 
 class PostgresMemoryStore:
@@ -116,38 +108,31 @@ class PostgresMemoryStore:
 
     # --- memory spaces ----------------------------------------------------------------------
 
-    async def get_space(self, tenant: Tenant) -> EmbedderSpec | None:
+    async def get_space(self, tenant: Tenant) -> MemorySpace | None:
         async with tenant_transaction(self._pool, tenant) as conn:
-            row = await conn.fetchrow(
-                "SELECT embedder, model, dimension, normalized FROM memory_spaces "
-                "WHERE namespace = $1 AND agent = $2",
-                tenant.namespace,
-                tenant.agent,
-            )
-        return None if row is None else EmbedderSpec(row[0], row[1], row[2], row[3])
+            row = await conn.fetchrow(_SPACE_SQL, tenant.namespace, tenant.agent)
+        return None if row is None else _space(row)
 
-    async def pin_space(self, tenant: Tenant, spec: EmbedderSpec) -> EmbedderSpec:
-        """Pin `spec` unless the space is already pinned; returns what is pinned."""
+    async def pin_space(self, tenant: Tenant, space: MemorySpace) -> MemorySpace:
+        """Pin `space` unless the space is already pinned; returns what is pinned."""
+        spec = space.embedder
         async with tenant_transaction(self._pool, tenant) as conn:
             await conn.execute(
-                "INSERT INTO memory_spaces (namespace, agent, embedder, model, dimension, normalized) "
-                "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (namespace, agent) DO NOTHING",
+                "INSERT INTO memory_spaces (namespace, agent, embedder, model, dimension, normalized, "
+                "text_config) VALUES ($1, $2, $3, $4, $5, $6, $7::regconfig) "
+                "ON CONFLICT (namespace, agent) DO NOTHING",
                 tenant.namespace,
                 tenant.agent,
                 spec.name,
                 spec.model,
                 spec.dimension,
                 spec.normalized,
+                space.text_config,
             )
-            row = await conn.fetchrow(
-                "SELECT embedder, model, dimension, normalized FROM memory_spaces "
-                "WHERE namespace = $1 AND agent = $2",
-                tenant.namespace,
-                tenant.agent,
-            )
+            row = await conn.fetchrow(_SPACE_SQL, tenant.namespace, tenant.agent)
             assert row is not None
-            pinned = EmbedderSpec(row[0], row[1], row[2], row[3])
-        await self.ensure_vector_index(pinned.dimension)
+            pinned = _space(row)
+        await self.ensure_vector_index(pinned.embedder.dimension)
         return pinned
 
     async def ensure_vector_index(self, dimension: int) -> None:
@@ -195,7 +180,9 @@ class PostgresMemoryStore:
         return [StoredRef(str(r[0]), r[1], r[2], inserted=False) for r in rows]
 
     async def insert(self, tenant: Tenant, bucket: str, rows: Sequence[NewMemory]) -> list[StoredRef]:
-        """One statement for the whole batch; conflicts resolve to the existing rows."""
+        """One statement for the whole batch; conflicts resolve to the existing rows. Rows are
+        indexed for text search with the space's pinned configuration, read in the statement
+        (`english`, the column default, for a space not pinned yet: the domain always pins first)."""
         dimension = int(rows[0].embedding.shape[0])
         async with tenant_transaction(self._pool, tenant) as conn:
             # Expired rows would block a re-insert of the same content: clear them first.
@@ -209,9 +196,12 @@ class PostgresMemoryStore:
             inserted = await conn.fetch(
                 """
                 INSERT INTO memories (bucket, id, namespace, agent, content, content_sha256, metadata,
-                                      idempotency_key, dimension, embedding, expires_at, created_at, updated_at)
+                                      idempotency_key, dimension, embedding, expires_at, created_at, updated_at,
+                                      text_config)
                 SELECT $1, u.id, $2, $3, u.content, u.sha, u.metadata, u.key, $4, u.embedding,
-                       CASE WHEN u.ttl IS NULL THEN NULL ELSE t.at + make_interval(secs => u.ttl) END, t.at, t.at
+                       CASE WHEN u.ttl IS NULL THEN NULL ELSE t.at + make_interval(secs => u.ttl) END, t.at, t.at,
+                       coalesce((SELECT s.text_config FROM memory_spaces s
+                                 WHERE s.namespace = $2 AND s.agent = $3), 'english'::regconfig)
                 FROM unnest($5::uuid[], $6::text[], $7::bytea[], $8::jsonb[], $9::text[], $10::vector[],
                             $11::int[]) WITH ORDINALITY AS u(id, content, sha, metadata, key, embedding, ttl, ord)
                 -- One clock reading per row (the reference to u makes it per row, in batch order):
@@ -373,32 +363,54 @@ class PostgresMemoryStore:
         max_scan_tuples: int,
         embedder: str,
     ) -> list[ScoredMemory]:
-        sql, params = _vector_search_sql(bucket, query, k=k, filter_=filter_, exact=exact)
-        settings = None if exact else _hnsw_settings(ef_search=ef_search, max_scan_tuples=max_scan_tuples)
-        async with tenant_transaction(self._pool, tenant, settings=settings) as conn:
+        """The true top k by inner product when `exact`, else via HNSW (complete either way)."""
+        found = await self.search(
+            tenant,
+            bucket,
+            CandidateQuery(
+                vector=query,
+                text=None,
+                or_text="",
+                text_config="simple",
+                k=k,
+                row_count=0,
+                exact=exact,
+                neighbours=False,
+                bm25_k1=0.0,
+                bm25_b=0.0,
+                hnsw_settings=_hnsw_settings(ef_search=ef_search, max_scan_tuples=max_scan_tuples),
+            ),
+            filter_=filter_,
+            embedder=embedder,
+        )
+        return [ScoredMemory(c.item, c.vector_score) for c in found]
+
+    async def search(
+        self, tenant: Tenant, bucket: str, query: CandidateQuery, *, filter_: Filter | None, embedder: str
+    ) -> list[Candidate[MemoryRecord]]:
+        """Search candidates with both scores (tokensvc.storage.ranking), in one transaction.
+
+        VECTOR (no text): the top k by inner product. TEXT / HYBRID: each ranker's top k, every
+        candidate with both scores and, when asked, its neighbours'. An approximate search that
+        comes back short re-runs exactly in the same transaction, so results stay complete.
+        """
+
+        def statement(exact: bool) -> tuple[str, list[Any]]:
+            params: list[Any] = [bucket]
+            where = _where("$1", filter_, params)
+            if query.text is None:
+                assert query.vector is not None
+                return vector_statement(_CORPUS, where, params, query.vector, k=query.k, exact=exact), params
+            wanted = query if exact == query.exact else dataclasses.replace(query, exact=exact)
+            return candidate_statement(_CORPUS, where, params, wanted), params
+
+        async with tenant_transaction(self._pool, tenant, settings=search_settings(query)) as conn:
+            sql, params = statement(query.exact)
             rows = await conn.fetch(sql, *params)
-            if not exact and len(rows) < k:
+            if not query.exact and (short(rows, query) if query.text is not None else len(rows) < query.k):
                 # The approximate scan gave up early (a selective filter in a big index): an exact
                 # scan of the bucket, in the same transaction, keeps the search complete.
                 trace.get_current_span().set_attribute("tokensvc.search.exact_fallback", True)
-                sql, params = _vector_search_sql(bucket, query, k=k, filter_=filter_, exact=True)
+                sql, params = statement(True)
                 rows = await conn.fetch(sql, *params)
-        return [ScoredMemory(_record(row, embedder), float(row["score"])) for row in rows]
-
-    # Full-text ranking uses web-search syntax: every word must match unless the query says
-    # `or`; "quoted phrases" and -exclusions work. The vector ranking covers loose paraphrases.
-    async def search_text(
-        self, tenant: Tenant, bucket: str, text: str, *, k: int, filter_: Filter | None, embedder: str
-    ) -> list[ScoredMemory]:
-        params: list[Any] = [bucket, text]
-        where = _where("$1", filter_, params)
-        params.append(k)
-        async with tenant_transaction(self._pool, tenant) as conn:
-            rows = await conn.fetch(
-                f"SELECT {_COLUMNS}, ts_rank_cd(content_tsv, q) AS score "
-                f"FROM memories, websearch_to_tsquery('simple', $2) q "
-                f"WHERE {where} AND content_tsv @@ q "
-                f"ORDER BY score DESC, created_at DESC LIMIT ${len(params)}",
-                *params,
-            )
-        return [ScoredMemory(_record(row, embedder), float(row["score"])) for row in rows]
+        return candidates_from(rows, lambda row: _record(row, embedder))

@@ -366,38 +366,52 @@ class _SearchMode:
 class _SearchModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SearchMode.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     SEARCH_MODE_UNSPECIFIED: _SearchMode.ValueType  # 0
-    """SEARCH_MODE_UNSPECIFIED selects the RPC's default mode (VECTOR for memories, HYBRID for
-    knowledge).
-    """
+    """SEARCH_MODE_UNSPECIFIED selects the default mode, HYBRID."""
     SEARCH_MODE_VECTOR: _SearchMode.ValueType  # 1
     """SEARCH_MODE_VECTOR ranks by embedding similarity only; the score is the cosine similarity
-    between the query and the item, from -1 to 1, higher is closer.
+    between the query and the item, from -1 to 1, higher is closer; ranks are reported as 0.
     """
     SEARCH_MODE_HYBRID: _SearchMode.ValueType  # 2
-    """SEARCH_MODE_HYBRID fuses the vector ranking with PostgreSQL full-text ranking by reciprocal
-    rank fusion; the score is the sum over both rankers of 1 / (60 + rank), higher is better, and
-    each result reports its rank in each ranker.
+    """SEARCH_MODE_HYBRID fuses the vector ranking with the full-text ranking (BM25 over the query's
+    stemmed terms, any of which may match) by score: base = 0.5 times the cosine similarity scaled
+    min-max over the candidates plus 0.5 times the BM25 score divided by the best candidate's;
+    then an item whose better neighbour (the memory remembered just before or after it; the chunk
+    next to it in its document) has a higher base is lifted 0.7 of the way towards it. The score
+    is from 0 to 1, higher is better; each result reports its rank in each ranker. The weights are
+    server settings (search_vector_weight, search_neighbour_weight).
+    """
+    SEARCH_MODE_TEXT: _SearchMode.ValueType  # 3
+    """SEARCH_MODE_TEXT ranks by full-text relevance only (BM25, as in HYBRID); the score is the
+    BM25 score, higher is better; items matching no query term are not returned; the query is
+    not embedded.
     """
 
 class SearchMode(_SearchMode, metaclass=_SearchModeEnumTypeWrapper):
     """SearchMode selects how a search ranks its results.
 
-    Defaults differ per service: for SearchMemories UNSPECIFIED means VECTOR; for SearchKnowledge
-    UNSPECIFIED means HYBRID.
+    UNSPECIFIED means HYBRID for both SearchMemories and SearchKnowledge (chosen by measurement:
+    docs/benchmarks.md).
     """
 
 SEARCH_MODE_UNSPECIFIED: SearchMode.ValueType  # 0
-"""SEARCH_MODE_UNSPECIFIED selects the RPC's default mode (VECTOR for memories, HYBRID for
-knowledge).
-"""
+"""SEARCH_MODE_UNSPECIFIED selects the default mode, HYBRID."""
 SEARCH_MODE_VECTOR: SearchMode.ValueType  # 1
 """SEARCH_MODE_VECTOR ranks by embedding similarity only; the score is the cosine similarity
-between the query and the item, from -1 to 1, higher is closer.
+between the query and the item, from -1 to 1, higher is closer; ranks are reported as 0.
 """
 SEARCH_MODE_HYBRID: SearchMode.ValueType  # 2
-"""SEARCH_MODE_HYBRID fuses the vector ranking with PostgreSQL full-text ranking by reciprocal
-rank fusion; the score is the sum over both rankers of 1 / (60 + rank), higher is better, and
-each result reports its rank in each ranker.
+"""SEARCH_MODE_HYBRID fuses the vector ranking with the full-text ranking (BM25 over the query's
+stemmed terms, any of which may match) by score: base = 0.5 times the cosine similarity scaled
+min-max over the candidates plus 0.5 times the BM25 score divided by the best candidate's;
+then an item whose better neighbour (the memory remembered just before or after it; the chunk
+next to it in its document) has a higher base is lifted 0.7 of the way towards it. The score
+is from 0 to 1, higher is better; each result reports its rank in each ranker. The weights are
+server settings (search_vector_weight, search_neighbour_weight).
+"""
+SEARCH_MODE_TEXT: SearchMode.ValueType  # 3
+"""SEARCH_MODE_TEXT ranks by full-text relevance only (BM25, as in HYBRID); the score is the
+BM25 score, higher is better; items matching no query term are not returned; the query is
+not embedded.
 """
 Global___SearchMode: _TypeAlias = SearchMode  # noqa: Y015
 

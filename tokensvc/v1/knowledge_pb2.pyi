@@ -113,6 +113,7 @@ class KnowledgeBase(_message.Message):
     DIMENSION_FIELD_NUMBER: _builtins.int
     DOCUMENT_COUNT_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    TEXT_SEARCH_CONFIG_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     """The namespace the knowledge base belongs to."""
     ref: _builtins.str
@@ -125,6 +126,10 @@ class KnowledgeBase(_message.Message):
     """The pinned embedding dimension, taken from the embedder at creation."""
     document_count: _builtins.int
     """The number of documents (current versions) in the knowledge base."""
+    text_search_config: _builtins.str
+    """The pinned PostgreSQL text-search configuration the full-text ranker stems with (e.g.
+    `english`, `simple`).
+    """
     @_builtins.property
     def chunking(self) -> Global___ChunkingStrategy:
         """The pinned chunking strategy, with defaults filled in."""
@@ -144,10 +149,11 @@ class KnowledgeBase(_message.Message):
         dimension: _builtins.int = ...,
         document_count: _builtins.int = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
+        text_search_config: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chunking", b"chunking", "created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunking", b"chunking", "created_at", b"created_at", "dimension", b"dimension", "display_name", b"display_name", "document_count", b"document_count", "embedder", b"embedder", "namespace", b"namespace", "ref", b"ref"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunking", b"chunking", "created_at", b"created_at", "dimension", b"dimension", "display_name", b"display_name", "document_count", b"document_count", "embedder", b"embedder", "namespace", b"namespace", "ref", b"ref", "text_search_config", b"text_search_config"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -281,12 +287,12 @@ class Passage(_message.Message):
     end_offset: _builtins.int
     """The end of the passage in the document's extracted text, in Unicode code points, exclusive."""
     vector_rank: _builtins.int
-    """The passage's 1-based rank in the vector ranking in HYBRID mode; 0 means it was not ranked by
-    vector similarity, and in VECTOR mode it is always 0.
+    """The passage's 1-based rank in the vector ranking in HYBRID mode; 0 means it was not among the
+    vector ranker's candidates, and in VECTOR and TEXT mode it is always 0.
     """
     text_rank: _builtins.int
-    """The passage's 1-based rank in the full-text ranking in HYBRID mode; 0 means the text ranker
-    did not match it, and in VECTOR mode it is always 0.
+    """The passage's 1-based rank in the full-text ranking in HYBRID and TEXT mode; 0 means it was
+    not among the text ranker's candidates, and in VECTOR mode it is always 0.
     """
     @_builtins.property
     def heading_path(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -327,6 +333,7 @@ class CreateKnowledgeBaseRequest(_message.Message):
     DISPLAY_NAME_FIELD_NUMBER: _builtins.int
     EMBEDDER_FIELD_NUMBER: _builtins.int
     CHUNKING_FIELD_NUMBER: _builtins.int
+    TEXT_SEARCH_CONFIG_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     """The namespace to create the knowledge base in; required."""
     ref: _builtins.str
@@ -336,6 +343,12 @@ class CreateKnowledgeBaseRequest(_message.Message):
     embedder: _builtins.str
     """The name of one of the server's configured embedders; empty means the server's default
     embedder. Pinned at creation.
+    """
+    text_search_config: _builtins.str
+    """The PostgreSQL text-search configuration the full-text ranker stems and drops stop words
+    with: one of PostgreSQL's built-in configurations (`english`, `french`, `german`, ...;
+    `simple` only lower-cases, for text where stemming would hurt); empty means the server's
+    default (`english` unless configured). Pinned at creation.
     """
     @_builtins.property
     def chunking(self) -> Global___ChunkingStrategy:
@@ -349,10 +362,11 @@ class CreateKnowledgeBaseRequest(_message.Message):
         display_name: _builtins.str = ...,
         embedder: _builtins.str = ...,
         chunking: Global___ChunkingStrategy | None = ...,
+        text_search_config: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chunking", b"chunking"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunking", b"chunking", "display_name", b"display_name", "embedder", b"embedder", "namespace", b"namespace", "ref", b"ref"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunking", b"chunking", "display_name", b"display_name", "embedder", b"embedder", "namespace", b"namespace", "ref", b"ref", "text_search_config", b"text_search_config"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -877,7 +891,7 @@ class SearchKnowledgeRequest(_message.Message):
     """How many passages to return at most, over all searched knowledge bases, 1 to 100; 0 means 10."""
     min_score: _builtins.float
     """Passages scoring below this are dropped; unset means no threshold. In VECTOR mode the score is
-    a cosine similarity (-1 to 1), in HYBRID mode a fused score (see SearchMode).
+    a cosine similarity (-1 to 1), in HYBRID and TEXT mode a fused or BM25 score (see SearchMode).
     """
     mode: _common_pb2.SearchMode.ValueType
     """The ranking mode; unspecified means HYBRID."""

@@ -262,16 +262,16 @@ class SearchMemoriesRequest(_message.Message):
     query_vector: _builtins.bytes
     """A query embedding: packed little-endian IEEE 754 float32 values, 4 bytes each, exactly the
     pinned dimension of the memory space (so 4 * dimension bytes); finite values only. Only
-    valid with VECTOR mode.
+    valid with VECTOR mode, so it must be set explicitly with a vector.
     """
     top_k: _builtins.int
     """How many results to return at most, 1 to 100; 0 means 10."""
     min_score: _builtins.float
     """Results scoring below this are dropped; unset means no threshold. In VECTOR mode the score is
-    a cosine similarity (-1 to 1), in HYBRID mode a fused score (see SearchMode).
+    a cosine similarity (-1 to 1), in HYBRID and TEXT mode a fused or BM25 score (see SearchMode).
     """
     mode: _common_pb2.SearchMode.ValueType
-    """The ranking mode; unspecified means VECTOR."""
+    """The ranking mode; unspecified means HYBRID with `query_text` and VECTOR with `query_vector`."""
     @_builtins.property
     def filter(self) -> _common_pb2.Filter:
         """Only memories whose metadata match this filter are searched; unset means all."""
@@ -314,12 +314,12 @@ class MemorySearchResult(_message.Message):
     score: _builtins.float
     """The result's score in the request's mode; higher is better (see SearchMode)."""
     vector_rank: _builtins.int
-    """The memory's 1-based rank in the vector ranking in HYBRID mode; 0 means it was not ranked by
-    vector similarity, and in VECTOR mode it is always 0.
+    """The memory's 1-based rank in the vector ranking in HYBRID mode; 0 means it was not among the
+    vector ranker's candidates, and in VECTOR and TEXT mode it is always 0.
     """
     text_rank: _builtins.int
-    """The memory's 1-based rank in the full-text ranking in HYBRID mode; 0 means the text ranker did
-    not match it, and in VECTOR mode it is always 0.
+    """The memory's 1-based rank in the full-text ranking in HYBRID and TEXT mode; 0 means it was
+    not among the text ranker's candidates, and in VECTOR mode it is always 0.
     """
     @_builtins.property
     def memory(self) -> Global___Memory:

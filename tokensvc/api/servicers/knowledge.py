@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 
 from tokensvc.api.context import current_call
-from tokensvc.api.convert import current_scope
+from tokensvc.api.convert import current_scope, decode_search_mode
 from tokensvc.api.knowledge_codec import (
     decode_chunking,
     decode_doc_ref,
@@ -29,7 +29,7 @@ from tokensvc.errors import InvalidArgument, PayloadTooLarge
 from tokensvc.knowledge.extract import parse_content_type
 from tokensvc.knowledge.service import KnowledgeBases
 from tokensvc.memory.metadata import MetadataScalar, metadata_from_proto
-from tokensvc.v1 import common_pb2, knowledge_pb2, knowledge_pb2_grpc
+from tokensvc.v1 import knowledge_pb2, knowledge_pb2_grpc
 
 __all__ = ["KnowledgeServicer"]
 
@@ -73,6 +73,7 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
             request.display_name,
             request.embedder,
             decode_chunking(request.chunking, request.HasField("chunking")),
+            text_config=request.text_search_config,
             actor=current_call().caller.spiffe_id,
         )
         return knowledge_pb2.CreateKnowledgeBaseResponse(knowledge_base=encode_base(base), created=created)
@@ -182,13 +183,6 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
     ) -> knowledge_pb2.SearchKnowledgeResponse:
         for index, ref in enumerate(request.knowledge_base_refs):
             decode_kb_ref(ref, f"knowledge_base_refs[{index}]")
-        modes = {
-            common_pb2.SEARCH_MODE_UNSPECIFIED: True,
-            common_pb2.SEARCH_MODE_HYBRID: True,
-            common_pb2.SEARCH_MODE_VECTOR: False,
-        }
-        if request.mode not in modes:
-            raise InvalidArgument("mode", "must be SEARCH_MODE_VECTOR or SEARCH_MODE_HYBRID")
         min_score = request.min_score if request.HasField("min_score") else None
         if min_score is not None and not math.isfinite(min_score):
             raise InvalidArgument("min_score", "must be a finite number")
@@ -199,6 +193,6 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
             top_k=decode_top_k(request.top_k),
             min_score=min_score,
             filter_=decode_filter(request.filter, request.HasField("filter")),
-            hybrid=modes[request.mode],
+            mode=decode_search_mode(request.mode, has_text=True),
         )
         return knowledge_pb2.SearchKnowledgeResponse(passages=[encode_passage(p) for p in passages])

@@ -1,0 +1,166 @@
+"""Fusion of the vector and text rankings: properties that hold for any candidates (hypothesis)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokensvc.retrieval import Candidate, FusionWeights, SearchMode, apply_mode, fuse
+
+scores = st.floats(min_value=-1.0, max_value=1.0, allow_nan=False)
+# BM25 scores are 0 (no match) or well above the float minimum.
+bm25 = st.one_of(st.just(0.0), st.floats(min_value=1e-6, max_value=50.0))
+neighbour = st.one_of(st.none(), st.tuples(scores, bm25))
+
+
+@st.composite
+def candidate_lists(draw: st.DrawFn) -> list[Candidate[int]]:
+    count = draw(st.integers(min_value=0, max_value=30))
+    vector = draw(st.lists(scores, min_size=count, max_size=count))
+    text = draw(st.lists(bm25, min_size=count, max_size=count))
+    by_vector = sorted(range(count), key=lambda i: -vector[i])
+    by_text = [i for i in sorted(range(count), key=lambda i: -text[i]) if text[i] > 0]
+    return [
+        Candidate(
+            i,
+            vector[i],
+            text[i],
+            by_vector.index(i) + 1,
+            by_text.index(i) + 1 if i in by_text else 0,
+            draw(neighbour),
+            draw(neighbour),
+        )
+        for i in range(count)
+    ]
+
+
+weights = st.builds(
+    FusionWeights,
+    vector=st.floats(min_value=0.0, max_value=1.0),
+    neighbour=st.floats(min_value=0.0, max_value=1.0),
+)
+
+
+@given(candidate_lists(), weights)
+def test_fusion_returns_every_candidate_once_best_first_with_bounded_scores(
+    candidates: list[Candidate[int]], w: FusionWeights
+) -> None:
+    ranked = fuse(candidates, w)
+    assert sorted(r.item for r in ranked) == sorted(c.item for c in candidates)
+    assert all(a.score >= b.score for a, b in itertools.pairwise(ranked))
+    assert all(math.isfinite(r.score) and 0.0 <= r.score <= 1.0 + 1e-9 for r in ranked)
+
+
+@given(candidate_lists(), weights)
+def test_fusion_is_deterministic_and_keeps_each_candidates_ranks(
+    candidates: list[Candidate[int]], w: FusionWeights
+) -> None:
+    first, second = fuse(candidates, w), fuse(list(candidates), w)
+    assert first == second
+    by_item = {c.item: c for c in candidates}
+    for r in first:
+        assert (r.vector_rank, r.text_rank) == (by_item[r.item].vector_rank, by_item[r.item].text_rank)
+
+
+@given(candidate_lists())
+def test_with_all_weight_on_vectors_and_no_neighbours_fusion_is_the_vector_ranking(
+    candidates: list[Candidate[int]],
+) -> None:
+    ranked = fuse(candidates, FusionWeights(vector=1.0, neighbour=0.0))
+    assert [r.item for r in ranked] == [c.item for c in sorted(candidates, key=lambda c: c.vector_rank)]
+
+
+@given(candidate_lists())
+def test_with_all_weight_on_text_a_text_match_never_ranks_below_a_non_match(
+    candidates: list[Candidate[int]],
+) -> None:
+    ranked = fuse(candidates, FusionWeights(vector=0.0, neighbour=0.0))
+    matched = [r.item for r in ranked if candidates[r.item].text_score > 0]
+    assert [r.item for r in ranked][: len(matched)] == matched
+
+
+@given(candidate_lists(), weights, st.data())
+def test_a_candidate_better_on_every_score_ranks_at_least_as_high(
+    candidates: list[Candidate[int]], w: FusionWeights, data: st.DataObject
+) -> None:
+    if len(candidates) < 2:
+        return
+    a, b = data.draw(st.lists(st.sampled_from(range(len(candidates))), min_size=2, max_size=2, unique=True))
+    ca, cb = candidates[a], candidates[b]
+    context = [n for n in (cb.previous, cb.next) if n is not None]
+    dominates = (
+        ca.vector_score >= cb.vector_score
+        and ca.text_score >= cb.text_score
+        and all(
+            any(p is not None and p[0] >= n[0] and p[1] >= n[1] for p in (ca.previous, ca.next))
+            for n in context
+        )
+    )
+    if not dominates:
+        return
+    order = [r.item for r in fuse(candidates, w)]
+    score = {r.item: r.score for r in fuse(candidates, w)}
+    assert score[a] >= score[b] - 1e-12
+    if score[a] > score[b]:
+        assert order.index(a) < order.index(b)
+
+
+def test_a_neighbour_of_a_strong_match_outranks_an_equal_candidate_without_one() -> None:
+    lonely = Candidate("lonely", 0.5, 0.0, 2, 0)
+    befriended = Candidate("befriended", 0.5, 0.0, 3, 0, previous=(0.9, 4.0))
+    best = Candidate("best", 0.9, 4.0, 1, 1)
+    ranked = fuse([lonely, befriended, best], FusionWeights())
+    assert [r.item for r in ranked] == ["best", "befriended", "lonely"]
+
+
+@given(candidate_lists(), weights)
+def test_neighbours_never_move_the_best_base_score_from_first_place(
+    candidates: list[Candidate[int]], w: FusionWeights
+) -> None:
+    if not candidates or w.neighbour >= 1.0:
+        return
+    without = fuse(candidates, FusionWeights(vector=w.vector, neighbour=0.0))
+    with_context = fuse(candidates, w)
+    assert with_context[0].score == pytest.approx(without[0].score)
+
+
+def test_ties_break_by_vector_rank_then_text_rank() -> None:
+    a = Candidate("a", 0.5, 1.0, 2, 1)
+    b = Candidate("b", 0.5, 1.0, 1, 2)
+    assert [r.item for r in fuse([a, b], FusionWeights())] == ["b", "a"]
+
+
+@settings(max_examples=50)
+@given(candidate_lists(), st.integers(min_value=1, max_value=10), st.one_of(st.none(), scores))
+def test_modes_cut_to_top_k_and_drop_results_below_min_score(
+    candidates: list[Candidate[int]], top_k: int, min_score: float | None
+) -> None:
+    for mode in SearchMode:
+        ranked = apply_mode(mode, candidates, FusionWeights(), top_k=top_k, min_score=min_score)
+        assert len(ranked) <= top_k
+        assert min_score is None or all(r.score >= min_score for r in ranked)
+
+
+def test_vector_mode_scores_are_cosines_and_report_no_ranks() -> None:
+    candidates = [Candidate("x", 0.2, 3.0, 2, 1), Candidate("y", 0.8, 0.0, 1, 0)]
+    ranked = apply_mode(SearchMode.VECTOR, candidates, FusionWeights(), top_k=10, min_score=None)
+    assert [(r.item, r.score, r.vector_rank, r.text_rank) for r in ranked] == [
+        ("y", 0.8, 0, 0),
+        ("x", 0.2, 0, 0),
+    ]
+
+
+def test_text_mode_returns_only_text_matches_by_bm25() -> None:
+    candidates = [Candidate("x", 0.9, 0.0, 1, 0), Candidate("y", 0.1, 2.5, 2, 1)]
+    ranked = apply_mode(SearchMode.TEXT, candidates, FusionWeights(), top_k=10, min_score=None)
+    assert [(r.item, r.score, r.vector_rank, r.text_rank) for r in ranked] == [("y", 2.5, 0, 1)]
+
+
+@pytest.mark.parametrize(("vector", "neighbour"), [(-0.1, 0.3), (0.5, 1.5)])
+def test_weights_outside_zero_to_one_are_refused(vector: float, neighbour: float) -> None:
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        FusionWeights(vector=vector, neighbour=neighbour)

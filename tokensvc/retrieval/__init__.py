@@ -1,0 +1,54 @@
+"""The one retrieval engine memories and knowledge bases share.
+
+- `vectors`: unit-length normalisation of every stored and query vector (float64 maths);
+- `routing`: exact scan or HNSW by bucket/corpus size, the HNSW scan settings, row counts;
+- `text`: the text ranker's rules (OR over stemmed terms, BM25, pinned text-search configs);
+- `fusion`: score fusion of the vector and text rankings with neighbour context, tie-breaks.
+
+The SQL that fetches candidates with both scores is `tokensvc.storage.ranking`.
+"""
+
+from __future__ import annotations
+
+from tokensvc.retrieval.fusion import (
+    Candidate,
+    FusionWeights,
+    Ranked,
+    SearchMode,
+    apply_mode,
+    fuse,
+    rank_by_text,
+    rank_by_vector,
+)
+from tokensvc.retrieval.routing import HNSW_MAX_DIMENSION, RowCounts, SearchTuning
+from tokensvc.retrieval.text import (
+    BM25_B,
+    BM25_K1,
+    DEFAULT_TEXT_CONFIG,
+    TEXT_CONFIGS,
+    or_query,
+    validate_text_config,
+)
+from tokensvc.retrieval.vectors import unit_rows, unit_vector
+
+__all__ = [
+    "BM25_B",
+    "BM25_K1",
+    "DEFAULT_TEXT_CONFIG",
+    "HNSW_MAX_DIMENSION",
+    "TEXT_CONFIGS",
+    "Candidate",
+    "FusionWeights",
+    "Ranked",
+    "RowCounts",
+    "SearchMode",
+    "SearchTuning",
+    "apply_mode",
+    "fuse",
+    "or_query",
+    "rank_by_text",
+    "rank_by_vector",
+    "unit_rows",
+    "unit_vector",
+    "validate_text_config",
+]

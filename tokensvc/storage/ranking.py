@@ -1,0 +1,309 @@
+"""The statements that fetch search candidates with both scores, for memories and chunks alike.
+
+One statement per search: the vector ranker's top k, the text ranker's top k (BM25 over the rows
+matching any query term), their union with BOTH scores of every candidate, its ranks in each
+ranker, and (when asked) the scores of its two neighbours. One statement reads one snapshot, so a
+concurrent write never makes the two rankings disagree. Fusion happens in `tokensvc.retrieval`.
+
+BM25 per candidate row d and query term t, over the rows the query matches:
+`idf(t) * tf(t, d) * (k1 + 1) / (tf(t, d) + k1 * (1 - b + b * |d| / avg|d|))`,
+`idf(t) = ln(1 + (N - df(t) + 0.5) / (df(t) + 0.5))` where N is the bucket's (or the corpora's)
+row count (counted up to a cap by the caller) and df(t) the matching rows containing t; |d| is
+the number of distinct lexemes. The query's terms are stemmed and stop-word-filtered by the text
+configuration the rows were indexed with (`text_config`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+__all__ = [
+    "Candidate",
+    "CandidateQuery",
+    "Corpus",
+    "candidate_statement",
+    "candidates_from",
+    "hnsw_settings",
+    "search_settings",
+    "short",
+    "vector_statement",
+]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Candidate(Generic[T]):
+    """One row a ranker found, with both scores and its neighbours' (None: no neighbour)."""
+
+    item: T
+    vector_score: float  # cosine similarity (0 when the search had no query vector)
+    text_score: float  # BM25; 0 = no query term matched
+    vector_rank: int  # 1-based among the vector ranker's candidates; 0 = not among them
+    text_rank: int  # 1-based among the text ranker's candidates; 0 = not among them
+    previous: tuple[float, float] | None = None  # (vector_score, text_score)
+    next: tuple[float, float] | None = None
+
+
+@dataclass(frozen=True)
+class CandidateQuery:
+    """What to rank: built by the domain (tokensvc.retrieval), trusted here."""
+
+    vector: np.ndarray | None  # unit length; None: no vector ranker (TEXT mode)
+    text: str | None  # the raw query text (its terms weigh the BM25 sum); None: no text ranker
+    or_text: str  # the query's words as websearch_to_tsquery alternatives
+    text_config: str  # the pinned text-search configuration (an allow-listed name)
+    k: int  # candidates per ranker
+    row_count: int  # N of BM25's idf
+    exact: bool  # exact scan, else HNSW (re-run exactly when short)
+    neighbours: bool  # fetch each candidate's neighbours' scores
+    bm25_k1: float
+    bm25_b: float
+    hnsw_settings: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A searchable table: how rows are identified, and what a row's neighbours are."""
+
+    table: str
+    partition: tuple[str, ...]  # neighbours share these columns...
+    local: str  # ...and this column identifies a row among them (key = partition + local)...
+    order: tuple[str, ...]  # ...in which order rows are adjacent
+    columns: tuple[str, ...]  # what a result carries
+
+    @property
+    def key(self) -> tuple[str, ...]:
+        """Identifies a row: the join key of the statement's parts."""
+        return (*self.partition, self.local)
+
+
+def hnsw_settings(*, ef_search: int, max_scan_tuples: int) -> dict[str, str]:
+    """Transaction-local settings of an approximate search (set with the tenant, one round trip).
+
+    pgvector 0.8's iterative scan, so a filtered search finds k rows, bounded by
+    `max_scan_tuples`; and `enable_sort = off`, so the planner takes the HNSW index the caller
+    chose by size: under row-level security its row estimate for a bucket multiplies the
+    selectivities of the query's and the policy's predicates (far too few rows), which makes
+    "read the bucket and sort" look cheap when it is the slow plan. A sort stays possible; it is
+    only costed as a last resort.
+    """
+    return {
+        "hnsw.iterative_scan": "relaxed_order",
+        "hnsw.ef_search": str(ef_search),
+        "hnsw.max_scan_tuples": str(max_scan_tuples),
+        "enable_sort": "off",
+    }
+
+
+class _Params:
+    def __init__(self, params: list[Any]):
+        self.values = params
+
+    def add(self, value: Any) -> str:
+        self.values.append(value)
+        return f"${len(self.values)}"
+
+
+def _cols(alias: str, names: Sequence[str]) -> str:
+    return ", ".join(f"{alias}.{name}" for name in names)
+
+
+def _distance(vector: str, dimension: int, *, exact: bool, alias: str = "") -> str:
+    column = f"{alias}embedding"
+    if exact:
+        return f"{column} <#> {vector}"
+    # The typed expression and `dimension = N` match the partial index <table>_hnsw_N.
+    return f"{column}::vector({dimension}) <#> {vector}::vector({dimension})"
+
+
+def vector_statement(
+    corpus: Corpus, where: str, params: list[Any], vector: np.ndarray, *, k: int, exact: bool
+) -> str:
+    """VECTOR mode: the top k by inner product (one plain statement, the fast path)."""
+    p = _Params(params)
+    dimension = int(vector.shape[0])
+    q = p.add(vector)
+    limit = p.add(k)
+    distance = _distance(q, dimension, exact=exact)
+    where = where if exact else f"dimension = {dimension} AND {where}"
+    # The rank is numbered after the outer sort: relaxed_order iterative scans may return rows
+    # slightly out of order, and a window over the index order would number them as they came.
+    return (
+        f"SELECT *, row_number() OVER (ORDER BY vector_score DESC) AS vector_rank, 0::bigint AS text_rank, "
+        "NULL::float8 AS prev_vector, NULL::float8 AS prev_text, NULL::float8 AS next_vector, "
+        f"NULL::float8 AS next_text FROM (SELECT {', '.join(corpus.columns)}, -({distance}) AS vector_score, "
+        f"0::float8 AS text_score FROM {corpus.table} WHERE {where} ORDER BY {distance} LIMIT {limit}) s "
+        "ORDER BY vector_score DESC"
+    )
+
+
+def candidate_statement(corpus: Corpus, where: str, params: list[Any], query: CandidateQuery) -> str:
+    """TEXT or HYBRID mode: both rankers' candidates with both scores (see the module docstring).
+
+    `where` selects the searchable rows (tenant, liveness, filter) with unqualified column names;
+    it is applied to every part, neighbours included, so nothing outside it lends a score.
+    """
+    p = _Params(params)
+    key = ", ".join(corpus.key)
+    k = p.add(query.k)
+    parts: list[str] = []
+    vector_score = "0::float8"
+    if query.vector is not None:
+        dimension = int(query.vector.shape[0])
+        q = p.add(query.vector)
+        distance = _distance(q, dimension, exact=query.exact)
+        vwhere = where if query.exact else f"dimension = {dimension} AND {where}"
+        parts.append(
+            f"by_vector AS (SELECT {key}, row_number() OVER (ORDER BY d, {key}) AS rank FROM "
+            f"(SELECT {key}, {distance} AS d FROM {corpus.table} WHERE {vwhere} "
+            f"ORDER BY {distance} LIMIT {k}) v)"
+        )
+        vector_score = f"-(%s.embedding <#> {q})"
+    if query.text is not None:
+        cfg = p.add(query.text_config)
+        raw = p.add(query.text)
+        alternatives = p.add(query.or_text)
+        n = p.add(query.row_count)
+        k1 = p.add(query.bm25_k1)
+        b = p.add(query.bm25_b)
+        parts += [
+            f"terms AS (SELECT DISTINCT lexeme FROM unnest(to_tsvector({cfg}::regconfig, {raw})))",
+            f"matched AS (SELECT {key}, content_tsv FROM {corpus.table} WHERE {where} "
+            f"AND content_tsv @@ websearch_to_tsquery({cfg}::regconfig, {alternatives}))",
+            f"postings AS (SELECT {_cols('m', corpus.key)}, u.lexeme, cardinality(u.positions) AS tf, "
+            "length(m.content_tsv) AS dl FROM matched m CROSS JOIN LATERAL unnest(m.content_tsv) u "
+            "WHERE u.lexeme IN (SELECT lexeme FROM terms))",
+            "df AS (SELECT lexeme, count(*) AS n FROM postings GROUP BY lexeme)",
+            f"stats AS (SELECT greatest({n}::float8, count(*)) AS n, "
+            "coalesce(avg(length(content_tsv)), 1)::float8 AS avgdl FROM matched)",
+            f"bm25 AS (SELECT {_cols('p', corpus.key)}, sum(ln(1 + (s.n - df.n + 0.5) / (df.n + 0.5)) "
+            f"* p.tf * ({k1}::float8 + 1) / (p.tf + {k1}::float8 * (1 - {b}::float8 + {b}::float8 "
+            f"* p.dl / s.avgdl))) AS score FROM postings p JOIN df USING (lexeme) CROSS JOIN stats s "
+            f"GROUP BY {_cols('p', corpus.key)})",
+            f"by_text AS (SELECT {key}, score, row_number() OVER (ORDER BY score DESC, {key}) AS rank "
+            f"FROM bm25 ORDER BY score DESC, {key} LIMIT {k})",
+        ]
+    rankers = [
+        name
+        for name, on in (("by_vector", query.vector is not None), ("by_text", query.text is not None))
+        if on
+    ]
+    parts.append(f"pool AS ({' UNION '.join(f'SELECT {key} FROM {r}' for r in rankers)})")
+
+    text_score = "coalesce(b.score, 0)" if query.text is not None else "0::float8"
+    joins = [f"JOIN {corpus.table} m USING ({key})"]
+    if query.text is not None:
+        joins.append(f"LEFT JOIN bm25 b USING ({key})")
+        joins.append(f"LEFT JOIN by_text t USING ({key})")
+    if query.vector is not None:
+        joins.append(f"LEFT JOIN by_vector v USING ({key})")
+    neighbour_columns = (
+        "NULL::float8 AS prev_vector, NULL::float8 AS prev_text, NULL::float8 AS next_vector, "
+        "NULL::float8 AS next_text"
+    )
+    if query.neighbours:
+        parts.append(_links(corpus, where, exact=query.exact))
+        joins.append(f"JOIN links l USING ({key})")
+        columns = []
+        for alias, side in (("pn", "prev"), ("nn", "next")):
+            on = " AND ".join(
+                [
+                    *(f"{alias}.{c} = l.{c}" for c in corpus.partition),
+                    f"{alias}.{corpus.local} = l.{side}_local",
+                ]
+            )
+            joins.append(f"LEFT JOIN {corpus.table} {alias} ON {on}")
+            text_of = "0::float8"
+            if query.text is not None:
+                joins.append(f"LEFT JOIN bm25 {alias}b ON {on.replace(f'{alias}.', f'{alias}b.')}")
+                text_of = f"coalesce({alias}b.score, 0)"
+            present = f"{alias}.{corpus.local} IS NOT NULL"
+            columns += [
+                f"CASE WHEN {present} THEN {vector_score.replace('%s', alias)} END AS {side}_vector",
+                f"CASE WHEN {present} THEN {text_of} END AS {side}_text",
+            ]
+        neighbour_columns = ", ".join(columns)
+    vector_found = "(SELECT count(*) FROM by_vector)" if query.vector is not None else "0::bigint"
+    return (
+        f"WITH {', '.join(parts)} "
+        f"SELECT {_cols('m', corpus.columns)}, {vector_score.replace('%s', 'm')} AS vector_score, "
+        f"{text_score} AS text_score, "
+        f"{'coalesce(v.rank, 0)' if query.vector is not None else '0::bigint'} AS vector_rank, "
+        f"{'coalesce(t.rank, 0)' if query.text is not None else '0::bigint'} AS text_rank, "
+        f"{neighbour_columns}, {vector_found} AS vector_found "
+        f"FROM pool {' '.join(joins)}"
+    )
+
+
+def _links(corpus: Corpus, where: str, *, exact: bool) -> str:
+    """`links`: each candidate's key with its previous and next rows' local keys.
+
+    An exact search reads the whole bucket (or corpus) anyway, so one window pass over its rows
+    finds every row's neighbours; an approximate one (a large bucket) looks up two rows per
+    candidate in the order index instead (its transaction turns sorts off, so the planner takes it).
+    """
+    key = ", ".join(corpus.key)
+    part = ", ".join(corpus.partition)
+    order = ", ".join(corpus.order)
+    if exact:
+        return (
+            f"links AS (SELECT {_cols('c', corpus.key)}, w.prev_local, w.next_local FROM pool c JOIN "
+            f"(SELECT {key}, lag({corpus.local}) OVER w AS prev_local, lead({corpus.local}) OVER w AS next_local "
+            f"FROM {corpus.table} WHERE {where} WINDOW w AS (PARTITION BY {part} ORDER BY {order})) w "
+            f"USING ({key}))"
+        )
+    same = " AND ".join(f"n.{c} = m.{c}" for c in corpus.partition)
+    lookups = [
+        f"(SELECT n.{corpus.local} FROM {corpus.table} n WHERE {where} AND {same} AND "
+        f"({_cols('n', corpus.order)}) {op} ({_cols('m', corpus.order)}) "
+        f"ORDER BY {', '.join(f'n.{c} {direction}' for c in corpus.order)} LIMIT 1) AS {side}_local"
+        for side, op, direction in (("prev", "<", "DESC"), ("next", ">", "ASC"))
+    ]
+    return f"links AS (SELECT {_cols('m', corpus.key)}, {', '.join(lookups)} FROM pool c JOIN {corpus.table} m USING ({key}))"
+
+
+def search_settings(query: CandidateQuery) -> dict[str, str] | None:
+    """Transaction-local settings of a search (set with the tenant: no extra round trip).
+
+    Approximate: the HNSW scan's. Exact TEXT/HYBRID: no nested loops. Under row-level security the
+    planner estimates one row for any bucket, so it joins the statement's parts (candidates, BM25
+    scores, neighbours) by nested loops that rescan the bucket per candidate (55 ms for a
+    400-row bucket, measured); an exact search reads the whole bucket anyway, and hash joins over
+    it take 7 ms.
+    """
+    if not query.exact:
+        return query.hnsw_settings
+    return None if query.text is None else {"enable_nestloop": "off"}
+
+
+def candidates_from(rows: Sequence[Any], item: Any) -> list[Candidate[Any]]:
+    """Rows of either statement as candidates; `item(row)` builds the result record."""
+    out = []
+    for row in rows:
+        prev = None if row["prev_vector"] is None else (float(row["prev_vector"]), float(row["prev_text"]))
+        nxt = None if row["next_vector"] is None else (float(row["next_vector"]), float(row["next_text"]))
+        out.append(
+            Candidate(
+                item(row),
+                float(row["vector_score"]),
+                float(row["text_score"]),
+                int(row["vector_rank"]),
+                int(row["text_rank"]),
+                prev,
+                nxt,
+            )
+        )
+    return out
+
+
+def short(rows: Sequence[Any], query: CandidateQuery) -> bool:
+    """Whether an approximate search came back with fewer vector candidates than asked."""
+    if query.exact or query.vector is None:
+        return False
+    found = int(rows[0]["vector_found"]) if rows else 0
+    return found < query.k
