@@ -9,6 +9,8 @@ pepper version's bucket move to the current bucket on first access.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hashlib
 import unicodedata
 import uuid
@@ -48,7 +50,7 @@ from tokensvc.retrieval import (
     unit_vector,
 )
 from tokensvc.storage.memories import PostgresMemoryStore
-from tokensvc.storage.ranking import CandidateQuery
+from tokensvc.storage.ranking import Candidate, CandidateQuery, with_text_scores
 from tokensvc.storage.tenant import Tenant
 
 __all__ = ["LongTermMemory", "RememberItem", "SearchHit", "SearchMode", "SearchQuery", "SearchTuning"]
@@ -360,38 +362,72 @@ class LongTermMemory:
             space = await self._space(scope, for_write=False)
             if space is None:
                 return []
-            # TEXT mode needs no query vector: nothing is embedded.
-            vector = None if query.mode is SearchMode.TEXT else await self._query_vector(space, query)
+            where: dict[str, Any] = {"filter_": query.filter, "embedder": space.spec.name}
             tuning = self._tuning
             rows = await self._bucket_rows(space)
             exact = tuning.exact(rows, filtered=query.filter is not None, dimension=space.spec.dimension)
             span.set_attribute("tokensvc.search.exact", exact)
             k = query.top_k if query.mode is SearchMode.VECTOR else max(query.top_k, tuning.candidates)
             text = None if query.mode is SearchMode.VECTOR else query.text
-            candidates = await self._store.search(
-                space.tenant,
-                space.bucket,
-                CandidateQuery(
-                    vector=vector,
-                    text=text,
-                    or_text=or_query(text or ""),
-                    text_config=space.text_config,
-                    k=k,
-                    row_count=rows,
-                    exact=exact,
-                    neighbours=query.mode is SearchMode.HYBRID and self._fusion.neighbour > 0,
-                    bm25_k1=BM25_K1,
-                    bm25_b=BM25_B,
-                    hnsw_settings=tuning.hnsw_settings(k),
-                ),
-                filter_=query.filter,
-                embedder=space.spec.name,
+            wanted = CandidateQuery(
+                vector=None,
+                text=text,
+                or_text=or_query(text or ""),
+                text_config=space.text_config,
+                k=k,
+                row_count=rows,
+                exact=exact,
+                neighbours=query.mode is SearchMode.HYBRID and self._fusion.neighbour > 0,
+                bm25_k1=BM25_K1,
+                bm25_b=BM25_B,
+                hnsw_settings=tuning.hnsw_settings(k),
             )
+            if query.mode is SearchMode.TEXT:  # no query vector: nothing is embedded
+                candidates = await self._store.search(space.tenant, space.bucket, wanted, **where)
+            elif query.mode is SearchMode.VECTOR:
+                vector = await self._query_vector(space, query)
+                candidates = await self._store.search(
+                    space.tenant, space.bucket, dataclasses.replace(wanted, vector=vector), **where
+                )
+            else:
+                candidates = await self._hybrid(space, query, wanted, where)
             hits = apply_mode(
                 query.mode, candidates, self._fusion, top_k=query.top_k, min_score=query.min_score
             )
             span.set_attribute("tokensvc.result_count", len(hits))
             return hits
+
+    async def _hybrid(
+        self, space: _Space, query: SearchQuery, wanted: CandidateQuery, where: dict[str, Any]
+    ) -> list[Candidate[MemoryRecord]]:
+        """HYBRID in two statements: the text ranker runs while the query is embedded (it needs
+        no vector), then one statement takes the vector ranker's candidates and the text ranker's,
+        with both scores and their neighbours'. The two read snapshots a few milliseconds apart: a
+        memory written in between can only miss its text score in this one search."""
+        text_scores = asyncio.ensure_future(
+            self._store.text_scores(
+                space.tenant,
+                space.bucket,
+                dataclasses.replace(wanted, exact=True),
+                filter_=query.filter,
+                limit=self._tuning.text_lookup,
+            )
+        )
+        try:
+            vector = await self._query_vector(space, query)
+        except BaseException:
+            text_scores.cancel()
+            raise
+        scores = await text_scores
+        found = await self._store.search(
+            space.tenant,
+            space.bucket,
+            dataclasses.replace(
+                wanted, vector=vector, text=None, extra=tuple(local for local, _ in scores[: wanted.k])
+            ),
+            **where,
+        )
+        return with_text_scores(found, scores, wanted.k, key=lambda record: record.id)
 
     async def _query_vector(self, space: _Space, query: SearchQuery) -> np.ndarray:
         if query.vector is not None:

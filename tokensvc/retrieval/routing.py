@@ -27,6 +27,9 @@ class SearchTuning:
     max_scan_tuples: int = 20_000
     # Rows each ranker contributes to a HYBRID or TEXT search before fusion.
     candidates: int = 50
+    # A HYBRID memory search's text ranker scores at most this many rows (the rest count 0): its
+    # best `candidates` are candidates, the others lend scores to vector candidates and neighbours.
+    text_lookup: int = 1000
     # A filtered search reads this many times more rows exactly before it takes the HNSW index: a
     # filter makes an approximate scan visit 1/selectivity more tuples per hit, while the exact
     # scan computes distances for matching rows only.

@@ -30,6 +30,7 @@ from tokensvc.storage.ranking import (
     Corpus,
     candidate_statement,
     candidates_from,
+    plain_vector,
     search_settings,
     short,
     vector_statement,
@@ -408,7 +409,7 @@ class PostgresKnowledgeStore:
             where = "namespace = $1 AND kb_ref = ANY($2::text[])"
             if filter_ is not None:
                 where += f" AND ({compile_filter(filter_, 'metadata', params)})"
-            if query.text is None:
+            if plain_vector(query):
                 assert query.vector is not None
                 return vector_statement(_CORPUS, where, params, query.vector, k=query.k, exact=exact), params
             wanted = query if exact == query.exact else dataclasses.replace(query, exact=exact)
@@ -417,7 +418,7 @@ class PostgresKnowledgeStore:
         async with tenant_transaction(self._pool, tenant, settings=search_settings(query)) as conn:
             sql, params = statement(query.exact)
             rows = await conn.fetch(sql, *params)
-            if not query.exact and (short(rows, query) if query.text is not None else len(rows) < query.k):
+            if not query.exact and (len(rows) < query.k if plain_vector(query) else short(rows, query)):
                 trace.get_current_span().set_attribute("tokensvc.search.exact_fallback", True)
                 sql, params = statement(True)
                 rows = await conn.fetch(sql, *params)

@@ -40,8 +40,10 @@ from tokensvc.storage.ranking import (
     candidate_statement,
     candidates_from,
     hnsw_settings,
+    plain_vector,
     search_settings,
     short,
+    text_statement,
     vector_statement,
 )
 from tokensvc.storage.tenant import Tenant, tenant_transaction
@@ -398,7 +400,7 @@ class PostgresMemoryStore:
         def statement(exact: bool) -> tuple[str, list[Any]]:
             params: list[Any] = [bucket]
             where = _where("$1", filter_, params)
-            if query.text is None:
+            if plain_vector(query):
                 assert query.vector is not None
                 return vector_statement(_CORPUS, where, params, query.vector, k=query.k, exact=exact), params
             wanted = query if exact == query.exact else dataclasses.replace(query, exact=exact)
@@ -407,10 +409,21 @@ class PostgresMemoryStore:
         async with tenant_transaction(self._pool, tenant, settings=search_settings(query)) as conn:
             sql, params = statement(query.exact)
             rows = await conn.fetch(sql, *params)
-            if not query.exact and (short(rows, query) if query.text is not None else len(rows) < query.k):
+            if not query.exact and (len(rows) < query.k if plain_vector(query) else short(rows, query)):
                 # The approximate scan gave up early (a selective filter in a big index): an exact
                 # scan of the bucket, in the same transaction, keeps the search complete.
                 trace.get_current_span().set_attribute("tokensvc.search.exact_fallback", True)
                 sql, params = statement(True)
                 rows = await conn.fetch(sql, *params)
-        return candidates_from(rows, lambda row: _record(row, embedder))
+        return candidates_from(rows, lambda row: _record(row, embedder), str)
+
+    async def text_scores(
+        self, tenant: Tenant, bucket: str, query: CandidateQuery, *, filter_: Filter | None, limit: int
+    ) -> list[tuple[str, float]]:
+        """The text ranker alone: the `limit` best memories' ids and BM25 scores, best first."""
+        params: list[Any] = [bucket]
+        where = _where("$1", filter_, params)
+        sql = text_statement(_CORPUS, where, params, query, limit=limit)
+        async with tenant_transaction(self._pool, tenant, settings=search_settings(query)) as conn:
+            rows = await conn.fetch(sql, *params)
+        return [(str(row["local"]), float(row["score"])) for row in rows]

@@ -15,6 +15,7 @@ configuration the rows were indexed with (`text_config`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -28,9 +29,12 @@ __all__ = [
     "candidate_statement",
     "candidates_from",
     "hnsw_settings",
+    "plain_vector",
     "search_settings",
     "short",
+    "text_statement",
     "vector_statement",
+    "with_text_scores",
 ]
 
 T = TypeVar("T")
@@ -47,6 +51,9 @@ class Candidate(Generic[T]):
     text_rank: int  # 1-based among the text ranker's candidates; 0 = not among them
     previous: tuple[float, float] | None = None  # (vector_score, text_score)
     next: tuple[float, float] | None = None
+    # The neighbours' local keys (within the candidate's partition), when fetched.
+    previous_key: Any = None
+    next_key: Any = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,8 @@ class CandidateQuery:
     bm25_k1: float
     bm25_b: float
     hnsw_settings: dict[str, str]
+    # Local keys of rows to add to the candidates (the text ranker's, found beforehand).
+    extra: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -136,10 +145,54 @@ def vector_statement(
     return (
         f"SELECT *, row_number() OVER (ORDER BY vector_score DESC) AS vector_rank, 0::bigint AS text_rank, "
         "NULL::float8 AS prev_vector, NULL::float8 AS prev_text, NULL::float8 AS next_vector, "
-        f"NULL::float8 AS next_text FROM (SELECT {', '.join(corpus.columns)}, -({distance}) AS vector_score, "
+        f"NULL::float8 AS next_text, NULL AS prev_local, NULL AS next_local FROM (SELECT {', '.join(corpus.columns)}, -({distance}) AS vector_score, "
         f"0::float8 AS text_score FROM {corpus.table} WHERE {where} ORDER BY {distance} LIMIT {limit}) s "
         "ORDER BY vector_score DESC"
     )
+
+
+def _bm25_parts(corpus: Corpus, where: str, p: _Params, query: CandidateQuery, k: str) -> list[str]:
+    """The CTEs `bm25` (every matching row's score) and `by_text` (the top `k`, ranked)."""
+    key = ", ".join(corpus.key)
+    assert query.text is not None
+    cfg = p.add(query.text_config)
+    raw = p.add(query.text)
+    alternatives = p.add(query.or_text)
+    n = p.add(query.row_count)
+    k1 = p.add(query.bm25_k1)
+    b = p.add(query.bm25_b)
+    return [
+        f"terms AS (SELECT DISTINCT lexeme FROM unnest(to_tsvector({cfg}::regconfig, {raw})))",
+        f"matched AS (SELECT {key}, content_tsv FROM {corpus.table} WHERE {where} "
+        f"AND content_tsv @@ websearch_to_tsquery({cfg}::regconfig, {alternatives}))",
+        f"postings AS (SELECT {_cols('m', corpus.key)}, u.lexeme, cardinality(u.positions) AS tf, "
+        "length(m.content_tsv) AS dl FROM matched m CROSS JOIN LATERAL unnest(m.content_tsv) u "
+        "WHERE u.lexeme IN (SELECT lexeme FROM terms))",
+        "df AS (SELECT lexeme, count(*) AS n FROM postings GROUP BY lexeme)",
+        f"stats AS (SELECT greatest({n}::float8, count(*)) AS n, "
+        "coalesce(avg(length(content_tsv)), 1)::float8 AS avgdl FROM matched)",
+        f"bm25 AS (SELECT {_cols('p', corpus.key)}, sum(ln(1 + (s.n - df.n + 0.5) / (df.n + 0.5)) "
+        f"* p.tf * ({k1}::float8 + 1) / (p.tf + {k1}::float8 * (1 - {b}::float8 + {b}::float8 "
+        f"* p.dl / s.avgdl))) AS score FROM postings p JOIN df USING (lexeme) CROSS JOIN stats s "
+        f"GROUP BY {_cols('p', corpus.key)})",
+        f"by_text AS (SELECT {key}, score, row_number() OVER (ORDER BY score DESC, {key}) AS rank "
+        f"FROM bm25 ORDER BY score DESC, {key} LIMIT {k})",
+    ]
+
+
+def text_statement(
+    corpus: Corpus, where: str, params: list[Any], query: CandidateQuery, *, limit: int
+) -> str:
+    """The text ranker alone: the `limit` best rows' local keys and BM25 scores, best first.
+
+    HYBRID memory search runs this while the query is being embedded, then `candidate_statement`
+    (without the text ranker) with the first k of these rows as `extra` candidates; rows past
+    `limit` count as text score 0.
+    """
+    p = _Params(params)
+    top = p.add(limit)
+    parts = _bm25_parts(corpus, where, p, query, top)
+    return f"WITH {', '.join(parts)} SELECT {corpus.local} AS local, score FROM by_text ORDER BY rank"
 
 
 def candidate_statement(corpus: Corpus, where: str, params: list[Any], query: CandidateQuery) -> str:
@@ -165,35 +218,17 @@ def candidate_statement(corpus: Corpus, where: str, params: list[Any], query: Ca
         )
         vector_score = f"-(%s.embedding <#> {q})"
     if query.text is not None:
-        cfg = p.add(query.text_config)
-        raw = p.add(query.text)
-        alternatives = p.add(query.or_text)
-        n = p.add(query.row_count)
-        k1 = p.add(query.bm25_k1)
-        b = p.add(query.bm25_b)
-        parts += [
-            f"terms AS (SELECT DISTINCT lexeme FROM unnest(to_tsvector({cfg}::regconfig, {raw})))",
-            f"matched AS (SELECT {key}, content_tsv FROM {corpus.table} WHERE {where} "
-            f"AND content_tsv @@ websearch_to_tsquery({cfg}::regconfig, {alternatives}))",
-            f"postings AS (SELECT {_cols('m', corpus.key)}, u.lexeme, cardinality(u.positions) AS tf, "
-            "length(m.content_tsv) AS dl FROM matched m CROSS JOIN LATERAL unnest(m.content_tsv) u "
-            "WHERE u.lexeme IN (SELECT lexeme FROM terms))",
-            "df AS (SELECT lexeme, count(*) AS n FROM postings GROUP BY lexeme)",
-            f"stats AS (SELECT greatest({n}::float8, count(*)) AS n, "
-            "coalesce(avg(length(content_tsv)), 1)::float8 AS avgdl FROM matched)",
-            f"bm25 AS (SELECT {_cols('p', corpus.key)}, sum(ln(1 + (s.n - df.n + 0.5) / (df.n + 0.5)) "
-            f"* p.tf * ({k1}::float8 + 1) / (p.tf + {k1}::float8 * (1 - {b}::float8 + {b}::float8 "
-            f"* p.dl / s.avgdl))) AS score FROM postings p JOIN df USING (lexeme) CROSS JOIN stats s "
-            f"GROUP BY {_cols('p', corpus.key)})",
-            f"by_text AS (SELECT {key}, score, row_number() OVER (ORDER BY score DESC, {key}) AS rank "
-            f"FROM bm25 ORDER BY score DESC, {key} LIMIT {k})",
-        ]
+        parts += _bm25_parts(corpus, where, p, query, k)
     rankers = [
         name
         for name, on in (("by_vector", query.vector is not None), ("by_text", query.text is not None))
         if on
     ]
-    parts.append(f"pool AS ({' UNION '.join(f'SELECT {key} FROM {r}' for r in rankers)})")
+    pool = [f"SELECT {key} FROM {r}" for r in rankers]
+    if query.extra:
+        extra = p.add(list(query.extra))
+        pool.append(f"SELECT {key} FROM {corpus.table} WHERE {where} AND {corpus.local} = ANY({extra})")
+    parts.append(f"pool AS ({' UNION '.join(pool)})")
 
     text_score = "coalesce(b.score, 0)" if query.text is not None else "0::float8"
     joins = [f"JOIN {corpus.table} m USING ({key})"]
@@ -204,7 +239,7 @@ def candidate_statement(corpus: Corpus, where: str, params: list[Any], query: Ca
         joins.append(f"LEFT JOIN by_vector v USING ({key})")
     neighbour_columns = (
         "NULL::float8 AS prev_vector, NULL::float8 AS prev_text, NULL::float8 AS next_vector, "
-        "NULL::float8 AS next_text"
+        "NULL::float8 AS next_text, NULL AS prev_local, NULL AS next_local"
     )
     if query.neighbours:
         parts.append(_links(corpus, where, exact=query.exact))
@@ -227,6 +262,7 @@ def candidate_statement(corpus: Corpus, where: str, params: list[Any], query: Ca
                 f"CASE WHEN {present} THEN {vector_score.replace('%s', alias)} END AS {side}_vector",
                 f"CASE WHEN {present} THEN {text_of} END AS {side}_text",
             ]
+        columns += [f"pn.{corpus.local} AS prev_local", f"nn.{corpus.local} AS next_local"]
         neighbour_columns = ", ".join(columns)
     vector_found = "(SELECT count(*) FROM by_vector)" if query.vector is not None else "0::bigint"
     return (
@@ -278,11 +314,18 @@ def search_settings(query: CandidateQuery) -> dict[str, str] | None:
     """
     if not query.exact:
         return query.hnsw_settings
-    return None if query.text is None else {"enable_nestloop": "off"}
+    return None if plain_vector(query) else {"enable_nestloop": "off"}
 
 
-def candidates_from(rows: Sequence[Any], item: Any) -> list[Candidate[Any]]:
-    """Rows of either statement as candidates; `item(row)` builds the result record."""
+def plain_vector(query: CandidateQuery) -> bool:
+    """Whether the fast VECTOR statement answers the query (no text, extra rows or neighbours)."""
+    return query.text is None and not query.extra and not query.neighbours
+
+
+def candidates_from(rows: Sequence[Any], item: Any, local: Any = None) -> list[Candidate[Any]]:
+    """Rows of either statement as candidates; `item(row)` builds the result record and
+    `local(value)` the neighbours' local keys (as they are; `str` for uuids)."""
+    local = local or (lambda value: value)
     out = []
     for row in rows:
         prev = None if row["prev_vector"] is None else (float(row["prev_vector"]), float(row["prev_text"]))
@@ -296,6 +339,8 @@ def candidates_from(rows: Sequence[Any], item: Any) -> list[Candidate[Any]]:
                 int(row["text_rank"]),
                 prev,
                 nxt,
+                None if row["prev_local"] is None else local(row["prev_local"]),
+                None if row["next_local"] is None else local(row["next_local"]),
             )
         )
     return out
@@ -307,3 +352,30 @@ def short(rows: Sequence[Any], query: CandidateQuery) -> bool:
         return False
     found = int(rows[0]["vector_found"]) if rows else 0
     return found < query.k
+
+
+def with_text_scores(
+    candidates: Sequence[Candidate[T]], scores: Sequence[tuple[Any, float]], k: int, key: Any
+) -> list[Candidate[T]]:
+    """Candidates of a statement run without the text ranker, completed with its results.
+
+    `scores` is `text_statement`'s output (local key, BM25), best first: its first `k` are the
+    text candidates (ranked), the rest only lend scores; rows not in it score 0. `key(item)` is a
+    candidate's local key.
+    """
+    score = dict(scores)
+    rank = {local: index for index, (local, _) in enumerate(scores[:k], 1)}
+
+    def neighbour(pair: tuple[float, float] | None, local: Any) -> tuple[float, float] | None:
+        return None if pair is None else (pair[0], score.get(local, 0.0))
+
+    return [
+        dataclasses.replace(
+            c,
+            text_score=score.get(key(c.item), 0.0),
+            text_rank=rank.get(key(c.item), 0),
+            previous=neighbour(c.previous, c.previous_key),
+            next=neighbour(c.next, c.next_key),
+        )
+        for c in candidates
+    ]
