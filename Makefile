@@ -6,7 +6,7 @@ PY := $(BIN)/python
 STATE_DIR ?= .tokensvc-dev
 PROTOS := $(wildcard protos/tokensvc/v1/*.proto)
 
-.PHONY: install dev test check lint typecheck protolint proto stubs-check pytest bench clean
+.PHONY: install dev test check lint typecheck protolint proto stubs-check pytest bench bench-quality clean
 
 install: $(VENV)/.installed
 
@@ -49,9 +49,14 @@ proto: install  ## Regenerate tokensvc/v1 from protos/ (never edit the stubs by 
 		--plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc \
 		--python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. $(PROTOS)
 
-bench: install  ## Benchmarks (bench/, docs/benchmarks.md); BENCH_ARGS=--quick for a smaller run.
+bench: install  ## Benchmarks (bench/, docs/benchmarks.md); BENCH_ARGS=--quick / QUALITY_ARGS=--quick for smaller runs.
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m bench.run $(BENCH_ARGS)
+	$(PY) -m bench.quality $(QUALITY_ARGS)
+
+bench-quality: install  ## Retrieval quality alone: LoCoMo recall, the knowledge-base question set (bench/quality.py).
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m bench.quality $(QUALITY_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

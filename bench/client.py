@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -36,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.dataset import DIM, FILTERS, K, make_dataset
 from bench.load import binary_vectors
 from bench.peer import PeerStore
+from bench.workers import serve
 from tokensvc.memory.filters import Condition, Filter, Operator
 from tokensvc.retrieval import SearchTuning
 from tokensvc.storage import database as tokensvc_database
@@ -432,24 +432,6 @@ async def copy_connection_from(conninfo: dict[str, Any]) -> asyncpg.Connection:
     return conn
 
 
-async def _serve(pipe: Connection) -> None:
-    worker = Worker()
-    loop = asyncio.get_running_loop()
-    try:
-        while True:
-            message = await loop.run_in_executor(None, pipe.recv)
-            if message is None:
-                return
-            op, kwargs = message
-            try:
-                result = await getattr(worker, op)(**kwargs)
-                pipe.send(("ok", result))
-            except Exception as exc:  # reported to the main process, which raises
-                pipe.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        await worker.close()
-
-
 def worker_main(pipe: Connection) -> None:
     """Entry point of the spawned load-generator process."""
-    asyncio.run(_serve(pipe))
+    serve(pipe, Worker)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -22,12 +23,14 @@ from pgvector.asyncpg import register_vector
 
 from tokensvc.app import Service, migrate
 from tokensvc.auth.buckets import PepperKeyring
+from tokensvc.auth.capabilities import mint_capability
 from tokensvc.auth.devpki import (
     ADMIN_SPIFFE_ID,
     CONTROL_PLANE_SPIFFE_ID,
     DEV_TRUST_DOMAIN,
     DevPaths,
     ensure_dev_material,
+    load_signing_key,
 )
 from tokensvc.credentials import FileCredentialSource
 from tokensvc.settings import Settings, load_settings
@@ -71,6 +74,15 @@ class BenchEnv:
             "password": password,
             "database": database or self.dsn.rsplit("/", 1)[1],
         }
+
+    def capability(self, **claims: Any) -> str:
+        """A capability signed with the dev key for the dev launcher (namespace `default`, agent
+        `dev-agent`) unless `claims` (mint_capability's keyword arguments) say otherwise."""
+        kid, key = load_signing_key(self.dev.signing_key)
+        values: dict[str, Any] = {"namespace": NAMESPACE, "agent": AGENT, **claims}
+        return mint_capability(
+            key, kid, issuer="ctxmesh-control-plane", audience="tokensvc", now=time.time(), **values
+        )
 
     async def start_service(self, **overrides: Any) -> Service:
         """(Re)start tokensvc with these settings overrides (a restart drops every cache)."""

@@ -1,25 +1,60 @@
-"""The main process's handle on the load-generator process (bench/client.py)."""
+"""The main process's handle on a load-generator process, and the loop that process runs.
+
+The caller of a benchmark runs in a spawned process of its own (nothing inherited: no event loop,
+no gRPC state), the way a launcher is a separate process: tokensvc's event loop serves only
+tokensvc. The process builds one object and runs its async methods by name, one at a time.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
-from typing import Any
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
 
-from bench.client import worker_main
-
-__all__ = ["WorkerError", "WorkerHandle"]
+__all__ = ["WorkerError", "WorkerHandle", "serve"]
 
 
 class WorkerError(RuntimeError):
     """A command failed in the load generator; the message carries its traceback."""
 
 
+class _Closable(Protocol):
+    async def close(self) -> None: ...
+
+
+def serve(pipe: Connection, factory: Callable[[], _Closable]) -> None:
+    """The load generator's loop: `(op, kwargs)` in, `("ok", result)` or `("error", text)` out."""
+    asyncio.run(_serve(pipe, factory))
+
+
+async def _serve(pipe: Connection, factory: Callable[[], _Closable]) -> None:
+    worker = factory()
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            message = await loop.run_in_executor(None, pipe.recv)
+            if message is None:
+                return
+            op, kwargs = message
+            try:
+                result = await getattr(worker, op)(**kwargs)
+                pipe.send(("ok", result))
+            except Exception as exc:  # reported to the main process, which raises
+                pipe.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        await worker.close()
+
+
 class WorkerHandle:
-    def __init__(self) -> None:
-        context = multiprocessing.get_context("spawn")  # nothing inherited: no event loop, no gRPC state
+    """Starts `target(pipe)` in a spawned process (e.g. bench.client.worker_main)."""
+
+    def __init__(self, target: Callable[[Connection], None], name: str = "bench-client") -> None:
+        context = multiprocessing.get_context("spawn")
         self._pipe, child = context.Pipe()
-        self._process = context.Process(target=worker_main, args=(child,), name="bench-client", daemon=True)
+        self._process = context.Process(target=target, args=(child,), name=name, daemon=True)
         self._process.start()
         child.close()
         self._lock = asyncio.Lock()

@@ -72,8 +72,23 @@ async def test_hybrid_search_lifts_the_chunk_next_to_a_strong_match(clients: Cli
         *(f"Unrelated paragraph number {i} about office plants and lunch menus." for i in range(8)),
     ]
     await manager.upload(ref, "payments.md", "\n\n".join(paragraphs), content_type="text/plain")
-    passages = await clients.searcher([ref]).search("how often is a failed charge retried", [ref], mode=HYBRID)
+    passages = await clients.searcher([ref]).search(
+        "how often is a failed charge retried", [ref], mode=HYBRID
+    )
     first, second = passages[0], passages[1]
     assert "retries a failed charge" in first.text
     assert second.chunk_index == first.chunk_index + 1  # the chunk after the match comes next
     assert "manual review queue" in second.text
+
+
+@pytest.mark.parametrize("mode", [TEXT, HYBRID, common_pb2.SEARCH_MODE_VECTOR])
+async def test_a_query_with_nul_is_invalid_argument_in_every_mode_not_internal(
+    clients: Clients, mode: int
+) -> None:
+    manager = clients.manager()
+    ref = new_ref()
+    await manager.create(ref, FIXED, 32)
+    await manager.upload(ref, "a.md", "some text to find", content_type="text/plain")
+    refused = await failure(clients.searcher([ref]).search("some\x00text", [ref], mode=mode))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.field_violations == ["query_text"]

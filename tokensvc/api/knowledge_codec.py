@@ -82,6 +82,8 @@ def decode_query(value: str) -> str:
         raise InvalidArgument("query_text", "must not be empty")
     if len(value.encode("utf-8", "surrogatepass")) > MAX_QUERY_BYTES:
         raise InvalidArgument("query_text", f"must be at most {MAX_QUERY_BYTES} bytes")
+    if "\x00" in value:  # PostgreSQL text cannot hold it; the text ranker would fail on it
+        raise InvalidArgument("query_text", "must not contain U+0000 (NUL)")
     return value
 
 

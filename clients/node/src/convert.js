@@ -153,6 +153,7 @@ export function fromSessionScope(scope) {
 const SEARCH_MODES = {
   vector: 'SEARCH_MODE_VECTOR',
   hybrid: 'SEARCH_MODE_HYBRID',
+  text: 'SEARCH_MODE_TEXT',
 };
 
 export function toSearchMode(mode) {
@@ -161,7 +162,7 @@ export function toSearchMode(mode) {
   }
   const value = SEARCH_MODES[String(mode).toLowerCase()];
   if (value === undefined) {
-    throw new TypeError(`mode must be 'vector' or 'hybrid', got ${JSON.stringify(mode)}`);
+    throw new TypeError(`mode must be 'vector', 'hybrid' or 'text', got ${JSON.stringify(mode)}`);
   }
   return value;
 }

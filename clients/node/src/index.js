@@ -225,7 +225,7 @@ export class TokensvcClient {
    * @param {number} [options.topK] 1..100 (server default 10)
    * @param {number} [options.minScore]
    * @param {object} [options.filter] `{key, op, value}`, `{and: [...]}`, `{or: [...]}`, `{not: f}`
-   * @param {'vector'|'hybrid'} [options.mode]
+   * @param {'vector'|'hybrid'|'text'} [options.mode] unset: hybrid for text, vector for an embedding
    */
   async searchMemories(query, { topK = 0, minScore, filter, mode, ...callOptions } = {}) {
     const request = { topK, filter: toFilter(filter), mode: toSearchMode(mode) };
