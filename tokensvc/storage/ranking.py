@@ -237,33 +237,15 @@ def candidate_statement(corpus: Corpus, where: str, params: list[Any], query: Ca
         joins.append(f"LEFT JOIN by_text t USING ({key})")
     if query.vector is not None:
         joins.append(f"LEFT JOIN by_vector v USING ({key})")
-    neighbour_columns = (
-        "NULL::float8 AS prev_vector, NULL::float8 AS prev_text, NULL::float8 AS next_vector, "
-        "NULL::float8 AS next_text, NULL AS prev_local, NULL AS next_local"
-    )
-    if query.neighbours:
+    neighbour_columns = _NO_NEIGHBOURS
+    if query.neighbours and query.exact and query.vector is not None:
+        # One pass over the bucket scores every row once and numbers its neighbours.
+        parts = _exact_scored(corpus, where, q, k) + parts[1:]
+        neighbour_columns = _hood_neighbours(corpus, joins, text=query.text is not None)
+        vector_score = "h.vs"
+    elif query.neighbours:
         parts.append(_links(corpus, where, exact=query.exact))
-        joins.append(f"JOIN links l USING ({key})")
-        columns = []
-        for alias, side in (("pn", "prev"), ("nn", "next")):
-            on = " AND ".join(
-                [
-                    *(f"{alias}.{c} = l.{c}" for c in corpus.partition),
-                    f"{alias}.{corpus.local} = l.{side}_local",
-                ]
-            )
-            joins.append(f"LEFT JOIN {corpus.table} {alias} ON {on}")
-            text_of = "0::float8"
-            if query.text is not None:
-                joins.append(f"LEFT JOIN bm25 {alias}b ON {on.replace(f'{alias}.', f'{alias}b.')}")
-                text_of = f"coalesce({alias}b.score, 0)"
-            present = f"{alias}.{corpus.local} IS NOT NULL"
-            columns += [
-                f"CASE WHEN {present} THEN {vector_score.replace('%s', alias)} END AS {side}_vector",
-                f"CASE WHEN {present} THEN {text_of} END AS {side}_text",
-            ]
-        columns += [f"pn.{corpus.local} AS prev_local", f"nn.{corpus.local} AS next_local"]
-        neighbour_columns = ", ".join(columns)
+        neighbour_columns = _linked_neighbours(corpus, joins, vector_score, text=query.text is not None)
     vector_found = "(SELECT count(*) FROM by_vector)" if query.vector is not None else "0::bigint"
     return (
         f"WITH {', '.join(parts)} "
@@ -274,6 +256,76 @@ def candidate_statement(corpus: Corpus, where: str, params: list[Any], query: Ca
         f"{neighbour_columns}, {vector_found} AS vector_found "
         f"FROM pool {' '.join(joins)}"
     )
+
+
+_NO_NEIGHBOURS = (
+    "NULL::float8 AS prev_vector, NULL::float8 AS prev_text, NULL::float8 AS next_vector, "
+    "NULL::float8 AS next_text, NULL AS prev_local, NULL AS next_local"
+)
+
+
+def _hood_neighbours(corpus: Corpus, joins: list[str], *, text: bool) -> str:
+    """Neighbour columns from `hood` (exact scans); appends its joins to `joins`."""
+    joins.append(f"JOIN hood h USING ({', '.join(corpus.key)})")
+    columns = []
+    for side in ("prev", "next"):
+        text_of = "0::float8"
+        if text:
+            on = " AND ".join(
+                [
+                    *(f"{side}b.{c} = h.{c}" for c in corpus.partition),
+                    f"{side}b.{corpus.local} = h.{side}_local",
+                ]
+            )
+            joins.append(f"LEFT JOIN bm25 {side}b ON {on}")
+            text_of = f"coalesce({side}b.score, 0)"
+        columns += [
+            f"h.{side}_vs AS {side}_vector",
+            f"CASE WHEN h.{side}_local IS NOT NULL THEN {text_of} END AS {side}_text",
+            f"h.{side}_local AS {side}_local",
+        ]
+    return ", ".join(columns)
+
+
+def _linked_neighbours(corpus: Corpus, joins: list[str], vector_score: str, *, text: bool) -> str:
+    """Neighbour columns from `links` (approximate scans: rows fetched by key); appends joins."""
+    joins.append(f"JOIN links l USING ({', '.join(corpus.key)})")
+    columns = []
+    for alias, side in (("pn", "prev"), ("nn", "next")):
+        on = " AND ".join(
+            [*(f"{alias}.{c} = l.{c}" for c in corpus.partition), f"{alias}.{corpus.local} = l.{side}_local"]
+        )
+        joins.append(f"LEFT JOIN {corpus.table} {alias} ON {on}")
+        text_of = "0::float8"
+        if text:
+            joins.append(f"LEFT JOIN bm25 {alias}b ON {on.replace(f'{alias}.', f'{alias}b.')}")
+            text_of = f"coalesce({alias}b.score, 0)"
+        present = f"{alias}.{corpus.local} IS NOT NULL"
+        columns += [
+            f"CASE WHEN {present} THEN {vector_score.replace('%s', alias)} END AS {side}_vector",
+            f"CASE WHEN {present} THEN {text_of} END AS {side}_text",
+            f"{alias}.{corpus.local} AS {side}_local",
+        ]
+    return ", ".join(columns)
+
+
+def _exact_scored(corpus: Corpus, where: str, q: str, k: str) -> list[str]:
+    """An exact search's vector ranker and neighbours from ONE scan of the bucket (or corpus):
+    `scored` (every row's cosine), `by_vector` (the top k, ranked) and `hood` (each row with its
+    neighbours' local keys and cosines)."""
+    key = ", ".join(corpus.key)
+    carried = ", ".join([*corpus.key, *(c for c in corpus.order if c not in corpus.key)])
+    part = ", ".join(corpus.partition)
+    order = ", ".join(corpus.order)
+    return [
+        f"scored AS MATERIALIZED (SELECT {carried}, -(embedding <#> {q}) AS vs FROM {corpus.table} "
+        f"WHERE {where})",
+        f"by_vector AS (SELECT {key}, rank FROM (SELECT {key}, row_number() OVER "
+        f"(ORDER BY vs DESC, {key}) AS rank FROM scored) r WHERE rank <= {k})",
+        f"hood AS (SELECT {key}, vs, lag({corpus.local}) OVER w AS prev_local, lag(vs) OVER w AS prev_vs, "
+        f"lead({corpus.local}) OVER w AS next_local, lead(vs) OVER w AS next_vs FROM scored "
+        f"WINDOW w AS (PARTITION BY {part} ORDER BY {order}))",
+    ]
 
 
 def _links(corpus: Corpus, where: str, *, exact: bool) -> str:
