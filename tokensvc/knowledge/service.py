@@ -37,6 +37,7 @@ from tokensvc.retrieval import (
     SearchTuning,
     apply_mode,
     or_query,
+    query_words,
     unit_rows,
     unit_vector,
     validate_text_config,
@@ -323,7 +324,7 @@ class KnowledgeBases:
             refs,
             CandidateQuery(
                 vector=vector,
-                text=text,
+                text=None if text is None else " ".join(query_words(text)),
                 or_text=or_query(text or ""),
                 text_config=text_config,
                 k=k,

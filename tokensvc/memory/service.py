@@ -47,10 +47,12 @@ from tokensvc.retrieval import (
     SearchTuning,
     apply_mode,
     or_query,
+    query_words,
     unit_vector,
+    with_text_scores,
 )
 from tokensvc.storage.memories import PostgresMemoryStore
-from tokensvc.storage.ranking import Candidate, CandidateQuery, with_text_scores
+from tokensvc.storage.ranking import Candidate, CandidateQuery
 from tokensvc.storage.tenant import Tenant
 
 __all__ = ["LongTermMemory", "RememberItem", "SearchHit", "SearchMode", "SearchQuery", "SearchTuning"]
@@ -371,7 +373,7 @@ class LongTermMemory:
             text = None if query.mode is SearchMode.VECTOR else query.text
             wanted = CandidateQuery(
                 vector=None,
-                text=text,
+                text=None if text is None else " ".join(query_words(text)),
                 or_text=or_query(text or ""),
                 text_config=space.text_config,
                 k=k,

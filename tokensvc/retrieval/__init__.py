@@ -19,6 +19,7 @@ from tokensvc.retrieval.fusion import (
     fuse,
     rank_by_text,
     rank_by_vector,
+    with_text_scores,
 )
 from tokensvc.retrieval.routing import HNSW_MAX_DIMENSION, RowCounts, SearchTuning
 from tokensvc.retrieval.text import (
@@ -27,6 +28,7 @@ from tokensvc.retrieval.text import (
     DEFAULT_TEXT_CONFIG,
     TEXT_CONFIGS,
     or_query,
+    query_words,
     validate_text_config,
 )
 from tokensvc.retrieval.vectors import unit_rows, unit_vector
@@ -46,9 +48,11 @@ __all__ = [
     "apply_mode",
     "fuse",
     "or_query",
+    "query_words",
     "rank_by_text",
     "rank_by_vector",
     "unit_rows",
     "unit_vector",
     "validate_text_config",
+    "with_text_scores",
 ]

@@ -7,7 +7,8 @@ text-search configuration pinned to the memory space or knowledge base stems the
 stop words; and the ranking is BM25 (Robertson et al.), which weighs a term by how rare it is in the
 bucket or corpus, so the one rare shared word ("French", "pg-stage-3") outweighs common ones.
 
-The statement is built in `tokensvc.storage.postgres.ranking`; this module owns the rules.
+The statements are built in `tokensvc.storage.ranking`; this module owns the rules. Matching and
+scoring use the same words (`query_words`): what scores also matches.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "MAX_QUERY_TERMS",
     "TEXT_CONFIGS",
     "or_query",
+    "query_words",
     "validate_text_config",
 ]
 
@@ -43,9 +45,17 @@ DEFAULT_TEXT_CONFIG = "english"
 BM25_K1 = 0.6
 BM25_B = 0.3
 
-# More terms than this add cost, not ranking: a question has a dozen.
-MAX_QUERY_TERMS = 64
+# More words than this add cost, not ranking: a question has a dozen. Larger than any stop-word
+# list, so padding a question with distinct stop words cannot push its real terms out.
+MAX_QUERY_TERMS = 256
 _TERM = re.compile(r"\w+")
+
+
+def query_words(text: str) -> list[str]:
+    """The query's distinct words (casefolded `\\w+` runs, without `or`), at most MAX_QUERY_TERMS,
+    in order: the text ranker matches and scores exactly these (after stemming)."""
+    terms = dict.fromkeys(t for t in _TERM.findall(text.casefold()) if t != "or")
+    return list(terms)[:MAX_QUERY_TERMS]
 
 
 def or_query(text: str) -> str:
@@ -55,8 +65,7 @@ def or_query(text: str) -> str:
     caller's) reaches the parser; the word `or` itself is dropped as a stop word would be. Empty
     when the text has no words (then the text ranker matches nothing).
     """
-    terms = dict.fromkeys(t for t in _TERM.findall(text.casefold()) if t != "or")
-    return " or ".join(list(terms)[:MAX_QUERY_TERMS])
+    return " or ".join(query_words(text))
 
 
 def validate_text_config(value: str, field: str) -> str:

@@ -1,9 +1,12 @@
 """The statements that fetch search candidates with both scores, for memories and chunks alike.
 
-One statement per search: the vector ranker's top k, the text ranker's top k (BM25 over the rows
+`candidate_statement`: the vector ranker's top k, the text ranker's top k (BM25 over the rows
 matching any query term), their union with BOTH scores of every candidate, its ranks in each
-ranker, and (when asked) the scores of its two neighbours. One statement reads one snapshot, so a
-concurrent write never makes the two rankings disagree. Fusion happens in `tokensvc.retrieval`.
+ranker, and (when asked) the scores of its two neighbours, in one statement, so one snapshot.
+HYBRID memory search splits it in two so the text ranker can run while the query is embedded:
+`text_statement` first, then `candidate_statement` without the text ranker, its candidates passed
+as `extra`; the two snapshots are milliseconds apart, and a memory written in between can only
+miss (or keep a stale) text score in that one search. Fusion happens in `tokensvc.retrieval`.
 
 BM25 per candidate row d and query term t, over the rows the query matches:
 `idf(t) * tf(t, d) * (k1 + 1) / (tf(t, d) + k1 * (1 - b + b * |d| / avg|d|))`,
@@ -15,7 +18,6 @@ configuration the rows were indexed with (`text_config`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -34,10 +36,14 @@ __all__ = [
     "short",
     "text_statement",
     "vector_statement",
-    "with_text_scores",
 ]
 
 T = TypeVar("T")
+
+# The text ranker scores at most this many matching rows: a very common term in a very large
+# bucket would otherwise make every search unnest every row. Past it, BM25 ranks the first rows the
+# index returns, not all of them (docs/architecture.md, "Search").
+MAX_TEXT_MATCHES = 10_000
 
 
 @dataclass(frozen=True)
@@ -61,8 +67,8 @@ class CandidateQuery:
     """What to rank: built by the domain (tokensvc.retrieval), trusted here."""
 
     vector: np.ndarray | None  # unit length; None: no vector ranker (TEXT mode)
-    text: str | None  # the raw query text (its terms weigh the BM25 sum); None: no text ranker
-    or_text: str  # the query's words as websearch_to_tsquery alternatives
+    text: str | None  # the query's words, space-separated (BM25 sums over them); None: no text ranker
+    or_text: str  # the same words as websearch_to_tsquery alternatives (what matches)
     text_config: str  # the pinned text-search configuration (an allow-listed name)
     k: int  # candidates per ranker
     row_count: int  # N of BM25's idf
@@ -164,7 +170,7 @@ def _bm25_parts(corpus: Corpus, where: str, p: _Params, query: CandidateQuery, k
     return [
         f"terms AS (SELECT DISTINCT lexeme FROM unnest(to_tsvector({cfg}::regconfig, {raw})))",
         f"matched AS (SELECT {key}, content_tsv FROM {corpus.table} WHERE {where} "
-        f"AND content_tsv @@ websearch_to_tsquery({cfg}::regconfig, {alternatives}))",
+        f"AND content_tsv @@ websearch_to_tsquery({cfg}::regconfig, {alternatives}) LIMIT {MAX_TEXT_MATCHES})",
         f"postings AS (SELECT {_cols('m', corpus.key)}, u.lexeme, cardinality(u.positions) AS tf, "
         "length(m.content_tsv) AS dl FROM matched m CROSS JOIN LATERAL unnest(m.content_tsv) u "
         "WHERE u.lexeme IN (SELECT lexeme FROM terms))",
@@ -404,30 +410,3 @@ def short(rows: Sequence[Any], query: CandidateQuery) -> bool:
         return False
     found = int(rows[0]["vector_found"]) if rows else 0
     return found < query.k
-
-
-def with_text_scores(
-    candidates: Sequence[Candidate[T]], scores: Sequence[tuple[Any, float]], k: int, key: Any
-) -> list[Candidate[T]]:
-    """Candidates of a statement run without the text ranker, completed with its results.
-
-    `scores` is `text_statement`'s output (local key, BM25), best first: its first `k` are the
-    text candidates (ranked), the rest only lend scores; rows not in it score 0. `key(item)` is a
-    candidate's local key.
-    """
-    score = dict(scores)
-    rank = {local: index for index, (local, _) in enumerate(scores[:k], 1)}
-
-    def neighbour(pair: tuple[float, float] | None, local: Any) -> tuple[float, float] | None:
-        return None if pair is None else (pair[0], score.get(local, 0.0))
-
-    return [
-        dataclasses.replace(
-            c,
-            text_score=score.get(key(c.item), 0.0),
-            text_rank=rank.get(key(c.item), 0),
-            previous=neighbour(c.previous, c.previous_key),
-            next=neighbour(c.next, c.next_key),
-        )
-        for c in candidates
-    ]

@@ -366,7 +366,7 @@ class _SearchMode:
 class _SearchModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SearchMode.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     SEARCH_MODE_UNSPECIFIED: _SearchMode.ValueType  # 0
-    """SEARCH_MODE_UNSPECIFIED selects the default mode, HYBRID."""
+    """SEARCH_MODE_UNSPECIFIED selects the default mode: HYBRID, or VECTOR for a query vector."""
     SEARCH_MODE_VECTOR: _SearchMode.ValueType  # 1
     """SEARCH_MODE_VECTOR ranks by embedding similarity only; the score is the cosine similarity
     between the query and the item, from -1 to 1, higher is closer; ranks are reported as 0.
@@ -389,12 +389,12 @@ class _SearchModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SearchMode
 class SearchMode(_SearchMode, metaclass=_SearchModeEnumTypeWrapper):
     """SearchMode selects how a search ranks its results.
 
-    UNSPECIFIED means HYBRID for both SearchMemories and SearchKnowledge (chosen by measurement:
-    docs/benchmarks.md).
+    UNSPECIFIED means HYBRID for a text query, in SearchMemories and SearchKnowledge (chosen by
+    measurement: docs/benchmarks.md), and VECTOR for SearchMemories' `query_vector`.
     """
 
 SEARCH_MODE_UNSPECIFIED: SearchMode.ValueType  # 0
-"""SEARCH_MODE_UNSPECIFIED selects the default mode, HYBRID."""
+"""SEARCH_MODE_UNSPECIFIED selects the default mode: HYBRID, or VECTOR for a query vector."""
 SEARCH_MODE_VECTOR: SearchMode.ValueType  # 1
 """SEARCH_MODE_VECTOR ranks by embedding similarity only; the score is the cosine similarity
 between the query and the item, from -1 to 1, higher is closer; ranks are reported as 0.
