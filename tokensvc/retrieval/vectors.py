@@ -1,7 +1,8 @@
-"""Vector normalisation, the one place it happens: every stored and query vector has unit length.
+"""Vector normalisation for search: every stored and query vector has unit length.
 
-In float64: the squares of large float32 components overflow float32 but not float64. With unit
-vectors, inner product is cosine similarity, which the HNSW index (`vector_ip_ops`) serves.
+The maths is the embedders' `normalize_rows` (float64, so the squares of large float32 components
+cannot overflow); this adds the API's error: INVALID_ARGUMENT naming the field and the row. With
+unit vectors, inner product is cosine similarity, which the HNSW index (`vector_ip_ops`) serves.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from tokensvc.embedders.base import normalize_rows
 from tokensvc.errors import InvalidArgument
 
 __all__ = ["unit_rows", "unit_vector"]
@@ -18,13 +20,14 @@ def unit_rows(matrix: npt.ArrayLike, field: str) -> npt.NDArray[np.float32]:
     """Each row scaled to unit length, float32 and C-contiguous; INVALID_ARGUMENT naming `field`
     (with the row index) for a row that is zero or not finite."""
     wide = np.atleast_2d(np.asarray(matrix, dtype=np.float64))
-    with np.errstate(over="ignore", invalid="ignore"):
-        norms = np.linalg.norm(wide, axis=1)
-    bad = np.flatnonzero(~np.isfinite(norms) | (norms == 0.0))
-    if bad.size:
-        where = field if wide.shape[0] == 1 else f"{field}[{int(bad[0])}]"
-        raise InvalidArgument(where, "must be a finite, non-zero vector")
-    return np.ascontiguousarray(wide / norms[:, None], dtype=np.float32)
+    try:
+        return normalize_rows(wide)
+    except ValueError:
+        with np.errstate(over="ignore", invalid="ignore"):
+            norms = np.linalg.norm(wide, axis=1)
+        bad = int(np.flatnonzero(~np.isfinite(norms) | (norms == 0.0))[0])
+        where = field if wide.shape[0] == 1 else f"{field}[{bad}]"
+        raise InvalidArgument(where, "must be a finite, non-zero vector") from None
 
 
 def unit_vector(vector: npt.ArrayLike, field: str) -> npt.NDArray[np.float32]:
