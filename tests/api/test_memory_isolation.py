@@ -8,9 +8,7 @@ refused writes left the owner's rows exactly as they were.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,21 +25,12 @@ from tests.api.memory_support import (
     ttl,
 )
 from tests.support import SharedDatabase
-from tokensvc.app import Service
-from tokensvc.auth.devpki import DevPaths
 from tokensvc.embedders import HashEmbedder
 from tokensvc.v1 import common_pb2, memory_pb2
 
 SECRET = "the owner's secret recipe uses saffron and cardamom"
 OWN = "the intruder's own note about weather"
 HYBRID = common_pb2.SEARCH_MODE_HYBRID
-
-
-@pytest.fixture
-async def launchers(service: Service, dev: DevPaths, tmp_path: Path) -> AsyncIterator[Launchers]:
-    pool = Launchers(service, dev, tmp_path / "launchers")
-    yield pool
-    await pool.aclose()
 
 
 @dataclass(frozen=True)

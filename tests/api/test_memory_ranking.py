@@ -7,7 +7,7 @@ tests/api/test_memory_real_model.py covers meaning with the embedded model.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,6 @@ import pytest
 
 from tests.api.memory_support import Caller, Launchers
 from tests.support import SharedDatabase
-from tokensvc.app import Service
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.credentials import FileCredentialSource
 from tokensvc.v1 import common_pb2
@@ -25,28 +24,6 @@ from tokensvc.v1 import common_pb2
 TEXT = common_pb2.SEARCH_MODE_TEXT
 HYBRID = common_pb2.SEARCH_MODE_HYBRID
 VECTOR = common_pb2.SEARCH_MODE_VECTOR
-
-
-@pytest.fixture
-async def launchers_on(
-    start_service: Any, dev: DevPaths, tmp_path: Path
-) -> AsyncIterator[Callable[..., Awaitable[Launchers]]]:
-    pools: list[Launchers] = []
-
-    async def start(**settings: Any) -> Launchers:
-        pools.append(Launchers(await start_service(**settings), dev, tmp_path / f"launchers{len(pools)}"))
-        return pools[-1]
-
-    yield start
-    for pool in pools:
-        await pool.aclose()
-
-
-@pytest.fixture
-async def launchers(service: Service, dev: DevPaths, tmp_path: Path) -> AsyncIterator[Launchers]:
-    pool = Launchers(service, dev, tmp_path / "launchers")
-    yield pool
-    await pool.aclose()
 
 
 async def contents(caller: Caller, query: str, **fields: Any) -> list[str]:

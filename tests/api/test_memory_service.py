@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ from tests.api.memory_support import (
 )
 from tests.support import SharedDatabase
 from tokensvc.app import Service
-from tokensvc.auth.devpki import DevPaths
 from tokensvc.embedders import HashEmbedder
 from tokensvc.v1 import common_pb2, memory_pb2
 
@@ -43,29 +42,6 @@ LT, GTE, GT, IN = (
 HYBRID = common_pb2.SEARCH_MODE_HYBRID
 VECTOR = common_pb2.SEARCH_MODE_VECTOR
 DIMENSION = 384  # the default `hash` embedder's
-
-
-@pytest.fixture
-async def launchers(service: Service, dev: DevPaths, tmp_path: Path) -> AsyncIterator[Launchers]:
-    pool = Launchers(service, dev, tmp_path / "launchers")
-    yield pool
-    await pool.aclose()
-
-
-@pytest.fixture
-async def launchers_on(
-    start_service: Any, dev: DevPaths, tmp_path: Path
-) -> AsyncIterator[Callable[..., Awaitable[Launchers]]]:
-    """Launchers for a service started with the given setting overrides."""
-    pools: list[Launchers] = []
-
-    async def start(**settings: Any) -> Launchers:
-        pools.append(Launchers(await start_service(**settings), dev, tmp_path / f"launchers{len(pools)}"))
-        return pools[-1]
-
-    yield start
-    for pool in pools:
-        await pool.aclose()
 
 
 async def numbered(caller: Caller, count: int) -> list[str]:

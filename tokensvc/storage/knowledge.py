@@ -11,7 +11,6 @@ Contract (checked by the knowledge tests):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +19,6 @@ from typing import Any
 
 import asyncpg
 import numpy as np
-from opentelemetry import trace
 from pgvector import Vector
 
 from tokensvc.memory.filters import Filter, compile_filter
@@ -28,12 +26,8 @@ from tokensvc.storage.ranking import (
     Candidate,
     CandidateQuery,
     Corpus,
-    candidate_statement,
     candidates_from,
-    plain_vector,
-    search_settings,
-    short,
-    vector_statement,
+    fetch_candidates,
 )
 from tokensvc.storage.tenant import Tenant, tenant_transaction
 
@@ -404,24 +398,14 @@ class PostgresKnowledgeStore:
         """Candidates with both scores in one statement (tokensvc.storage.ranking); an approximate
         search that comes back short re-runs exactly in the same transaction."""
 
-        def statement(exact: bool) -> tuple[str, list[Any]]:
-            params: list[Any] = [tenant.namespace, list(kb_refs)]
-            where = "namespace = $1 AND kb_ref = ANY($2::text[])"
+        def where(params: list[Any]) -> tuple[str, list[Any]]:
+            params += [tenant.namespace, list(kb_refs)]
+            predicate = "namespace = $1 AND kb_ref = ANY($2::text[])"
             if filter_ is not None:
-                where += f" AND ({compile_filter(filter_, 'metadata', params)})"
-            if plain_vector(query):
-                assert query.vector is not None
-                return vector_statement(_CORPUS, where, params, query.vector, k=query.k, exact=exact), params
-            wanted = query if exact == query.exact else dataclasses.replace(query, exact=exact)
-            return candidate_statement(_CORPUS, where, params, wanted), params
+                predicate += f" AND ({compile_filter(filter_, 'metadata', params)})"
+            return predicate, params
 
-        async with tenant_transaction(self._pool, tenant, settings=search_settings(query)) as conn:
-            sql, params = statement(query.exact)
-            rows = await conn.fetch(sql, *params)
-            if not query.exact and (len(rows) < query.k if plain_vector(query) else short(rows, query)):
-                trace.get_current_span().set_attribute("tokensvc.search.exact_fallback", True)
-                sql, params = statement(True)
-                rows = await conn.fetch(sql, *params)
+        rows = await fetch_candidates(self._pool, tenant, _CORPUS, query, where)
         return candidates_from(rows, _passage)
 
 

@@ -19,14 +19,12 @@ Contract (checked by tests/storage/test_memory_store.py):
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 import numpy as np
-from opentelemetry import trace
 from pgvector import Vector
 
 from tokensvc.embedders import EmbedderSpec
@@ -37,12 +35,10 @@ from tokensvc.storage.ranking import (
     Candidate,
     CandidateQuery,
     Corpus,
-    candidate_statement,
     candidates_from,
+    fetch_candidates,
     hnsw_settings,
-    plain_vector,
     search_settings,
-    short,
     text_statement,
     vector_statement,
 )
@@ -397,24 +393,11 @@ class PostgresMemoryStore:
         comes back short re-runs exactly in the same transaction, so results stay complete.
         """
 
-        def statement(exact: bool) -> tuple[str, list[Any]]:
-            params: list[Any] = [bucket]
-            where = _where("$1", filter_, params)
-            if plain_vector(query):
-                assert query.vector is not None
-                return vector_statement(_CORPUS, where, params, query.vector, k=query.k, exact=exact), params
-            wanted = query if exact == query.exact else dataclasses.replace(query, exact=exact)
-            return candidate_statement(_CORPUS, where, params, wanted), params
+        def where(params: list[Any]) -> tuple[str, list[Any]]:
+            params.append(bucket)
+            return _where("$1", filter_, params), params
 
-        async with tenant_transaction(self._pool, tenant, settings=search_settings(query)) as conn:
-            sql, params = statement(query.exact)
-            rows = await conn.fetch(sql, *params)
-            if not query.exact and (len(rows) < query.k if plain_vector(query) else short(rows, query)):
-                # The approximate scan gave up early (a selective filter in a big index): an exact
-                # scan of the bucket, in the same transaction, keeps the search complete.
-                trace.get_current_span().set_attribute("tokensvc.search.exact_fallback", True)
-                sql, params = statement(True)
-                rows = await conn.fetch(sql, *params)
+        rows = await fetch_candidates(self._pool, tenant, _CORPUS, query, where)
         return candidates_from(rows, lambda row: _record(row, embedder), str)
 
     async def text_scores(

@@ -18,11 +18,16 @@ configuration the rows were indexed with (`text_config`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import asyncpg
 import numpy as np
+from opentelemetry import trace
+
+from tokensvc.storage.tenant import Tenant, tenant_transaction
 
 __all__ = [
     "Candidate",
@@ -30,6 +35,7 @@ __all__ = [
     "Corpus",
     "candidate_statement",
     "candidates_from",
+    "fetch_candidates",
     "hnsw_settings",
     "plain_vector",
     "search_settings",
@@ -378,6 +384,35 @@ def search_settings(query: CandidateQuery) -> dict[str, str] | None:
 def plain_vector(query: CandidateQuery) -> bool:
     """Whether the fast VECTOR statement answers the query (no text, extra rows or neighbours)."""
     return query.text is None and not query.extra and not query.neighbours
+
+
+async def fetch_candidates(
+    pool: asyncpg.Pool,
+    tenant: Tenant,
+    corpus: Corpus,
+    query: CandidateQuery,
+    where: Callable[[list[Any]], tuple[str, list[Any]]],
+) -> list[asyncpg.Record]:
+    """Run a search's statement in one tenant transaction; `where(params)` gives the searchable
+    rows' predicate and its parameters. An approximate search that comes back short (a selective
+    filter in a big index) re-runs exactly in the same transaction, so results stay complete."""
+
+    def statement(exact: bool) -> tuple[str, list[Any]]:
+        predicate, params = where([])
+        if plain_vector(query):
+            assert query.vector is not None
+            return vector_statement(corpus, predicate, params, query.vector, k=query.k, exact=exact), params
+        wanted = query if exact == query.exact else dataclasses.replace(query, exact=exact)
+        return candidate_statement(corpus, predicate, params, wanted), params
+
+    async with tenant_transaction(pool, tenant, settings=search_settings(query)) as conn:
+        sql, params = statement(query.exact)
+        rows = await conn.fetch(sql, *params)
+        if not query.exact and (len(rows) < query.k if plain_vector(query) else short(rows, query)):
+            trace.get_current_span().set_attribute("tokensvc.search.exact_fallback", True)
+            sql, params = statement(True)
+            rows = await conn.fetch(sql, *params)
+    return list(rows)
 
 
 def candidates_from(rows: Sequence[Any], item: Any, local: Any = None) -> list[Candidate[Any]]:
