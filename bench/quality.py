@@ -72,6 +72,11 @@ def _f(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _minus(ours: dict[str, Any], peer: dict[str, Any] | None) -> float | None:
+    """Our recall@10 minus the peer's; None when the peer was skipped."""
+    return None if not peer else ours["recall@10"] - peer["recall@10"]
+
+
 def _table(head: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -179,10 +184,7 @@ def generated_section(results: dict[str, Any]) -> str:
                 [
                     "tokensvc HYBRID - LangGraph (same vectors, query as query)",
                     "≥ 0",
-                    _f(
-                        recall["hybrid"]["recall@10"]
-                        - (locomo.get("langgraph", {}).get("query_as_query") or {}).get("recall@10", 0.0)
-                    ),
+                    _f(_minus(recall["hybrid"], (locomo.get("langgraph") or {}).get("query_as_query"))),
                 ],
                 [
                     "HYBRID search p50 c=1 - query embedding p50",
