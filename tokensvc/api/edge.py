@@ -29,7 +29,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from tokensvc.api.context import CallContext, reset_call, use_call
 from tokensvc.api.policy import POLICIES, RpcPolicy
-from tokensvc.auth.identity import Caller, IdentityPolicy, caller_from_auth_context
+from tokensvc.auth.identity import Caller, CallerCache, IdentityPolicy
 from tokensvc.auth.scope import TenantScope
 from tokensvc.errors import (
     ERROR_DOMAIN,
@@ -181,7 +181,7 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         *,
         max_in_flight_per_caller: int = 64,
     ):
-        self._identities = identities
+        self._callers = CallerCache(identities)
         self._authenticator = authenticator
         self._policies = policies
         self._max_in_flight = max_in_flight_per_caller
@@ -240,7 +240,7 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
 
     def identify(self, context: Any) -> Caller:
         """The caller's identity from its client certificate; raises when it is not acceptable."""
-        return caller_from_auth_context(context.auth_context(), self._identities)
+        return self._callers.identify(context.auth_context())
 
     async def admit(
         self,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import re
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from tokensvc.errors import Reason, Unauthenticated
 
-__all__ = ["Caller", "IdentityPolicy", "Role", "caller_from_auth_context", "parse_spiffe_id"]
+__all__ = ["Caller", "CallerCache", "IdentityPolicy", "Role", "caller_from_auth_context", "parse_spiffe_id"]
 
 _SPIFFE = re.compile(r"^spiffe://([a-z0-9._-]+)(/[A-Za-z0-9._~!$&'()*+,;=:@%/-]*)?$")
 
@@ -124,3 +125,30 @@ def caller_from_auth_context(auth_context: Mapping[str, Iterable[bytes]], policy
         raise Unauthenticated(Reason.CALLER_IDENTITY_INVALID)
     digest = hashlib.sha256(leaf.public_bytes(Encoding.DER)).digest()
     return policy.caller(uris[0], digest)
+
+
+class CallerCache:
+    """Callers by their peer certificate, so a connection's certificate is parsed once, not on
+    every RPC (parsing was ~6 % of a server's CPU under search load).
+
+    Keyed by the exact PEM bytes gRPC reports for the peer (whose chain and validity the TLS
+    handshake already checked); only accepted certificates are cached, so a refused one costs its
+    parse every time and cannot fill the cache. Bounded: the least recently used entry goes.
+    """
+
+    def __init__(self, policy: IdentityPolicy, capacity: int = 4096):
+        self._policy = policy
+        self._capacity = capacity
+        self._entries: OrderedDict[bytes, Caller] = OrderedDict()
+
+    def identify(self, auth_context: Mapping[str, Iterable[bytes]]) -> Caller:
+        pem = b"".join(auth_context.get("x509_pem_cert", ()))
+        caller = self._entries.get(pem)
+        if caller is not None:
+            self._entries.move_to_end(pem)
+            return caller
+        caller = caller_from_auth_context({"x509_pem_cert": [pem]}, self._policy)
+        self._entries[pem] = caller
+        if len(self._entries) > self._capacity:
+            self._entries.popitem(last=False)
+        return caller
