@@ -6,7 +6,7 @@ PY := $(BIN)/python
 STATE_DIR ?= .tokensvc-dev
 PROTOS := $(wildcard protos/tokensvc/v1/*.proto)
 
-.PHONY: install dev test check lint typecheck protolint proto stubs-check pytest bench bench-quality clean
+.PHONY: install dev test test-fast check lint typecheck protolint proto stubs-check pytest bench bench-quality clean
 
 install: $(VENV)/.installed
 
@@ -22,6 +22,9 @@ dev: install  ## Install and run tokensvc on embedded defaults (PostgreSQL + dev
 test: install  ## Everything CI runs: lint, types, protos, stale stubs, the whole pytest suite.
 	$(MAKE) check
 	$(BIN)/pytest
+
+test-fast: install  ## The suite without the slow end-to-end tests, for a quick loop (CI runs `make test`).
+	$(BIN)/pytest -m "not slow"
 
 check: lint typecheck protolint
 

@@ -1,7 +1,7 @@
 """The domain error tree and the one table that maps it to gRPC status codes.
 
 Domain and storage code raise `TokensvcError` subclasses and never see a status code. The API
-edge calls `to_status` for every error that escapes a servicer: known errors keep their message
+edge calls `status_for` for every error that escapes a servicer: known errors keep their message
 and stable reason; database errors are translated by exception class (asyncpg's SQLSTATE classes,
 never message text); anything else becomes INTERNAL with a generic message, and the detail goes
 to the log under the request id.

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass
-from typing import Any
 
 from tokensvc.auth.identity import Caller
+from tokensvc.auth.scope import TenantScope
 
 __all__ = ["CallContext", "current_call", "reset_call", "use_call"]
 
@@ -20,8 +20,8 @@ class CallContext:
     request_id: str
     method: str
     caller: Caller
-    # The verified run capability when the RPC needs one (a `VerifiedCapability`), else None.
-    capability: Any = None
+    # The tenant scope of the verified run capability when the RPC needs one, else None.
+    capability: TenantScope | None = None
 
 
 _CURRENT: contextvars.ContextVar[CallContext] = contextvars.ContextVar("tokensvc_call")

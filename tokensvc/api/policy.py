@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from tokensvc.auth.identity import Role
 
-__all__ = ["ANY_ROLE", "POLICIES", "RpcPolicy", "policy_for"]
+__all__ = ["ANY_ROLE", "POLICIES", "RpcPolicy"]
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,3 @@ POLICIES: dict[str, RpcPolicy] = {
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": _OPEN,
     "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": _OPEN,
 }
-
-
-def policy_for(method: str) -> RpcPolicy | None:
-    return POLICIES.get(method)
