@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokensvc.names import is_sql_identifier
+
 __all__ = ["ENV_PREFIX", "Settings", "SettingsError", "load_settings"]
 
 ENV_PREFIX = "TOKENSVC_"
 
-_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
-_TRUST_DOMAIN = re.compile(r"^[a-z0-9._-]{1,255}$")
+_TRUST_DOMAIN = re.compile(r"[a-z0-9._-]{1,255}")
 
 
 class SettingsError(ValueError):
@@ -220,7 +221,7 @@ class Settings:
     def validate(self) -> Settings:
         """Check cross-field rules; returns self so calls chain."""
         _check_address("listen_address", self.listen_address)
-        if not _TRUST_DOMAIN.match(self.trust_domain):
+        if not _TRUST_DOMAIN.fullmatch(self.trust_domain):
             raise SettingsError(f"trust_domain: {self.trust_domain!r} is not a valid SPIFFE trust domain")
         for name in ("admin_spiffe_ids", "control_plane_spiffe_ids"):
             for spiffe_id in getattr(self, name):
@@ -232,12 +233,12 @@ class Settings:
         if (
             len(self.database_login_roles) != 2
             or len(set(self.database_login_roles)) != 2
-            or not all(_IDENTIFIER.match(role) for role in self.database_login_roles)
+            or not all(is_sql_identifier(role) for role in self.database_login_roles)
         ):
             raise SettingsError("database_login_roles: must be two different lower-case SQL identifiers")
         if self.credential_watch_seconds <= 0:
             raise SettingsError("credential_watch_seconds: must be greater than 0")
-        if not _IDENTIFIER.match(self.database_app_role):
+        if not is_sql_identifier(self.database_app_role):
             raise SettingsError("database_app_role: must be a lower-case SQL identifier")
         if self.pool_min_size < 0 or self.pool_max_size < 1 or self.pool_min_size > self.pool_max_size:
             raise SettingsError("pool_min_size/pool_max_size: need 0 <= min <= max and max >= 1")

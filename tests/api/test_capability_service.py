@@ -573,6 +573,13 @@ async def test_issued_capability_is_accepted_for_the_launcher_only(
         pytest.param({"ttl": duration_pb2.Duration(seconds=MAX_LIFETIME + 1)}, "ttl", id="ttl-over-the-max"),
         pytest.param({"per_user": True}, "user", id="per-user-without-user"),
         pytest.param({"cnf_x5t_s256": b"\x01" * 31}, "cnf_x5t_s256", id="cnf-of-31-bytes"),
+        # `$` in a pattern used with match() accepts a trailing newline; fullmatch does not.
+        pytest.param({"run_id": "run-1\n"}, "run_id", id="run-id-with-a-trailing-newline"),
+        pytest.param({"namespace": "default\n"}, "namespace", id="namespace-with-a-trailing-newline"),
+        pytest.param({"registry": "support\n"}, "registry", id="registry-with-a-trailing-newline"),
+        pytest.param(
+            {"knowledge_bases": ["kb\n"]}, "knowledge_bases[0]", id="kb-ref-with-a-trailing-newline"
+        ),
     ],
 )
 async def test_issue_with_bad_input_is_invalid_argument_naming_the_field(

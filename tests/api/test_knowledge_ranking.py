@@ -92,3 +92,15 @@ async def test_a_query_with_nul_is_invalid_argument_in_every_mode_not_internal(
     refused = await failure(clients.searcher([ref]).search("some\x00text", [ref], mode=mode))
     assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.field_violations == ["query_text"]
+
+
+@pytest.mark.parametrize(
+    ("namespace", "ref", "field"), [("default\n", "kb-ok", "namespace"), ("default", "rt-nl\n", "ref")]
+)
+async def test_a_name_with_a_trailing_newline_is_invalid_argument_and_nothing_is_created(
+    clients: Clients, namespace: str, ref: str, field: str
+) -> None:
+    refused = await failure(clients.manager(namespace=namespace).create(ref, FIXED, 32))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.field_violations == [field]
+    assert await failure(clients.manager().get(ref.strip())) is not None

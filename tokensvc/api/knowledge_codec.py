@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import re
 
 from tokensvc.api.convert import timestamp
 from tokensvc.api.memory_codec import DEFAULT_TOP_K, MAX_TOP_K, decode_page_size
@@ -12,6 +11,7 @@ from tokensvc.errors import InvalidArgument
 from tokensvc.knowledge.chunking import ChunkingKind, ChunkingStrategy
 from tokensvc.knowledge.service import Passage
 from tokensvc.memory.metadata import metadata_to_proto
+from tokensvc.names import is_dns_label, is_kb_ref
 from tokensvc.storage.knowledge import BaseRow, DocumentRow
 from tokensvc.v1 import knowledge_pb2
 
@@ -32,8 +32,6 @@ __all__ = [
 # SearchKnowledgeRequest.query_text: "at most 8 KiB" (memory queries may be 32 KiB; not this one).
 MAX_QUERY_BYTES = 8 * 1024
 
-_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-_KB_REF = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 _KINDS = {
     knowledge_pb2.CHUNKING_KIND_FIXED: ChunkingKind.FIXED,
@@ -44,13 +42,13 @@ _KIND_TO_PROTO = {kind: value for value, kind in _KINDS.items()}
 
 
 def decode_namespace(value: str, field: str = "namespace") -> str:
-    if not _NAMESPACE.match(value):
+    if not is_dns_label(value):
         raise InvalidArgument(field, "must be a DNS-1123 label (lower-case letters, digits, '-'; at most 63)")
     return value
 
 
 def decode_kb_ref(value: str, field: str = "ref") -> str:
-    if not _KB_REF.match(value):
+    if not is_kb_ref(value):
         raise InvalidArgument(field, "must be a Kubernetes object name (a-z, 0-9, '-', '.'; at most 253)")
     return value
 

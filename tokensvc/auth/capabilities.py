@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from tokensvc.auth.keyset import TrustBundle
 from tokensvc.errors import CapabilityExpired, CapabilityInvalid, InvalidArgument
+from tokensvc.names import DNS_LABEL, KB_REF
 
 __all__ = [
     "ALLOWED_ALGORITHMS",
@@ -54,8 +55,6 @@ _COMPACT_JWS = re.compile(rf"{_SEGMENT}\.{_SEGMENT}\.{_SEGMENT}")
 # Headers that carry or point at a key: the key comes from our bundle, never from the token.
 _FORBIDDEN_HEADERS = frozenset({"jwk", "jku", "x5u", "x5c", "x5t", "x5t#S256", "crit", "b64"})
 _REQUIRED_CLAIMS = ("iss", "aud", "sub", "jti", "iat", "nbf", "exp", "ns", "agent")
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_KB_REF = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a Kubernetes object name
 _THUMBPRINT = re.compile(r"[A-Za-z0-9_-]{43}")
 _MAX_ID_CHARS = 256
 _MAX_USER_CHARS = 512
@@ -258,7 +257,7 @@ def _flag(value: object) -> bool:
 
 
 def _dns_label(value: object) -> str:
-    if not isinstance(value, str) or not _DNS_LABEL.fullmatch(value):
+    if not isinstance(value, str) or not DNS_LABEL.fullmatch(value):
         _fail()
     return value
 
@@ -268,7 +267,7 @@ def _kb_refs(value: object) -> tuple[str, ...]:
         _fail()
     refs = tuple(value)
     # Types first: a nested list is unhashable and would escape set() as a TypeError.
-    if not all(isinstance(r, str) and _KB_REF.fullmatch(r) for r in refs) or len(set(refs)) != len(refs):
+    if not all(isinstance(r, str) and KB_REF.fullmatch(r) for r in refs) or len(set(refs)) != len(refs):
         _fail()
     return refs
 
@@ -331,16 +330,16 @@ def mint_capability(
     _require(bool(issuer) and bool(audience), "issuer", "issuer and audience must not be empty")
     _require(0 < len(run_id) <= _MAX_ID_CHARS, "run_id", f"must be 1-{_MAX_ID_CHARS} characters")
     _require(0 < len(jti) <= _MAX_ID_CHARS, "jti", f"must be 1-{_MAX_ID_CHARS} characters")
-    _require(bool(_DNS_LABEL.fullmatch(namespace)), "namespace", "must be a DNS label")
-    _require(bool(_DNS_LABEL.fullmatch(agent)), "agent", "must be a DNS label")
-    _require(registry is None or bool(_DNS_LABEL.fullmatch(registry)), "registry", "must be a DNS label")
+    _require(bool(DNS_LABEL.fullmatch(namespace)), "namespace", "must be a DNS label")
+    _require(bool(DNS_LABEL.fullmatch(agent)), "agent", "must be a DNS label")
+    _require(registry is None or bool(DNS_LABEL.fullmatch(registry)), "registry", "must be a DNS label")
     _require(
         user is None or 0 < len(user) <= _MAX_USER_CHARS, "user", f"must be 1-{_MAX_USER_CHARS} characters"
     )
     _require(not per_user or user is not None, "user", "is required when per_user is set")
     kbs = list(knowledge_bases)
     _require(
-        len(kbs) <= _MAX_KBS and len(set(kbs)) == len(kbs) and all(_KB_REF.fullmatch(r) for r in kbs),
+        len(kbs) <= _MAX_KBS and len(set(kbs)) == len(kbs) and all(KB_REF.fullmatch(r) for r in kbs),
         "knowledge_bases",
         f"must be at most {_MAX_KBS} distinct knowledge-base refs",
     )

@@ -22,7 +22,7 @@ from tokensvc.errors import Reason, Unauthenticated
 
 __all__ = ["Caller", "CallerCache", "IdentityPolicy", "Role", "caller_from_auth_context", "parse_spiffe_id"]
 
-_SPIFFE = re.compile(r"^spiffe://([a-z0-9._-]+)(/[A-Za-z0-9._~!$&'()*+,;=:@%/-]*)?$")
+_SPIFFE = re.compile(r"spiffe://([a-z0-9._-]+)(/[A-Za-z0-9._~!$&'()*+,;=:@%/-]*)?")
 
 
 class Role(enum.StrEnum):
@@ -44,7 +44,7 @@ class Caller:
 
 def parse_spiffe_id(value: str) -> tuple[str, str]:
     """Split a SPIFFE ID into (trust domain, path); ValueError when it is not one."""
-    match = _SPIFFE.match(value)
+    match = _SPIFFE.fullmatch(value)
     if not match or ".." in value or "//" in (match[2] or ""):
         raise ValueError(f"{value!r} is not a SPIFFE ID")
     return match[1], match[2] or ""
@@ -80,7 +80,7 @@ class IdentityPolicy:
         if spiffe_id in self._control_plane:
             roles.add(Role.CONTROL_PLANE)
         workload = None
-        match = self._launcher_pattern.match(spiffe_id)
+        match = self._launcher_pattern.fullmatch(spiffe_id)
         if match and not roles:
             roles.add(Role.LAUNCHER)
             workload = (match["namespace"], match["agent"])
@@ -101,7 +101,7 @@ def _template_pattern(template: str, trust_domain: str) -> re.Pattern[str]:
             pattern += f"(?P<agent>{segment})"
         else:
             pattern += re.escape(part)
-    return re.compile(f"^{pattern}$")
+    return re.compile(pattern)
 
 
 def caller_from_auth_context(auth_context: Mapping[str, Iterable[bytes]], policy: IdentityPolicy) -> Caller:

@@ -19,12 +19,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from tokensvc.auth.capabilities import mint_capability
 from tokensvc.auth.devpki import load_signing_key
 from tokensvc.errors import InvalidArgument, Reason, TokensvcError
+from tokensvc.names import is_dns_label, is_kb_ref
 
 __all__ = ["CapabilityIssuer", "IssueRequest", "IssuedCapability"]
 
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-_KB_REF = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
-_RUN_ID = re.compile(r"^[A-Za-z0-9._:-]{1,256}$")
+_RUN_ID = re.compile(r"[A-Za-z0-9._:-]{1,256}")
 _DEFAULT_TTL = 3600
 
 
@@ -98,9 +97,9 @@ class CapabilityIssuer:
 
 def _check_request(request: IssueRequest, max_lifetime: int) -> None:
     for name in ("namespace", "agent"):
-        if not _DNS_LABEL.match(getattr(request, name)):
+        if not is_dns_label(getattr(request, name)):
             raise InvalidArgument(name, "must be a Kubernetes name (lower-case DNS label)")
-    if request.registry is not None and not _DNS_LABEL.match(request.registry):
+    if request.registry is not None and not is_dns_label(request.registry):
         raise InvalidArgument("registry", "must be a Kubernetes name (lower-case DNS label)")
     if request.user is not None and not 0 < len(request.user) <= 512:
         raise InvalidArgument("user", "must be 1..512 characters")
@@ -109,11 +108,11 @@ def _check_request(request: IssueRequest, max_lifetime: int) -> None:
     if len(request.knowledge_bases) > 64:
         raise InvalidArgument("knowledge_bases", "at most 64 knowledge bases")
     for index, ref in enumerate(request.knowledge_bases):
-        if not _KB_REF.match(ref):
+        if not is_kb_ref(ref):
             raise InvalidArgument(f"knowledge_bases[{index}]", "is not a valid knowledge base ref")
     if len(set(request.knowledge_bases)) != len(request.knowledge_bases):
         raise InvalidArgument("knowledge_bases", "must not repeat a ref")
-    if request.run_id is not None and not _RUN_ID.match(request.run_id):
+    if request.run_id is not None and not _RUN_ID.fullmatch(request.run_id):
         raise InvalidArgument("run_id", "must be 1..256 characters of [A-Za-z0-9._:-]")
     if request.ttl_seconds is not None and not 60 <= request.ttl_seconds <= max_lifetime:
         raise InvalidArgument("ttl", f"must be between 60 and {max_lifetime} seconds")

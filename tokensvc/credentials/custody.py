@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -30,12 +29,12 @@ from tokensvc.credentials.journal import PostgresRotationJournal, RotationEntry
 from tokensvc.credentials.scram import generate_password, scram_sha256_verifier
 from tokensvc.credentials.source import DatabaseCredential, FileCredentialSource
 from tokensvc.errors import DatabaseUnavailable, Reason, TokensvcError
+from tokensvc.names import is_sql_identifier
 from tokensvc.observability.metrics import METRICS
 
 __all__ = ["CredentialCustodian", "CredentialStatus", "RotationMode"]
 
 _log = logging.getLogger(__name__)
-_ROLE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 # Every replica agrees on this lock id: one rotation at a time across the whole deployment.
 _ROTATION_LOCK = 0x746F6B656E726F74  # "tokenrot"
 
@@ -71,7 +70,7 @@ class CredentialCustodian:
         connect_timeout: float = 5.0,
     ):
         for role in login_roles:
-            if not _ROLE.match(role):
+            if not is_sql_identifier(role):
                 raise ValueError(f"login role {role!r} is not a plain SQL identifier")
         self._host, self._port, self._database = host, port, database
         self._source = source
@@ -360,7 +359,7 @@ class CredentialCustodian:
 
     async def _alter_password(self, role: str, verifier: str | None) -> None:
         assert self._rotator is not None
-        if not _ROLE.match(role):
+        if not is_sql_identifier(role):
             raise _rotation_failed(f"role {role!r} is not a plain SQL identifier")
         conn = await self._connect(self._rotator.read())
         try:

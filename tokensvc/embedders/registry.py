@@ -58,7 +58,7 @@ _LOG = logging.getLogger(__name__)
 BUILTIN_EMBEDDER = "hash"
 # The embedded real model: what a memory space or knowledge base gets when nothing is chosen.
 DEFAULT_EMBEDDER = E5_NAME
-_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+_NAME = re.compile(r"[a-z][a-z0-9_-]{0,62}")
 _MAX_PREFIX = 256
 
 
@@ -120,7 +120,7 @@ def load_embedders(config_file: Path | None, *, local_threads: int = 2) -> Embed
         raise SettingsError(f"{config_file}: embedders: must be a table of [embedders.<name>] tables")
     for name, table in tables.items():
         where = f"embedders.{name}"
-        if not _NAME.match(name):
+        if not _NAME.fullmatch(name):
             raise SettingsError(
                 f"{config_file}: {where}: a name is lower-case letters, digits, '_' or '-' (at most 63)"
             )

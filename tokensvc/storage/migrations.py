@@ -15,6 +15,8 @@ from importlib import resources
 
 import asyncpg
 
+from tokensvc.names import is_sql_identifier
+
 __all__ = [
     "Migration",
     "MigrationError",
@@ -25,8 +27,7 @@ __all__ = [
 
 # Arbitrary but fixed: the lock id every tokensvc process agrees on.
 _LOCK_ID = 0x746F6B656E737663  # "tokensvc"
-_FILE_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
-_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_FILE_NAME = re.compile(r"(\d{4})_([a-z0-9_]+)\.sql")
 
 
 class MigrationError(RuntimeError):
@@ -48,7 +49,7 @@ def available_migrations() -> list[Migration]:
     """The migration files shipped in the package, in version order."""
     found = []
     for entry in resources.files("tokensvc.storage").joinpath("migrations").iterdir():
-        match = _FILE_NAME.match(entry.name)
+        match = _FILE_NAME.fullmatch(entry.name)
         if match:
             found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
     found.sort(key=lambda migration: migration.version)
@@ -71,7 +72,7 @@ CREATE TABLE IF NOT EXISTS tokensvc.schema_migrations (
 
 async def apply_migrations(conn: asyncpg.Connection, *, app_role: str) -> list[Migration]:
     """Apply every pending migration; returns those applied (empty when up to date)."""
-    if not _IDENTIFIER.match(app_role):
+    if not is_sql_identifier(app_role):
         raise MigrationError(f"app role {app_role!r} is not a plain SQL identifier")
     migrations = available_migrations()
     applied: list[Migration] = []

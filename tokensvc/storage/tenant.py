@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import asyncpg
 
+from tokensvc.names import is_kb_ref
 from tokensvc.observability.deadlines import remaining_ms
 
 __all__ = ["ALL_KNOWLEDGE_BASES", "Tenant", "tenant_transaction"]
 
-_BUCKET = re.compile(r"^v[1-9][0-9]{0,8}\.[a-z2-7]{1,128}$")
-_KB_REF = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_BUCKET = re.compile(r"v[1-9][0-9]{0,8}\.[a-z2-7]{1,128}")
 
 
 ALL_KNOWLEDGE_BASES = "*"
@@ -39,10 +39,10 @@ class Tenant:
     def __post_init__(self) -> None:
         # RLS splits these lists on commas: an element must never contain one.
         for bucket in self.buckets:
-            if not _BUCKET.match(bucket):
+            if not _BUCKET.fullmatch(bucket):
                 raise ValueError("not a bucket id")
         for ref in self.knowledge_bases:
-            if ref != ALL_KNOWLEDGE_BASES and not _KB_REF.match(ref):
+            if ref != ALL_KNOWLEDGE_BASES and not is_kb_ref(ref):
                 raise ValueError("not a knowledge base ref")
 
 
