@@ -104,3 +104,9 @@ async def test_a_name_with_a_trailing_newline_is_invalid_argument_and_nothing_is
     assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.field_violations == [field]
     assert await failure(clients.manager().get(ref.strip())) is not None
+
+
+async def test_a_display_name_with_nul_is_invalid_argument_not_internal(clients: Clients) -> None:
+    refused = await failure(clients.manager().create(new_ref(), FIXED, 32, display_name="bad\x00name"))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.field_violations == ["display_name"]

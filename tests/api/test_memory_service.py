@@ -577,3 +577,18 @@ async def test_a_changed_embedder_configuration_is_refused_and_new_spaces_pin_th
     assert {row["agent"]: row["dimension"] for row in dimensions} == {agent: 384, newcomer.agent: 256}
     assert {"memories_hnsw_384", "memories_hnsw_256"} <= {row[0] for row in indexes}
     assert [row["dimension"] for row in rows] == [256]
+
+
+async def test_a_page_token_with_wrong_value_types_is_invalid_argument_even_without_ltm(
+    launchers: Launchers,
+) -> None:
+    import base64
+    import json
+
+    forged = base64.urlsafe_b64encode(
+        json.dumps({"c": "2026-01-01T00:00:00+00:00", "i": 1, "f": "x"}).encode()
+    ).decode()
+    for caller in (launchers.caller(), launchers.caller(ltm=False)):
+        failure = await caller.fail("ListMemories", memory_pb2.ListMemoriesRequest(page_token=forged))
+        assert failure.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert failure.metadata["field"] == "page_token"

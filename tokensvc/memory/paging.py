@@ -45,6 +45,8 @@ def decode_page_token(token: str, filter_bytes: bytes) -> PageCursor | None:
         raise InvalidArgument(_FIELD, "is not a token this service issued")
     try:
         body = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        if not isinstance(body, dict) or not all(isinstance(body.get(key), str) for key in "cif"):
+            raise ValueError("not a token body")
         created_at = datetime.fromisoformat(body["c"])
         memory_id = str(uuid.UUID(body["i"]))
         tag = body["f"]
@@ -52,7 +54,15 @@ def decode_page_token(token: str, filter_bytes: bytes) -> PageCursor | None:
             raise ValueError("naive timestamp")
         # In UTC, as the database compares it: a forged 0001-01-01T00:00+14:00 has no UTC value.
         created_at = created_at.astimezone(UTC)
-    except (ValueError, KeyError, TypeError, OverflowError, binascii.Error, UnicodeDecodeError):
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        AttributeError,
+        OverflowError,
+        binascii.Error,
+        UnicodeDecodeError,
+    ):
         raise InvalidArgument(_FIELD, "is not a token this service issued") from None
     if tag != _filter_tag(filter_bytes):
         raise InvalidArgument(_FIELD, "was issued for a different filter")

@@ -67,6 +67,8 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
     ) -> knowledge_pb2.CreateKnowledgeBaseResponse:
         if len(request.display_name) > 256:
             raise InvalidArgument("display_name", "must be at most 256 characters")
+        if "\x00" in request.display_name:  # PostgreSQL text cannot hold it
+            raise InvalidArgument("display_name", "must not contain U+0000 (NUL)")
         base, created = await self._knowledge.create(
             decode_namespace(request.namespace),
             decode_kb_ref(request.ref),

@@ -1,0 +1,57 @@
+"""ListMemories page tokens: any forged token is INVALID_ARGUMENT naming page_token, never a crash."""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tokensvc.errors import InvalidArgument
+from tokensvc.memory.paging import PageCursor, decode_page_token, encode_page_token
+
+FILTER = b"filter-bytes"
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+def token_of(body: Any) -> str:
+    return base64.urlsafe_b64encode(json.dumps(body).encode()).decode().rstrip("=")
+
+
+def test_an_issued_token_round_trips() -> None:
+    cursor = PageCursor(datetime(2026, 1, 1, tzinfo=UTC), "6f1c0f4e-3c1a-4a57-9f1e-6d2c8f1b2a3c")
+    assert decode_page_token(encode_page_token(cursor, FILTER), FILTER) == cursor
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"c": "2026-01-01T00:00:00+00:00", "i": 1, "f": "x"},
+        {"c": "2026-01-01T00:00:00+00:00", "i": [1], "f": "x"},
+        {"c": "2026-01-01T00:00:00+00:00", "i": {"a": 1}, "f": "x"},
+        {"c": 5, "i": "6f1c0f4e-3c1a-4a57-9f1e-6d2c8f1b2a3c", "f": "x"},
+        {"c": "2026-01-01T00:00:00+00:00", "i": "6f1c0f4e-3c1a-4a57-9f1e-6d2c8f1b2a3c", "f": 7},
+        ["c", "i", "f"],
+        "c",
+    ],
+)
+def test_right_keys_with_wrong_value_types_are_invalid_argument(body: Any) -> None:
+    with pytest.raises(InvalidArgument) as refused:
+        decode_page_token(token_of(body), FILTER)
+    assert refused.value.field == "page_token"
+
+
+@given(JSON)
+def test_any_forged_json_body_is_invalid_argument(body: Any) -> None:
+    # Nothing but an issued token carries this filter's tag, so every forged body is refused.
+    with pytest.raises(InvalidArgument) as refused:
+        decode_page_token(token_of(body), FILTER)
+    assert refused.value.field == "page_token"
