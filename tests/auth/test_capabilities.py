@@ -595,6 +595,28 @@ def test_malformed_scope_claim_is_refused(
     assert_invalid(verifier, sign_raw(header(), claims(**overrides), signing_key))
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # Whitespace-only ids cannot be revoked (RevokeCapability refuses them): never accepted.
+        {"jti": " "},
+        {"sub": "\t\n"},
+        # PostgreSQL text cannot hold NUL; UTF-8 (protobuf, the bucket HMAC) cannot hold a lone surrogate.
+        {"jti": "id\x00"},
+        {"sub": "run\x00"},
+        {"jti": "id-\ud800"},
+        {"sub": "run-\udfff"},
+        {"user": "carol\ud800", "per_user": True},
+        {"user": "carol\x00", "per_user": True},
+    ],
+    ids=repr,
+)
+def test_an_identifier_the_service_could_not_store_or_revoke_is_refused(
+    verifier: CapabilityVerifier, signing_key: Ed25519PrivateKey, overrides: dict[str, Any]
+) -> None:
+    assert_invalid(verifier, sign_raw(header(), claims(**overrides), signing_key))
+
+
 def test_sixty_four_distinct_knowledge_bases_are_accepted(
     verifier: CapabilityVerifier, signing_key: Ed25519PrivateKey
 ) -> None:

@@ -196,8 +196,8 @@ class CapabilityVerifier:
         if per_user and user is None:
             raise _Reject("claims")
         capability = VerifiedCapability(
-            run_id=_text(_MAX_ID_CHARS)(claims["sub"]),
-            jti=_text(_MAX_ID_CHARS)(claims["jti"]),
+            run_id=_identifier(_MAX_ID_CHARS)(claims["sub"]),
+            jti=_identifier(_MAX_ID_CHARS)(claims["jti"]),
             issuer=claims["iss"],
             namespace=_dns_label(claims["ns"]),
             agent=_dns_label(claims["agent"]),
@@ -242,10 +242,31 @@ def _numeric_date(value: object) -> int:
 
 
 def _text(max_chars: int) -> Callable[[object], str]:
+    """A string of 1..max_chars characters that PostgreSQL text and protobuf can hold: no U+0000,
+    no lone surrogate (JSON's `\\ud800` escapes make them; UTF-8 cannot encode them)."""
+
     def check(value: object) -> str:
-        if not isinstance(value, str) or not 0 < len(value) <= max_chars:
+        if not isinstance(value, str) or not 0 < len(value) <= max_chars or "\x00" in value:
+            _fail()
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
             _fail()
         return value
+
+    return check
+
+
+def _identifier(max_chars: int) -> Callable[[object], str]:
+    """`_text` that is not only whitespace: what RevokeCapability accepts, so every accepted
+    capability can be revoked by its `jti` and its run id."""
+    text = _text(max_chars)
+
+    def check(value: object) -> str:
+        checked = text(value)
+        if not checked.strip():
+            _fail()
+        return checked
 
     return check
 
@@ -328,8 +349,14 @@ def mint_capability(
     iat = int(time.time() if now is None else now)
     _require(bool(kid), "kid", "must not be empty")
     _require(bool(issuer) and bool(audience), "issuer", "issuer and audience must not be empty")
-    _require(0 < len(run_id) <= _MAX_ID_CHARS, "run_id", f"must be 1-{_MAX_ID_CHARS} characters")
-    _require(0 < len(jti) <= _MAX_ID_CHARS, "jti", f"must be 1-{_MAX_ID_CHARS} characters")
+    _require(
+        0 < len(run_id) <= _MAX_ID_CHARS and bool(run_id.strip()),
+        "run_id",
+        f"must be 1-{_MAX_ID_CHARS} characters",
+    )
+    _require(
+        0 < len(jti) <= _MAX_ID_CHARS and bool(jti.strip()), "jti", f"must be 1-{_MAX_ID_CHARS} characters"
+    )
     _require(bool(DNS_LABEL.fullmatch(namespace)), "namespace", "must be a DNS label")
     _require(bool(DNS_LABEL.fullmatch(agent)), "agent", "must be a DNS label")
     _require(registry is None or bool(DNS_LABEL.fullmatch(registry)), "registry", "must be a DNS label")
