@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.support import failure_of, mtls_channel, role_channel
 from tokensvc.app import Service
-from tokensvc.auth.devpki import DevPaths, make_ca, make_certificate, pem_cert, pem_key
+from tokensvc.auth.devpki import (
+    DevPaths,
+    issue_client_certificate,
+    make_ca,
+    make_certificate,
+    pem_cert,
+    pem_key,
+)
 from tokensvc.v1 import admin_pb2, admin_pb2_grpc
 
 
@@ -190,3 +199,27 @@ async def test_stopping_flips_health_to_not_serving_before_the_port_closes(
     await service.health.enter_graceful_shutdown()
     status = await check_health(role_channel(service.port, dev, "launcher"))
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_an_unknown_method_from_a_peer_of_another_trust_domain_is_unauthenticated(
+    service: Service, dev: DevPaths, tmp_path: Path
+) -> None:
+    cert, key = issue_client_certificate(
+        dev, "spiffe://other.example/ns/default/sa/dev-agent", tmp_path, "other"
+    )
+    async with mtls_channel(service.port, dev.ca_cert, cert, key) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await channel.unary_unary("/tokensvc.v1.AdminService/NoSuchMethod")(b"", timeout=10)
+    failure = failure_of(caught.value)
+    assert failure.code == grpc.StatusCode.UNAUTHENTICATED
+    assert failure.reason == "CALLER_IDENTITY_INVALID"
+
+
+async def test_a_huge_unknown_method_name_is_not_echoed_whole(service: Service, dev: DevPaths) -> None:
+    method = "/tokensvc.v1.AdminService/" + "x" * 16_000
+    async with role_channel(service.port, dev, "admin") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await channel.unary_unary(method)(b"", timeout=10)
+    failure = failure_of(caught.value)
+    assert failure.code == grpc.StatusCode.UNIMPLEMENTED
+    assert len(failure.message) < 400

@@ -40,6 +40,7 @@ from tokensvc.errors import (
     PermissionDenied,
     Reason,
     StatusInfo,
+    TokensvcError,
     status_for,
 )
 from tokensvc.observability.deadlines import reset_deadline, use_deadline
@@ -267,6 +268,9 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         return CallContext(request_id=request_id, method=method, caller=caller, capability=capability)
 
 
+_MAX_UNKNOWN_METHOD = 200
+
+
 class _Call:
     """One RPC's passage through the edge."""
 
@@ -287,8 +291,17 @@ class _Call:
 
     async def unknown_method(self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         started = time.perf_counter()
+        # The caller's free text: bounded in the log line and the message.
+        self.method = self.method[:_MAX_UNKNOWN_METHOD]
         try:
-            await self._fail(context, NotImplementedRpc(f"{self.method} is not a method of this server"))
+            # Who is asking comes first, as for every method: a peer this server does not accept
+            # learns nothing about which methods exist.
+            error: TokensvcError = NotImplementedRpc(f"{self.method} is not a method of this server")
+            try:
+                self.caller = self.edge.identify(context).spiffe_id
+            except TokensvcError as refused:
+                error = refused
+            await self._fail(context, error)
         finally:
             self._log(started)
         return b""  # unreachable: _fail aborts
