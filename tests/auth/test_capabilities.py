@@ -617,6 +617,29 @@ def test_an_identifier_the_service_could_not_store_or_revoke_is_refused(
     assert_invalid(verifier, sign_raw(header(), claims(**overrides), signing_key))
 
 
+def test_a_payload_in_utf16_is_refused_though_signed(
+    verifier: CapabilityVerifier, signing_key: Ed25519PrivateKey
+) -> None:
+    payload = json.dumps(claims()).encode("utf-16")
+    assert json.loads(payload) == claims()  # Python's parser would read it
+    assert_invalid(verifier, sign_raw(header(), payload, signing_key))
+
+
+@pytest.mark.parametrize("where", ["header", "payload"])
+def test_a_repeated_key_is_refused_though_signed(
+    verifier: CapabilityVerifier, signing_key: Ed25519PrivateKey, where: str
+) -> None:
+    good_header, good_claims = json.dumps(header()), json.dumps(claims())
+    if where == "header":  # even a repeat of the same value: one token, one reading
+        raw_header, raw_claims = good_header[:-1] + ', "alg": "EdDSA"}', good_claims
+    else:  # the second "ns" would win with a lenient parser
+        raw_header, raw_claims = good_header, good_claims[:-1] + ', "ns": "team-b"}'
+    token = sign_raw(raw_header.encode(), raw_claims.encode(), signing_key)
+    assert_invalid(verifier, token)
+    # The same token without the repetition verifies: only the repetition is refused.
+    assert verifier.verify(sign_raw(good_header.encode(), good_claims.encode(), signing_key))
+
+
 def test_sixty_four_distinct_knowledge_bases_are_accepted(
     verifier: CapabilityVerifier, signing_key: Ed25519PrivateKey
 ) -> None:

@@ -15,7 +15,9 @@ several audiences could be replayed against each of them, so we do not accept on
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
+import json
 import logging
 import re
 import time
@@ -155,6 +157,7 @@ class CapabilityVerifier:
             raise _Reject("format")
         if not _COMPACT_JWS.fullmatch(token):
             raise _Reject("format")
+        _require_strict_json(token)
         try:
             header = jwt.get_unverified_header(token)
         except jwt.PyJWTError:
@@ -221,6 +224,33 @@ class CapabilityVerifier:
         if exp <= now - self._leeway:
             raise _Reject("expired")
         return capability
+
+
+def _require_strict_json(token: str) -> None:
+    """Header and payload are UTF-8 JSON objects with no repeated key (RFC 7519 section 7.2).
+
+    PyJWT's parser also takes UTF-16 and keeps the last of repeated keys; a signer and a verifier
+    must never read one token differently, so both are refused before PyJWT decodes it.
+    """
+    for segment in token.split(".")[:2]:
+        try:
+            text = base64.urlsafe_b64decode(segment + "=" * (-len(segment) % 4)).decode("utf-8")
+            value = json.loads(text, object_pairs_hook=_unique_keys)
+        except (
+            ValueError,
+            RecursionError,
+            binascii.Error,
+        ):  # ValueError: UnicodeDecodeError, JSONDecodeError
+            raise _Reject("format") from None
+        if not isinstance(value, dict):
+            raise _Reject("format")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError("a repeated key")
+    return dict(pairs)
 
 
 def _fail() -> NoReturn:
