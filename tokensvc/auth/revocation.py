@@ -2,8 +2,16 @@
 
 Checking a capability against it costs two set look-ups on the request path; the database is
 read only by the poller. A revocation made on this replica applies at once; one made on another
-replica applies within `poll_seconds` (the poll overlaps its previous window, so a row committed
-late is still seen).
+replica applies within `poll_seconds`: every poll asks for the rows revoked since the newest one
+seen, minus an overlap of 30 s, so a row committed up to 30 s after its `revoked_at` is still
+seen.
+
+A row can become visible later than that: a commit held up by synchronous replication or an I/O
+stall, a restored backup, a row an operator inserted with an old time. `revoked_at` is the insert
+time, not the commit time, so no window on it is safe. Every `full_sync_seconds` (10 s) the poll
+therefore reads every revocation (they are few: a row per revoked token or run), which bounds the
+worst case: a revocation applies on every replica at most `full_sync_seconds + poll_seconds` after
+its commit becomes visible.
 """
 
 from __future__ import annotations
@@ -17,10 +25,11 @@ from datetime import datetime, timedelta
 
 from tokensvc.storage.revocations import Revocation, RevocationKind, RevocationStore
 
-__all__ = ["RevocationList"]
+__all__ = ["FULL_SYNC_SECONDS", "RevocationList"]
 
 _log = logging.getLogger(__name__)
 _OVERLAP = timedelta(seconds=30)
+FULL_SYNC_SECONDS = 10.0
 
 
 class RevocationList:
@@ -29,6 +38,7 @@ class RevocationList:
         store: RevocationStore,
         *,
         poll_seconds: float = 1.0,
+        full_sync_seconds: float = FULL_SYNC_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ):
         self._store = store
@@ -40,6 +50,8 @@ class RevocationList:
         self._listeners: list[Callable[[RevocationKind, str], None]] = []
         self._clock = clock
         self._last_sync = clock()
+        self._full_sync_seconds = full_sync_seconds
+        self._last_full_sync = clock()
         # Past this age the list may miss revocations made elsewhere: refuse rather than trust it.
         self.max_staleness = max(5.0, 3 * poll_seconds) + poll_seconds
 
@@ -57,7 +69,7 @@ class RevocationList:
 
     async def start(self) -> None:
         self._apply(await self._store.all())
-        self._last_sync = self._clock()
+        self._last_sync = self._last_full_sync = self._clock()
         self._task = asyncio.create_task(self._poll_forever(), name="revocation-poller")
 
     async def stop(self) -> None:
@@ -74,8 +86,9 @@ class RevocationList:
 
     async def poll_once(self) -> None:
         synced_at = self._clock()
-        if self._newest is None:
+        if self._newest is None or synced_at - self._last_full_sync >= self._full_sync_seconds:
             self._apply(await self._store.all())
+            self._last_full_sync = synced_at
         else:
             self._apply(await self._store.since(self._newest - _OVERLAP))
         self._last_sync = synced_at

@@ -3,9 +3,9 @@
 Contract (checked by tests/storage/test_revocations.py):
 - `revoke(kind, value, ...)` is idempotent: revoking twice keeps the first record and returns its
   time.
-- `since(t)` returns every revocation whose `revoked_at >= t`, so a poller that asks with an
-  overlap never misses a row committed late.
-- `all()` returns every revocation (start-up load).
+- `since(t)` returns every revocation whose `revoked_at >= t` (visible now); a row committed long
+  after its `revoked_at` is missed by a window, which is why the poller also resyncs with `all()`.
+- `all()` returns every revocation (start-up load and the periodic full resync).
 """
 
 from __future__ import annotations
