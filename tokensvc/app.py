@@ -215,7 +215,12 @@ class Service:
             fusion=fusion,
         )
         return Domain(
-            capabilities=CapabilityOperations(revocations=self.revocations, issuer=issuer, audit=self.audit),
+            capabilities=CapabilityOperations(
+                revocations=self.revocations,
+                issuer=issuer,
+                audit=self.audit,
+                qualify_shared_keys=settings.shared_session_keys_per_namespace,
+            ),
             memory=self.memory,
             knowledge=self.knowledge,
             max_upload_bytes=settings.knowledge_max_upload_bytes,

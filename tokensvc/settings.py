@@ -91,6 +91,13 @@ class Settings:
     pepper_dir: Path | None = field(
         default=None, metadata=_doc("Directory of versioned bucket peppers (files v1, v2, ...).")
     )
+    shared_session_keys_per_namespace: bool = field(
+        default=False,
+        metadata=_doc(
+            "Qualify shared session keys with the namespace (mem:shared:{namespace}/{registry}:...) "
+            "for clusters whose registry names are not unique; off: the documented layout."
+        ),
+    )
     revocation_poll_seconds: float = field(
         default=1.0, metadata=_doc("How often revocations made by other replicas are picked up.")
     )

@@ -702,3 +702,15 @@ async def test_trust_bundle_file_changes_apply_after_the_check_interval(
         await asyncio.sleep(1.2)
         assert_bad_token(await refusal(verify(stub, old_token)), INVALID)
         await verify(stub, new_token)
+
+
+async def test_shared_keys_carry_the_namespace_only_when_the_setting_says_so(
+    start_service: Any, dev: DevPaths, signer: Signer
+) -> None:
+    token = signer.token(registry="support")
+    keys = {}
+    for qualified in (False, True):
+        service = await start_service(shared_session_keys_per_namespace=qualified)
+        async with stub_for(service.port, dev, "launcher") as stub:
+            keys[qualified] = (await session_key(stub, token, "conv-7", SHARED)).key
+    assert keys == {False: "mem:shared:support:conv-7", True: "mem:shared:default/support:conv-7"}

@@ -79,6 +79,51 @@ def test_shared_scope_with_registry_keys_the_registry_scratchpad() -> None:
     )
 
 
+def test_by_default_the_shared_key_of_a_registry_is_the_same_in_every_namespace() -> None:
+    # The documented layout: registry names must be unique across the cluster (docs/capabilities.md).
+    keys = {
+        derive_session_key(
+            namespace=namespace,
+            agent="a",
+            registry="support-registry",
+            per_user=False,
+            user_bucket=None,
+            conversation_id="c",
+            scope=SessionScope.SHARED,
+        ).key
+        for namespace in ("default", "team-b")
+    }
+    assert keys == {"mem:shared:support-registry:c"}
+
+
+def test_qualified_shared_keys_separate_namespaces_and_cannot_collide_with_other_layouts() -> None:
+    def shared(namespace: str) -> str:
+        return derive_session_key(
+            namespace=namespace,
+            agent="a",
+            registry="support-registry",
+            per_user=False,
+            user_bucket=None,
+            conversation_id="c",
+            scope=SessionScope.SHARED,
+            qualify_shared=True,
+        ).key
+
+    assert shared("default") == "mem:shared:default/support-registry:c"
+    assert shared("team-b") == "mem:shared:team-b/support-registry:c"
+    private = derive_session_key(
+        namespace="shared",
+        agent="support-registry",
+        registry=None,
+        per_user=False,
+        user_bucket=None,
+        conversation_id="c",
+        scope=SessionScope.SESSION,
+    ).key
+    assert private == "mem:shared/support-registry:c"  # a namespace named "shared" still differs
+    assert private not in {shared("default"), shared("shared")}
+
+
 @pytest.mark.parametrize("registry", [None, ""])
 def test_shared_scope_without_registry_silently_keeps_the_private_layout(registry: str | None) -> None:
     assert _derive("conv-1", scope=SessionScope.SHARED, registry=registry) == SessionKey(

@@ -31,9 +31,11 @@ class CapabilityOperations:
         revocations: RevocationList,
         issuer: CapabilityIssuer | None,
         audit: AuditLog,
+        qualify_shared_keys: bool = False,
         clock: Callable[[], float] = time.time,
     ):
         self._revocations = revocations
+        self._qualify_shared = qualify_shared_keys
         self._audit = audit
         self._issuer = issuer
         self._clock = clock
@@ -52,6 +54,7 @@ class CapabilityOperations:
                 user_bucket=bucket if scope.per_user else None,
                 conversation_id=conversation_id,
                 scope=requested,
+                qualify_shared=self._qualify_shared,
             )
 
         current = derive(scope.bucket_id)

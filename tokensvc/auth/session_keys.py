@@ -5,7 +5,13 @@ Layouts (namespace, agent, registry and bucket come from the verified capability
     SESSION scope                       mem:{namespace}/{agent}:{conversation_id}
     SESSION scope, per_user capability  mem:{namespace}/{agent}:{bucket_id}:{conversation_id}
     SHARED scope, registry member       mem:shared:{registry}:{conversation_id}
+    SHARED scope, namespace-qualified   mem:shared:{namespace}/{registry}:{conversation_id}
     SHARED scope, no registry           the SESSION layout above, with `downgraded` set
+
+The documented shared layout carries no namespace: registry names must be unique across the
+cluster, or two namespaces' registries of one name share a scratchpad. Clusters where they are not
+turn on `shared_session_keys_per_namespace`, which qualifies the shared key with the namespace
+(`qualify_shared`); off by default, because it changes every shared key the launchers use.
 
 None of the parts may contain `/` or `:`, so the layouts cannot be confused with each other: the
 conversation id is everything after the last `:`, a private key has `/` before its second `:`,
@@ -98,6 +104,7 @@ def derive_session_key(
     user_bucket: str | None,
     conversation_id: str,
     scope: SessionScope,
+    qualify_shared: bool = False,
 ) -> SessionKey:
     """The Valkey key of a conversation; pure (no I/O).
 
@@ -117,8 +124,9 @@ def derive_session_key(
     _check_part("agent", agent)
     if scope is SessionScope.SHARED and registry:
         _check_part("registry", registry)
+        owner = f"{namespace}/{registry}" if qualify_shared else registry
         return SessionKey(
-            key=f"mem:shared:{registry}:{conversation_id}",
+            key=f"mem:shared:{owner}:{conversation_id}",
             effective_scope=SessionScope.SHARED,
             downgraded=False,
             per_user=False,
