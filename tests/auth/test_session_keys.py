@@ -364,10 +364,11 @@ def test_layouts_never_collide_with_each_other(conversation_id: str) -> None:
     assert len(keys) == 4
 
 
-@given(user=st.text(min_size=1, max_size=64), conversation_id=valid_ids)
+# At least 8 characters: very short strings can turn up inside any base32 text or the fixed prefix
+# by chance (drawn that long, not filtered: filtering most examples fails Hypothesis' health check).
+@given(user=st.text(min_size=8, max_size=64), conversation_id=valid_ids)
 def test_per_user_key_never_contains_the_raw_user_id(user: str, conversation_id: str) -> None:
-    # Very short strings can turn up inside any base32 text or the fixed prefix by chance.
-    assume(len(user) >= 8 and user not in conversation_id)
+    assume(user not in conversation_id)
     bucket = bucket_id(KEYRING, "my-team", "support-agent", user)
     key = _derive(conversation_id, per_user=True, user_bucket=bucket).key
     assert user not in key
