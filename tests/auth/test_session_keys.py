@@ -46,10 +46,14 @@ def _derive(
     registry: str | None = None,
     per_user: bool = False,
     user_bucket: str | None = None,
+    namespace: str = "my-team",
+    agent: str = "support-agent",
+    qualify_shared: bool = False,
 ) -> SessionKey:
     return derive_session_key(
-        namespace="my-team",
-        agent="support-agent",
+        qualify_shared=qualify_shared,
+        namespace=namespace,
+        agent=agent,
         registry=registry,
         per_user=per_user,
         user_bucket=user_bucket,
@@ -82,15 +86,7 @@ def test_shared_scope_with_registry_keys_the_registry_scratchpad() -> None:
 def test_by_default_the_shared_key_of_a_registry_is_the_same_in_every_namespace() -> None:
     # The documented layout: registry names must be unique across the cluster (docs/capabilities.md).
     keys = {
-        derive_session_key(
-            namespace=namespace,
-            agent="a",
-            registry="support-registry",
-            per_user=False,
-            user_bucket=None,
-            conversation_id="c",
-            scope=SessionScope.SHARED,
-        ).key
+        _derive("c", scope=SessionScope.SHARED, registry="support-registry", namespace=namespace).key
         for namespace in ("default", "team-b")
     }
     assert keys == {"mem:shared:support-registry:c"}
@@ -98,28 +94,17 @@ def test_by_default_the_shared_key_of_a_registry_is_the_same_in_every_namespace(
 
 def test_qualified_shared_keys_separate_namespaces_and_cannot_collide_with_other_layouts() -> None:
     def shared(namespace: str) -> str:
-        return derive_session_key(
-            namespace=namespace,
-            agent="a",
-            registry="support-registry",
-            per_user=False,
-            user_bucket=None,
-            conversation_id="c",
+        return _derive(
+            "c",
             scope=SessionScope.SHARED,
+            registry="support-registry",
+            namespace=namespace,
             qualify_shared=True,
         ).key
 
     assert shared("default") == "mem:shared:default/support-registry:c"
     assert shared("team-b") == "mem:shared:team-b/support-registry:c"
-    private = derive_session_key(
-        namespace="shared",
-        agent="support-registry",
-        registry=None,
-        per_user=False,
-        user_bucket=None,
-        conversation_id="c",
-        scope=SessionScope.SESSION,
-    ).key
+    private = _derive("c", namespace="shared", agent="support-registry").key
     assert private == "mem:shared/support-registry:c"  # a namespace named "shared" still differs
     assert private not in {shared("default"), shared("shared")}
 

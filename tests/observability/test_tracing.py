@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +47,6 @@ def exporter() -> Iterator[InMemorySpanExporter]:
 def spans(exporter: InMemorySpanExporter) -> InMemorySpanExporter:
     exporter.clear()
     return exporter
-
-
-@pytest.fixture
-async def launchers(service: Service, dev: DevPaths, tmp_path: Path) -> AsyncIterator[Launchers]:
-    pool = Launchers(service, dev, tmp_path / "launchers")
-    yield pool
-    await pool.aclose()
 
 
 def traceparent() -> tuple[int, int, str]:
