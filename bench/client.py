@@ -38,9 +38,11 @@ from bench.peer import PeerStore
 from bench.workers import serve
 from tokensvc.memory.filters import Condition, Filter, Operator
 from tokensvc.retrieval import SearchTuning
-from tokensvc.storage import database as tokensvc_database
-from tokensvc.storage.memories import _hnsw_settings, _vector_search_sql
-from tokensvc.storage.tenant import Tenant, tenant_transaction
+from tokensvc.storage.postgres import database as tokensvc_database
+from tokensvc.storage.postgres.memories import search_statement
+from tokensvc.storage.postgres.ranking import hnsw_settings
+from tokensvc.storage.postgres.tenant import tenant_transaction
+from tokensvc.storage.records import CandidateQuery, Tenant
 from tokensvc.v1 import (
     capability_pb2,
     capability_pb2_grpc,
@@ -154,7 +156,7 @@ class Worker:
         # The superuser (no row-level security), the approximate search's settings (tokensvc sets
         # them per transaction) as session defaults: startup parameters survive the RESET ALL a
         # pool runs when a connection is released.
-        hnsw = _hnsw_settings(ef_search=self._ef_search(), max_scan_tuples=self.tuning.max_scan_tuples)
+        hnsw = hnsw_settings(ef_search=self._ef_search(), max_scan_tuples=self.tuning.max_scan_tuples)
         self.bare_pool = await asyncpg.create_pool(
             **conninfo["superuser"],
             min_size=pool_size,
@@ -202,9 +204,22 @@ class Worker:
 
     def _statement(self, item: SearchItem, exact: bool) -> tuple[str, list[Any]]:
         vector = np.frombuffer(item.vector, dtype="<f4")
-        return _vector_search_sql(
-            item.bucket_id, vector, k=K, filter_=domain_filter(item.filter), exact=exact
+        query = CandidateQuery(
+            vector=vector,
+            text=None,
+            or_text="",
+            text_config="simple",
+            k=K,
+            row_count=item.size,
+            exact=exact,
+            neighbours=False,
+            bm25_k1=0.0,
+            bm25_b=0.0,
+            ef_search=self._ef_search(),
+            max_scan_tuples=self.tuning.max_scan_tuples,
         )
+        sql, params, _ = search_statement(item.bucket_id, query, domain_filter(item.filter))
+        return sql, params
 
     async def search(self, path: str, items: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
         queries = [SearchItem(**item) for item in items]
@@ -261,10 +276,10 @@ class Worker:
 
             tenant_pool = self.tenant_pool
             assert tenant_pool is not None
-            hnsw = _hnsw_settings(ef_search=self._ef_search(), max_scan_tuples=tuning.max_scan_tuples)
+            hnsw = hnsw_settings(ef_search=self._ef_search(), max_scan_tuples=tuning.max_scan_tuples)
 
             async def tenant(i: int) -> list[str]:
-                # PostgresMemoryStore.search_vector's statements: BEGIN, the tenant's set_config
+                # PostgresMemoryStore.search's statements: BEGIN with the tenant's set_config
                 # (with the HNSW settings when approximate), the search, [the exact re-run], COMMIT.
                 item, exact, (sql, params), fallback = plans[i]
                 scope = Tenant(self.namespace, self.agent, (item.bucket_id,))

@@ -34,7 +34,7 @@ from tokensvc.auth.devpki import (
 )
 from tokensvc.credentials import FileCredentialSource
 from tokensvc.settings import Settings, load_settings
-from tokensvc.storage import Database, EmbeddedPostgres
+from tokensvc.storage.postgres import Database, EmbeddedPostgres
 
 __all__ = ["BenchEnv", "bench_env", "connect_as"]
 

@@ -4,7 +4,7 @@ A benchmark script, not a test: it starts a throwaway embedded PostgreSQL (+ pgv
 directory, applies the migrations, stores clustered 384-d unit vectors in one bucket through
 `PostgresMemoryStore.insert` (batches of 256, the HNSW index maintained as the service maintains
 it), runs ANALYZE as the schema owner (production has autovacuum statistics), and then runs the
-same queries through `PostgresMemoryStore.search_vector` with `exact=False` at several `ef_search`
+same queries through `PostgresMemoryStore.search` (VECTOR) with `exact=False` at several `ef_search`
 values and with `exact=True`, unfiltered and with two metadata filters (10% and 1% of the rows).
 
 Modes: `hnsw` is `exact=False` exactly as the service runs it (PostgreSQL may still choose to scan
@@ -45,10 +45,11 @@ from tokensvc.memory.filters import Condition, Filter, Operator, matches
 from tokensvc.memory.models import NewMemory
 from tokensvc.retrieval import SearchTuning
 from tokensvc.settings import load_settings
-from tokensvc.storage import Database, apply_migrations, connect_once
-from tokensvc.storage.database import _init_connection
-from tokensvc.storage.memories import PostgresMemoryStore, _hnsw_settings, _vector_search_sql
-from tokensvc.storage.tenant import Tenant, tenant_transaction
+from tokensvc.storage.postgres import Database, apply_migrations, connect_once
+from tokensvc.storage.postgres.database import _init_connection
+from tokensvc.storage.postgres.memories import PostgresMemoryStore, search_statement
+from tokensvc.storage.postgres.tenant import tenant_transaction
+from tokensvc.storage.records import CandidateQuery, Tenant
 
 DIM = 384
 K = 10
@@ -126,11 +127,28 @@ async def index_only_pool(database: Database) -> asyncpg.Pool:
     )
 
 
+def vector_query(query: np.ndarray, exact: bool, ef_search: int) -> CandidateQuery:
+    """A plain VECTOR search of K (the store's fast statement)."""
+    return CandidateQuery(
+        vector=query,
+        text=None,
+        or_text="",
+        text_config="simple",
+        k=K,
+        row_count=0,
+        exact=exact,
+        neighbours=False,
+        bm25_k1=0.0,
+        bm25_b=0.0,
+        ef_search=ef_search,
+        max_scan_tuples=SearchTuning().max_scan_tuples,
+    )
+
+
 async def plan_of(
     pool: asyncpg.Pool, tenant: Tenant, query: np.ndarray, f: Filter | None, exact: bool
 ) -> str:
-    sql, params = _vector_search_sql(tenant.buckets[0], query, k=K, filter_=f, exact=exact)
-    settings = None if exact else _hnsw_settings(ef_search=64, max_scan_tuples=SearchTuning().max_scan_tuples)
+    sql, params, settings = search_statement(tenant.buckets[0], vector_query(query, exact, 64), f)
     async with tenant_transaction(pool, tenant, settings=settings) as conn:
         lines = [row[0] for row in await conn.fetch(f"EXPLAIN {sql}", *params)]
     text = "\n".join(lines)
@@ -160,12 +178,14 @@ async def measure(
     for q, probe in enumerate(bench.probes):
         truth = set(np.argsort(-masked[q], kind="stable")[: min(K, matching)].tolist())
         began = time.perf_counter()
-        hits = await runner.search_vector(
-            bench.tenant, bench.tenant.buckets[0], probe, k=K, filter_=f, exact=exact, ef_search=ef or 64,
-            max_scan_tuples=SearchTuning().max_scan_tuples, embedder="bench",
+        wanted = vector_query(probe, exact, ef or 64)
+        outcome = await runner.search(
+            bench.tenant, bench.tenant.buckets[0], lambda _rows, wanted=wanted: wanted,
+            row_count=0, count_cap=1, filter_=f, embedder="bench",
         )  # fmt: skip
+        hits = [c.item for c in outcome.candidates]
         latencies.append((time.perf_counter() - began) * 1000)
-        got = {bench.position[hit.memory.id] for hit in hits}
+        got = {bench.position[hit.id] for hit in hits}
         recalls.append(len(got & truth) / len(truth))
         complete += len(hits) == min(K, matching)
     latencies.sort()

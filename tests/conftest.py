@@ -14,7 +14,7 @@ from tests.api.memory_support import Launchers
 from tests.support import SharedDatabase, service_settings
 from tokensvc.app import Service, migrate
 from tokensvc.auth.devpki import DevPaths, ensure_dev_material
-from tokensvc.storage import Database, EmbeddedPostgres
+from tokensvc.storage.postgres import Database, EmbeddedPostgres
 
 
 @pytest.fixture(scope="session")

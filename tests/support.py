@@ -22,7 +22,7 @@ from tokensvc.auth.devpki import (
     load_signing_key,
 )
 from tokensvc.settings import Settings, load_settings
-from tokensvc.storage import EmbeddedPostgres
+from tokensvc.storage.postgres import EmbeddedPostgres
 
 
 @dataclass(frozen=True)

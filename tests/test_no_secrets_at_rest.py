@@ -19,7 +19,7 @@ from tokensvc.app import Service
 from tokensvc.auth.capabilities import mint_capability
 from tokensvc.auth.devpki import DevPaths, load_signing_key
 from tokensvc.credentials import FileCredentialSource
-from tokensvc.storage.embedded import _bin_dir
+from tokensvc.storage.postgres.embedded import _bin_dir
 from tokensvc.v1 import capability_pb2, capability_pb2_grpc
 
 

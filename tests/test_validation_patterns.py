@@ -16,8 +16,8 @@ from tokensvc.auth.identity import IdentityPolicy, parse_spiffe_id
 from tokensvc.embedders import load_embedders
 from tokensvc.names import is_dns_label, is_kb_ref, is_sql_identifier
 from tokensvc.settings import SettingsError, load_settings
-from tokensvc.storage.migrations import apply_migrations
-from tokensvc.storage.tenant import Tenant
+from tokensvc.storage.postgres.migrations import apply_migrations
+from tokensvc.storage.records import Tenant
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tokensvc"
 # Patterns that parse text rather than validate input: `$` there means end of line, on purpose.
@@ -90,7 +90,7 @@ def test_an_embedder_name_with_a_trailing_newline_is_refused(tmp_path: Path) -> 
 
 
 async def test_migrations_refuse_an_app_role_with_a_trailing_newline() -> None:
-    from tokensvc.storage import MigrationError
+    from tokensvc.storage.postgres import MigrationError
 
     with pytest.raises(MigrationError, match="plain SQL identifier"):
         await apply_migrations(None, app_role="tokensvc_app\n")  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ from tokensvc.auth.buckets import PepperKeyring
 from tokensvc.auth.keyset import TrustBundle
 from tokensvc.credentials.custody import CredentialCustodian, CredentialStatus
 from tokensvc.errors import InvalidArgument, TokensvcError
-from tokensvc.storage.audit import AuditRecord
+from tokensvc.storage.records import AuditRecord
 
 __all__ = ["Administration", "PepperCount"]
 

@@ -44,17 +44,17 @@ from tokensvc.memory.service import LongTermMemory
 from tokensvc.observability import METRICS, configure_tracing, start_metrics_server
 from tokensvc.retrieval import FusionWeights, SearchTuning
 from tokensvc.settings import Settings, SettingsError
-from tokensvc.storage import (
+from tokensvc.storage.postgres import (
     Database,
     apply_migrations,
     available_migrations,
     connect_once,
     schema_version,
 )
-from tokensvc.storage.audit import PostgresAuditStore
-from tokensvc.storage.knowledge import PostgresKnowledgeStore
-from tokensvc.storage.memories import PostgresMemoryStore
-from tokensvc.storage.revocations import PostgresRevocationStore
+from tokensvc.storage.postgres.audit import PostgresAuditStore
+from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
+from tokensvc.storage.postgres.memories import PostgresMemoryStore
+from tokensvc.storage.postgres.revocations import PostgresRevocationStore
 from tokensvc.supervision import HealthMonitor, refresh_memory_gauge_forever, sweep_forever
 from tokensvc.tls import ReloadingServerCredentials, TlsMaterialError
 

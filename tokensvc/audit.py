@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from tokensvc.errors import Reason
-from tokensvc.storage.audit import AuditRecord, PostgresAuditStore
+from tokensvc.storage.ports import AuditStore
+from tokensvc.storage.records import AuditRecord
 
 __all__ = ["SYSTEM_ACTOR", "AuditKind", "AuditLog", "AuditOutcome"]
 
@@ -41,7 +42,7 @@ class AuditOutcome(enum.StrEnum):
 
 
 class AuditLog:
-    def __init__(self, store: PostgresAuditStore):
+    def __init__(self, store: AuditStore):
         self._store = store
 
     async def record(

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2
 
 from tokensvc.memory.service import LongTermMemory
 from tokensvc.observability.metrics import METRICS
-from tokensvc.storage.embedded import EmbeddedPostgres
+from tokensvc.storage.postgres.embedded import EmbeddedPostgres
 
 __all__ = ["HealthMonitor", "refresh_memory_gauge_forever", "sweep_forever"]
 

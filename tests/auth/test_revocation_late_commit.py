@@ -11,7 +11,7 @@ import asyncpg
 from tests.support import SharedDatabase
 from tokensvc.auth.revocation import RevocationList
 from tokensvc.credentials import FileCredentialSource
-from tokensvc.storage.revocations import PostgresRevocationStore
+from tokensvc.storage.postgres.revocations import PostgresRevocationStore
 
 
 async def connect(database: SharedDatabase, directory: object) -> asyncpg.Connection:

@@ -7,7 +7,7 @@ from datetime import datetime
 import pytest
 
 from tokensvc.auth.revocation import RevocationList
-from tokensvc.storage.revocations import Revocation, RevocationKind
+from tokensvc.storage.records import Revocation, RevocationKind
 
 
 class UnreachableAfterStart:

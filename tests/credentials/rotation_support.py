@@ -29,7 +29,7 @@ from tokensvc.app import migrate
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.credentials import DatabaseCredential, FileCredentialSource, scram_sha256_verifier
 from tokensvc.settings import Settings
-from tokensvc.storage import Database, EmbeddedPostgres
+from tokensvc.storage.postgres import Database, EmbeddedPostgres
 from tokensvc.v1 import admin_pb2, admin_pb2_grpc, memory_pb2
 
 __all__ = [

@@ -43,7 +43,7 @@ from tokensvc.auth.devpki import (
 )
 from tokensvc.credentials import FileCredentialSource
 from tokensvc.settings import Settings, load_settings
-from tokensvc.storage.embedded import DATABASE_NAME, process_alive
+from tokensvc.storage.postgres.embedded import DATABASE_NAME, process_alive
 from tokensvc.v1 import memory_pb2, memory_pb2_grpc
 
 NAMESPACE = "default"

@@ -25,11 +25,11 @@ from tokensvc.memory.filters import (
     Filter,
     Not,
     Operator,
-    compile_filter,
     filter_from_proto,
     matches,
 )
 from tokensvc.memory.metadata import MetadataScalar, scalar_to_proto
+from tokensvc.storage.postgres.filters import compile_filter
 from tokensvc.v1 import common_pb2 as pb
 
 Row = dict[str, MetadataScalar]

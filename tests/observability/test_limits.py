@@ -20,7 +20,8 @@ from tests.support import SharedDatabase, failure_of, role_channel, service_sett
 from tokensvc.api.policy import ANY_ROLE, RpcPolicy
 from tokensvc.app import Service
 from tokensvc.auth.devpki import DevPaths
-from tokensvc.storage.tenant import Tenant, tenant_transaction
+from tokensvc.storage.postgres.tenant import tenant_transaction
+from tokensvc.storage.records import Tenant
 from tokensvc.v1 import knowledge_pb2, memory_pb2
 
 HOLD = "/test.Limits/Hold"

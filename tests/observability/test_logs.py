@@ -26,7 +26,7 @@ from tokensvc.app import Service, migrate
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.credentials import FileCredentialSource
 from tokensvc.logs import JsonFormatter
-from tokensvc.storage import Database, EmbeddedPostgres
+from tokensvc.storage.postgres import Database, EmbeddedPostgres
 from tokensvc.v1 import (
     admin_pb2,
     admin_pb2_grpc,

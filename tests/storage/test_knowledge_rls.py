@@ -13,8 +13,9 @@ import pytest
 from tests.storage.test_memory_rls import open_pool
 from tests.support import SharedDatabase
 from tokensvc.auth.devpki import DevPaths
-from tokensvc.storage.knowledge import BaseRow, ChunkRow, PostgresKnowledgeStore
-from tokensvc.storage.tenant import ALL_KNOWLEDGE_BASES, Tenant, tenant_transaction
+from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
+from tokensvc.storage.postgres.tenant import tenant_transaction
+from tokensvc.storage.records import ALL_KNOWLEDGE_BASES, BaseRow, ChunkRow, Tenant
 
 TABLES = ("knowledge_bases", "documents", "chunks")
 

@@ -21,16 +21,22 @@ import asyncpg
 import numpy as np
 import pytest
 
+from tests.storage.search_support import (
+    ScoredMemory,
+    vector_search,
+    vector_sql,
+)
 from tests.support import SharedDatabase, service_settings
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.credentials import FileCredentialSource
 from tokensvc.memory.filters import Condition, Filter, Operator, matches
-from tokensvc.memory.models import NewMemory, ScoredMemory
+from tokensvc.memory.models import NewMemory
 from tokensvc.retrieval import SearchTuning
-from tokensvc.storage import Database
-from tokensvc.storage.database import _init_connection
-from tokensvc.storage.memories import PostgresMemoryStore, _hnsw_settings, _vector_search_sql
-from tokensvc.storage.tenant import Tenant, tenant_transaction
+from tokensvc.storage.postgres import Database
+from tokensvc.storage.postgres.database import _init_connection
+from tokensvc.storage.postgres.memories import PostgresMemoryStore
+from tokensvc.storage.postgres.tenant import tenant_transaction
+from tokensvc.storage.records import Tenant
 
 DIM = 384
 CLUSTERS = 24
@@ -170,7 +176,8 @@ def recall(corpus: Corpus, query: np.ndarray, got: Sequence[ScoredMemory], k: in
 async def search(
     store: PostgresMemoryStore, corpus: Corpus, query: np.ndarray, *, k: int, f: Filter | None, exact: bool
 ) -> list[ScoredMemory]:
-    return await store.search_vector(
+    return await vector_search(
+        store,
         corpus.tenant,
         corpus.bucket,
         query,
@@ -217,8 +224,15 @@ async def test_the_filtered_search_under_test_is_an_hnsw_index_scan(
     index_pool: asyncpg.Pool, corpora: tuple[Corpus, Corpus]
 ) -> None:
     _, large = corpora
-    sql, params = _vector_search_sql(large.bucket, large.queries[0], k=K, filter_=RARE, exact=False)
-    settings = _hnsw_settings(ef_search=TUNING.ef_search, max_scan_tuples=TUNING.max_scan_tuples)
+    sql, params, settings = vector_sql(
+        large.bucket,
+        large.queries[0],
+        k=K,
+        filter_=RARE,
+        exact=False,
+        ef_search=TUNING.ef_search_for(K),
+        max_scan_tuples=TUNING.max_scan_tuples,
+    )
     async with tenant_transaction(index_pool, large.tenant, settings=settings) as conn:
         plan = await conn.fetchval(f"EXPLAIN (FORMAT JSON) {sql}", *params)
     assert f'"Index Name": "memories_hnsw_{DIM}"' in json.dumps(

@@ -16,13 +16,15 @@ import asyncpg
 import numpy as np
 import pytest
 
+from tests.storage.search_support import bucket_size, vector_search
 from tests.support import SharedDatabase, service_settings
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.embedders import EmbedderSpec
 from tokensvc.memory.models import MemorySpace, NewMemory
-from tokensvc.storage import Database
-from tokensvc.storage.memories import PostgresMemoryStore
-from tokensvc.storage.tenant import Tenant, tenant_transaction
+from tokensvc.storage.postgres import Database
+from tokensvc.storage.postgres.memories import PostgresMemoryStore
+from tokensvc.storage.postgres.tenant import tenant_transaction
+from tokensvc.storage.records import Tenant
 
 DIM = 384
 NAMESPACE = "rls-tests"
@@ -162,7 +164,7 @@ async def test_update_and_delete_of_another_buckets_rows_affect_nothing(
     assert await store.delete(a, b.buckets[0], [str(i) for i in ids]) == 0
     assert await store.delete_all(a, b.buckets[0]) == 0
     assert await store.get(a, b.buckets[0], str(ids[0]), "test") is None
-    assert await store.bucket_size(a, b.buckets[0], 100) == 0
+    assert await bucket_size(store, a, b.buckets[0], 100) == 0
     assert await store.move_buckets(a, a.buckets[0], b.buckets) == 0
     updated = await store.update(
         a, b.buckets[0], str(ids[0]), content=None, metadata={"x": 1}, ttl_seconds=0, embedder="test"
@@ -195,13 +197,18 @@ async def test_a_pooled_connection_never_carries_the_previous_tenant(
             assert await conn.fetchval("SELECT current_setting('tokensvc.agent', true)") in ("", None)
             assert await conn.fetchval("SELECT count(*) FROM memories") == 0
 
-        # Even a session-level SET (which no code of ours does) is reset when the pool takes it back.
-        async with pool.acquire() as conn:
-            await conn.execute(f"SET tokensvc.buckets = '{a.buckets[0]}'")
-            assert await conn.fetchval("SELECT count(*) FROM memories") == 3
+        # The pool sends no reset query on release, so this rests on set_config(..., true) alone:
+        # the scan settings and the deadline's statement_timeout are transaction-local too.
+        default_timeout = await pool.fetchval("SELECT current_setting('statement_timeout')")
+        scan = {"hnsw.ef_search": "77", "enable_sort": "off"}
+        async with tenant_transaction(pool, a, settings=scan) as conn:
+            assert await conn.fetchval("SELECT current_setting('hnsw.ef_search')") == "77"
         async with pool.acquire() as conn:
             assert await conn.fetchval("SELECT pg_backend_pid()") == backend
-            assert await conn.fetchval("SELECT count(*) FROM memories") == 0
+            assert await conn.fetchval("SELECT current_setting('hnsw.ef_search')") != "77"
+            assert await conn.fetchval("SELECT current_setting('enable_sort')") == "on"
+            assert await conn.fetchval("SELECT current_setting('statement_timeout')") == default_timeout
+            assert not conn.is_in_transaction()
 
         # A transaction that fails half-way leaves nothing behind either.
         with pytest.raises(asyncpg.DivisionByZeroError):
@@ -214,7 +221,8 @@ async def test_a_pooled_connection_never_carries_the_previous_tenant(
         # Nor does a search's transaction-local HNSW tuning outlive it.
         store = PostgresMemoryStore(pool)
         query = rows(1, "q")[0].embedding
-        await store.search_vector(
+        await vector_search(
+            store,
             a,
             a.buckets[0],
             query,

@@ -18,6 +18,7 @@ import asyncpg
 import numpy as np
 import pytest
 
+from tests.storage.search_support import bucket_size, search_candidates, vector_search, vector_sql
 from tests.support import SharedDatabase, service_settings
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.embedders import EmbedderSpec
@@ -25,10 +26,10 @@ from tokensvc.errors import AlreadyExists
 from tokensvc.memory.filters import Condition, Operator
 from tokensvc.memory.models import MemorySpace, NewMemory
 from tokensvc.retrieval import BM25_B, BM25_K1, or_query
-from tokensvc.storage import Database
-from tokensvc.storage.memories import PostgresMemoryStore, _hnsw_settings, _vector_search_sql
-from tokensvc.storage.ranking import CandidateQuery
-from tokensvc.storage.tenant import Tenant, tenant_transaction
+from tokensvc.storage.postgres import Database
+from tokensvc.storage.postgres.memories import PostgresMemoryStore
+from tokensvc.storage.postgres.tenant import tenant_transaction
+from tokensvc.storage.records import CandidateQuery, Tenant
 
 DIM = 384
 EMBEDDER = "test"
@@ -47,7 +48,8 @@ def text_query(text: str, *, exact: bool = True, vector: np.ndarray | None = Non
         neighbours=vector is not None,
         bm25_k1=BM25_K1,
         bm25_b=BM25_B,
-        hnsw_settings=_hnsw_settings(ef_search=40, max_scan_tuples=20_000),
+        ef_search=40,
+        max_scan_tuples=20_000,
     )
 
 
@@ -249,11 +251,11 @@ async def test_expired_rows_are_never_returned_counted_or_updated(
 
     assert await store.get(tenant, bucket, expired.id, EMBEDDER) is None
     for exact in (True, False):
-        hits = await store.search_vector(tenant, bucket, query, k=10, exact=exact, **search)
+        hits = await vector_search(store, tenant, bucket, query, k=10, exact=exact, **search)
         assert [hit.memory.id for hit in hits] == [live.id]
     for exact in (True, False):
-        found = await store.search(
-            tenant, bucket, text_query("true", exact=exact), filter_=None, embedder=EMBEDDER
+        found = await search_candidates(
+            store, tenant, bucket, text_query("true", exact=exact), filter_=None, embedder=EMBEDDER
         )
         assert [c.item.id for c in found] == [live.id]
     page = await store.list_page(
@@ -360,7 +362,7 @@ async def test_reads_and_writes_never_reach_another_bucket(
         is None
     )
     assert await store.list_page(tenant, bucket, limit=10, after=None, filter_=None, embedder=EMBEDDER) == []
-    assert await store.bucket_size(tenant, bucket, 100) == 0
+    assert await bucket_size(store, tenant, bucket, 100) == 0
     assert await store.delete_all(tenant, bucket) == 0
 
     after = await all_rows(pool, [other_bucket])
@@ -396,7 +398,8 @@ async def test_update_changes_content_metadata_and_expiry(
     )
     assert updated.updated_at > updated.created_at
     assert updated.expires_at is not None
-    hits = await store.search_vector(
+    hits = await vector_search(
+        store,
         tenant,
         bucket,
         new_vector,
@@ -514,12 +517,12 @@ async def test_move_buckets_moves_rows_into_the_current_bucket_and_drops_duplica
 async def test_bucket_size_counts_up_to_the_cap(
     store: PostgresMemoryStore, tenant: Tenant, bucket: str, rng: np.random.Generator
 ) -> None:
-    assert await store.bucket_size(tenant, bucket, 10) == 0
+    assert await bucket_size(store, tenant, bucket, 10) == 0
     await store.insert(tenant, bucket, [memory(f"m{i}", unit(rng)) for i in range(5)])
 
-    assert await store.bucket_size(tenant, bucket, 3) == 3
-    assert await store.bucket_size(tenant, bucket, 5) == 5
-    assert await store.bucket_size(tenant, bucket, 1000) == 5
+    assert await bucket_size(store, tenant, bucket, 3) == 3
+    assert await bucket_size(store, tenant, bucket, 5) == 5
+    assert await bucket_size(store, tenant, bucket, 1000) == 5
 
 
 async def test_a_space_is_pinned_once_and_visible_only_to_its_agent(
@@ -546,10 +549,10 @@ async def hnsw_plan(pool: asyncpg.Pool, tenant: Tenant, bucket: str, query: np.n
     buckets rightly go the second way; `enable_sort = off` asks whether the index *can* serve this
     SQL (expression and partial-index predicate match), which is what the store controls.
     """
-    sql, params = _vector_search_sql(
+    # The production statement and its settings (enable_sort = off among them).
+    sql, params, settings = vector_sql(
         bucket, query, k=10, filter_=Condition("n", Operator.GTE, 0), exact=False
     )
-    settings = _hnsw_settings(ef_search=40, max_scan_tuples=20_000)  # enable_sort = off among them
     async with tenant_transaction(pool, tenant, settings=settings) as conn:
         plan = await conn.fetchval(f"EXPLAIN (FORMAT JSON) {sql}", *params)
     return json.dumps(plan if isinstance(plan, list) else json.loads(plan))
@@ -568,7 +571,8 @@ async def test_spaces_of_different_dimensions_both_store_search_and_use_their_ow
         target = rows[17]
 
         for exact in (True, False):
-            hits = await store.search_vector(
+            hits = await vector_search(
+                store,
                 tenant,
                 bucket,
                 target.embedding,
@@ -586,7 +590,7 @@ async def test_spaces_of_different_dimensions_both_store_search_and_use_their_ow
         plan = await hnsw_plan(pool, tenant, bucket, target.embedding)
         assert f'"Index Name": "memories_hnsw_{dim}"' in plan
         assert "memories_hnsw_" + str(256 if dim == DIM else DIM) not in plan
-        exact_sql, params = _vector_search_sql(bucket, target.embedding, k=3, filter_=None, exact=True)
+        exact_sql, params, _ = vector_sql(bucket, target.embedding, k=3, filter_=None, exact=True)
         async with tenant_transaction(pool, tenant) as conn:
             exact_plan = "\n".join(row[0] for row in await conn.fetch(f"EXPLAIN {exact_sql}", *params))
         assert "hnsw" not in exact_plan, "the exact path scans the bucket's rows"

@@ -9,7 +9,7 @@ import pytest
 
 from tests.support import SharedDatabase
 from tokensvc.credentials import FileCredentialSource
-from tokensvc.storage import MigrationError, apply_migrations, available_migrations, schema_version
+from tokensvc.storage.postgres import MigrationError, apply_migrations, available_migrations, schema_version
 
 SCHEMA_SNAPSHOT = """
 SELECT c.relname, c.relkind, a.attname, format_type(a.atttypid, a.atttypmod)

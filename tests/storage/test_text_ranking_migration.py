@@ -11,8 +11,8 @@ import pytest
 
 from tests.support import SharedDatabase
 from tokensvc.credentials import FileCredentialSource
-from tokensvc.storage import apply_migrations, available_migrations
-from tokensvc.storage import migrations as migration_module
+from tokensvc.storage.postgres import apply_migrations, available_migrations
+from tokensvc.storage.postgres import migrations as migration_module
 
 VECTOR = "[" + ",".join(["0.0625"] * 256) + "]"  # 256 x 0.0625^2 = 1: a unit vector
 ROWS = 50

@@ -12,7 +12,7 @@ from tokensvc.knowledge.chunking import ChunkingKind, ChunkingStrategy
 from tokensvc.knowledge.service import Passage
 from tokensvc.memory.metadata import metadata_to_proto
 from tokensvc.names import is_dns_label, is_kb_ref
-from tokensvc.storage.knowledge import BaseRow, DocumentRow
+from tokensvc.storage.records import BaseRow, DocumentRow
 from tokensvc.v1 import knowledge_pb2
 
 __all__ = [

@@ -32,7 +32,7 @@ from tokensvc.errors import (
     TokensvcError,
 )
 from tokensvc.observability.metrics import METRICS
-from tokensvc.storage.revocations import RevocationKind
+from tokensvc.storage.records import RevocationKind
 
 __all__ = ["Authenticator", "VerificationCache"]
 

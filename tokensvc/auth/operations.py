@@ -16,7 +16,7 @@ from tokensvc.auth.revocation import RevocationList
 from tokensvc.auth.scope import TenantScope
 from tokensvc.auth.session_keys import SessionKey, SessionScope, derive_session_key
 from tokensvc.errors import InvalidArgument
-from tokensvc.storage.revocations import RevocationKind
+from tokensvc.storage.records import RevocationKind
 
 __all__ = ["CapabilityOperations"]
 

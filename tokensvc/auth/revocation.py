@@ -23,7 +23,8 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from tokensvc.storage.revocations import Revocation, RevocationKind, RevocationStore
+from tokensvc.storage.ports import RevocationStore
+from tokensvc.storage.records import Revocation, RevocationKind
 
 __all__ = ["FULL_SYNC_SECONDS", "RevocationList"]
 

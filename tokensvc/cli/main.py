@@ -60,7 +60,7 @@ def _readable(exc: Exception) -> str | None:
     from tokensvc.cli.connection import ConnectionError_, RpcFailed
     from tokensvc.errors import TokensvcError
     from tokensvc.settings import SettingsError
-    from tokensvc.storage import EmbeddedPostgresError, MigrationError
+    from tokensvc.storage.postgres import EmbeddedPostgresError, MigrationError
 
     if isinstance(
         exc,

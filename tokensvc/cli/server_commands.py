@@ -114,7 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _migrate(args: argparse.Namespace) -> int:
     from tokensvc.app import migrate
-    from tokensvc.storage import Database
+    from tokensvc.storage.postgres import Database
 
     overrides = {"state_dir": str(args.state_dir)} if args.state_dir else {}
     settings = load_settings(config_file=args.config, overrides=overrides)

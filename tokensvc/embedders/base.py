@@ -16,31 +16,16 @@ Contract of every `Embedder` (the conformance tests in tests/embedders check it)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Embedder", "EmbedderSpec", "Vectors", "normalize_rows"]
+from tokensvc.storage.records import MAX_DIMENSION, EmbedderSpec
+
+__all__ = ["MAX_DIMENSION", "Embedder", "EmbedderSpec", "Vectors", "normalize_rows"]
 
 Vectors = npt.NDArray[np.float32]
-
-MAX_DIMENSION = 16_000  # pgvector's `vector` type stores at most 16,000 dimensions.
-
-
-@dataclass(frozen=True)
-class EmbedderSpec:
-    """What a memory space or knowledge base pins: vectors from another spec are not comparable."""
-
-    name: str
-    model: str
-    dimension: int
-    normalized: bool
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.dimension <= MAX_DIMENSION:
-            raise ValueError(f"dimension must be 1..{MAX_DIMENSION}, got {self.dimension}")
 
 
 @runtime_checkable

@@ -42,9 +42,16 @@ from tokensvc.retrieval import (
     unit_vector,
     validate_text_config,
 )
-from tokensvc.storage.knowledge import BaseRow, ChunkRow, DocumentRow, PassageRow, PostgresKnowledgeStore
-from tokensvc.storage.ranking import CandidateQuery
-from tokensvc.storage.tenant import ALL_KNOWLEDGE_BASES, Tenant
+from tokensvc.storage.ports import KnowledgeStore
+from tokensvc.storage.records import (
+    ALL_KNOWLEDGE_BASES,
+    BaseRow,
+    CandidateQuery,
+    ChunkRow,
+    DocumentRow,
+    PassageRow,
+    Tenant,
+)
 
 __all__ = ["KnowledgeBases", "Passage", "UploadResult"]
 
@@ -81,7 +88,7 @@ class UploadResult:
 class KnowledgeBases:
     def __init__(
         self,
-        store: PostgresKnowledgeStore,
+        store: KnowledgeStore,
         embedders: EmbedderRegistry,
         *,
         audit: AuditLog,
@@ -192,15 +199,27 @@ class KnowledgeBases:
             span.set_attribute("tokensvc.namespace", namespace)
             span.set_attribute("tokensvc.upload.bytes", len(content))
             tenant = _management(namespace)
-            base = await self.get(namespace, kb_ref)
+            base, current = await self._store.upload_state(tenant, kb_ref, doc_ref)
+            if base is None:
+                raise NotFound(f"no knowledge base {kb_ref!r} in namespace {namespace!r}")
             digest = hashlib.sha256(content).digest()
-            current = await self._store.get_document(tenant, kb_ref, doc_ref)
             if current is not None and current.content_sha256 == digest:
-                if current.metadata != metadata:
-                    await self._store.update_metadata(tenant, kb_ref, doc_ref, metadata)
-                    current = await self._store.get_document(tenant, kb_ref, doc_ref)
-                    assert current is not None
-                return UploadResult(current, unchanged=True)
+                if current.metadata == metadata:
+                    return UploadResult(current, unchanged=True)
+                # Same bytes, new metadata: no chunking or embedding. None: the content changed
+                # meanwhile (a concurrent upload), so this one is chunked after all.
+                replaced = await self._store.replace_document(
+                    tenant,
+                    kb_ref=kb_ref,
+                    ref=doc_ref,
+                    content_type=content_type,
+                    content_sha256=digest,
+                    size_bytes=len(content),
+                    metadata=metadata,
+                    chunks=None,
+                )
+                if replaced is not None:
+                    return UploadResult(replaced[0], unchanged=True)
             strategy = ChunkingStrategy.from_stored(base.chunking, base.chunk_size, base.chunk_overlap)
             # CPU-bound for large documents (seconds for tens of MiB): off the event loop.
             chunks = await asyncio.to_thread(_extract_and_chunk, content, content_type, strategy)
@@ -210,7 +229,7 @@ class KnowledgeBases:
                 ChunkRow(c.index, c.text, c.start, c.end, tuple(c.heading_path), vector)
                 for c, vector in zip(chunks, vectors, strict=True)
             ]
-            document, written = await self._store.replace_document(
+            replaced = await self._store.replace_document(
                 tenant,
                 kb_ref=kb_ref,
                 ref=doc_ref,
@@ -220,6 +239,8 @@ class KnowledgeBases:
                 metadata=metadata,
                 chunks=rows,
             )
+            assert replaced is not None  # with chunks, a version or the same content is stored
+            document, written = replaced
             span.set_attribute("tokensvc.result_count", len(rows))
             return UploadResult(document, unchanged=not written)
 
@@ -311,33 +332,33 @@ class KnowledgeBases:
                     await observe_embedding(spec.name, embedder.embed_query(query)), "query_text"
                 )
         tuning = self._tuning
-        key = f"{tenant.namespace}/{','.join(refs)}"
-        rows = self._sizes.get(key)
-        if rows is None:
-            rows = await self._store.chunk_count(tenant, refs, tuning.count_cap)
-            self._sizes.put(key, rows)
-        exact = tuning.exact(rows, filtered=filter_ is not None, dimension=spec.dimension)
         k = top_k if mode is SearchMode.VECTOR else max(top_k, tuning.candidates)
         text = None if mode is SearchMode.VECTOR else query
-        candidates = await self._store.search(
-            tenant,
-            refs,
-            CandidateQuery(
+
+        def plan(rows: int) -> CandidateQuery:
+            return CandidateQuery(
                 vector=vector,
                 text=None if text is None else " ".join(query_words(text)),
                 or_text=or_query(text or ""),
                 text_config=text_config,
                 k=k,
                 row_count=rows,
-                exact=exact,
+                exact=tuning.exact(rows, filtered=filter_ is not None, dimension=spec.dimension),
                 neighbours=mode is SearchMode.HYBRID and self._fusion.neighbour > 0,
                 bm25_k1=BM25_K1,
                 bm25_b=BM25_B,
-                hnsw_settings=tuning.hnsw_settings(k),
-            ),
-            filter_=filter_,
+                ef_search=tuning.ef_search_for(k),
+                max_scan_tuples=tuning.max_scan_tuples,
+            )
+
+        key = f"{tenant.namespace}/{','.join(refs)}"
+        cached = self._sizes.get(key)
+        outcome = await self._store.search(
+            tenant, refs, plan, row_count=cached, count_cap=tuning.count_cap, filter_=filter_
         )
-        return apply_mode(mode, candidates, self._fusion, top_k=top_k, min_score=min_score)
+        if cached is None:
+            self._sizes.put(key, outcome.row_count)
+        return apply_mode(mode, outcome.candidates, self._fusion, top_k=top_k, min_score=min_score)
 
     def _embedder(self, base: BaseRow) -> Embedder:
         return self._embedder_for(_spec(base))

@@ -9,7 +9,6 @@ from tokensvc.memory.filters import (
     Filter,
     Not,
     Operator,
-    compile_filter,
     filter_from_proto,
     matches,
 )
@@ -23,7 +22,6 @@ __all__ = [
     "MetadataScalar",
     "Not",
     "Operator",
-    "compile_filter",
     "filter_from_proto",
     "matches",
     "metadata_from_proto",

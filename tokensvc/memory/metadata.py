@@ -27,6 +27,7 @@ import re
 from collections.abc import Mapping
 
 from tokensvc.errors import InvalidArgument, PayloadTooLarge
+from tokensvc.storage.filters import MetadataScalar, scalar_kind
 from tokensvc.v1 import common_pb2
 
 __all__ = [
@@ -43,9 +44,6 @@ __all__ = [
     "scalar_kind",
     "scalar_to_proto",
 ]
-
-MetadataScalar = str | float | bool
-"""One metadata value. Check `bool` before `float`: in Python `True == 1`, here they never meet."""
 
 MAX_METADATA_ENTRIES = 32
 MAX_METADATA_KEY_CHARS = 64
@@ -67,15 +65,6 @@ def key_path(field: str, key: str) -> str:
         return f'{field}["{key}"]'
     shown = key if len(key) <= _KEY_ECHO_CHARS else key[:_KEY_ECHO_CHARS] + "..."
     return f"{field}[{json.dumps(shown)}]"
-
-
-def scalar_kind(value: MetadataScalar) -> str:
-    """The JSON type name of a scalar, as `jsonb_typeof` spells it: string, number or boolean."""
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, str):
-        return "string"
-    return "number"
 
 
 def scalar_from_proto(value: common_pb2.MetadataValue, field: str) -> MetadataScalar:

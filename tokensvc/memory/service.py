@@ -9,8 +9,6 @@ pepper version's bucket move to the current bucket on first access.
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import hashlib
 import unicodedata
 import uuid
@@ -31,9 +29,8 @@ from tokensvc.errors import (
     PinnedConfiguration,
     Reason,
 )
-from tokensvc.memory.filters import Filter
 from tokensvc.memory.metadata import MAX_METADATA_ENTRIES, MetadataScalar
-from tokensvc.memory.models import MemoryRecord, MemorySpace, NewMemory, ScoredMemory
+from tokensvc.memory.models import MemoryRecord, MemorySpace, NewMemory
 from tokensvc.memory.paging import PageCursor
 from tokensvc.observability.metrics import observe_embedding
 from tokensvc.retrieval import (
@@ -49,11 +46,10 @@ from tokensvc.retrieval import (
     or_query,
     query_words,
     unit_vector,
-    with_text_scores,
 )
-from tokensvc.storage.memories import PostgresMemoryStore
-from tokensvc.storage.ranking import Candidate, CandidateQuery
-from tokensvc.storage.tenant import Tenant
+from tokensvc.storage.filters import Filter
+from tokensvc.storage.ports import MemoryStore
+from tokensvc.storage.records import CandidateQuery, Tenant
 
 __all__ = ["LongTermMemory", "RememberItem", "SearchHit", "SearchMode", "SearchQuery", "SearchTuning"]
 
@@ -101,7 +97,7 @@ def content_hash(normalised: str) -> bytes:
 class LongTermMemory:
     def __init__(
         self,
-        store: PostgresMemoryStore,
+        store: MemoryStore,
         embedders: EmbedderRegistry,
         *,
         default_embedder: str,
@@ -147,14 +143,6 @@ class LongTermMemory:
             self._spaces[key] = pinned
         spec = pinned.embedder
         return _Space(tenant, scope.bucket_id, spec, pinned.text_config, self._pinned_embedder(spec))
-
-    async def _bucket_rows(self, space: _Space) -> int:
-        """The bucket's row count, counted up to the routing cap."""
-        rows = self._sizes.get(space.bucket)
-        if rows is None:
-            rows = await self._store.bucket_size(space.tenant, space.bucket, self._tuning.count_cap)
-            self._sizes.put(space.bucket, rows)
-        return rows
 
     def _pinned_embedder(self, spec: EmbedderSpec) -> Embedder | None:
         """The configured embedder matching the pin, None if the name is gone; refuse a drifted one."""
@@ -358,78 +346,53 @@ class LongTermMemory:
             return records, None
 
     async def search(self, scope: TenantScope, query: SearchQuery) -> list[SearchHit]:
+        """One transaction: the bucket's row count (when not cached) and the search statement."""
         with _tracer.start_as_current_span("memory.search", record_exception=False) as span:
             _annotate(span, scope)
             span.set_attribute("tokensvc.search.mode", str(query.mode))
             space = await self._space(scope, for_write=False)
             if space is None:
                 return []
-            where: dict[str, Any] = {"filter_": query.filter, "embedder": space.spec.name}
             tuning = self._tuning
-            rows = await self._bucket_rows(space)
-            exact = tuning.exact(rows, filtered=query.filter is not None, dimension=space.spec.dimension)
-            span.set_attribute("tokensvc.search.exact", exact)
+            vector = None if query.mode is SearchMode.TEXT else await self._query_vector(space, query)
             k = query.top_k if query.mode is SearchMode.VECTOR else max(query.top_k, tuning.candidates)
             text = None if query.mode is SearchMode.VECTOR else query.text
-            wanted = CandidateQuery(
-                vector=None,
-                text=None if text is None else " ".join(query_words(text)),
-                or_text=or_query(text or ""),
-                text_config=space.text_config,
-                k=k,
-                row_count=rows,
-                exact=exact,
-                neighbours=query.mode is SearchMode.HYBRID and self._fusion.neighbour > 0,
-                bm25_k1=BM25_K1,
-                bm25_b=BM25_B,
-                hnsw_settings=tuning.hnsw_settings(k),
-            )
-            if query.mode is SearchMode.TEXT:  # no query vector: nothing is embedded
-                candidates = await self._store.search(space.tenant, space.bucket, wanted, **where)
-            elif query.mode is SearchMode.VECTOR:
-                vector = await self._query_vector(space, query)
-                candidates = await self._store.search(
-                    space.tenant, space.bucket, dataclasses.replace(wanted, vector=vector), **where
+
+            def plan(rows: int) -> CandidateQuery:
+                exact = tuning.exact(rows, filtered=query.filter is not None, dimension=space.spec.dimension)
+                span.set_attribute("tokensvc.search.exact", exact)
+                return CandidateQuery(
+                    vector=vector,
+                    text=None if text is None else " ".join(query_words(text)),
+                    or_text=or_query(text or ""),
+                    text_config=space.text_config,
+                    k=k,
+                    row_count=rows,
+                    exact=exact,
+                    neighbours=query.mode is SearchMode.HYBRID and self._fusion.neighbour > 0,
+                    bm25_k1=BM25_K1,
+                    bm25_b=BM25_B,
+                    ef_search=tuning.ef_search_for(k),
+                    max_scan_tuples=tuning.max_scan_tuples,
                 )
-            else:
-                candidates = await self._hybrid(space, query, wanted, where)
+
+            cached = self._sizes.get(space.bucket)
+            outcome = await self._store.search(
+                space.tenant,
+                space.bucket,
+                plan,
+                row_count=cached,
+                count_cap=tuning.count_cap,
+                filter_=query.filter,
+                embedder=space.spec.name,
+            )
+            if cached is None:
+                self._sizes.put(space.bucket, outcome.row_count)
             hits = apply_mode(
-                query.mode, candidates, self._fusion, top_k=query.top_k, min_score=query.min_score
+                query.mode, outcome.candidates, self._fusion, top_k=query.top_k, min_score=query.min_score
             )
             span.set_attribute("tokensvc.result_count", len(hits))
             return hits
-
-    async def _hybrid(
-        self, space: _Space, query: SearchQuery, wanted: CandidateQuery, where: dict[str, Any]
-    ) -> list[Candidate[MemoryRecord]]:
-        """HYBRID in two statements: the text ranker runs while the query is embedded (it needs
-        no vector), then one statement takes the vector ranker's candidates and the text ranker's,
-        with both scores and their neighbours'. The two read snapshots a few milliseconds apart: a
-        memory written in between can only miss its text score in this one search."""
-        text_scores = asyncio.ensure_future(
-            self._store.text_scores(
-                space.tenant,
-                space.bucket,
-                dataclasses.replace(wanted, exact=True),
-                filter_=query.filter,
-                limit=self._tuning.text_lookup,
-            )
-        )
-        try:
-            vector = await self._query_vector(space, query)
-        except BaseException:
-            text_scores.cancel()
-            raise
-        scores = await text_scores
-        found = await self._store.search(
-            space.tenant,
-            space.bucket,
-            dataclasses.replace(
-                wanted, vector=vector, text=None, extra=tuple(local for local, _ in scores[: wanted.k])
-            ),
-            **where,
-        )
-        return with_text_scores(found, scores, wanted.k, key=lambda record: record.id)
 
     async def _query_vector(self, space: _Space, query: SearchQuery) -> np.ndarray:
         if query.vector is not None:
@@ -460,6 +423,3 @@ def _annotate(span: trace.Span, scope: TenantScope, **counts: int) -> None:
     span.set_attribute("tokensvc.bucket", scope.bucket_id)
     for name, value in counts.items():
         span.set_attribute(f"tokensvc.{name}", value)
-
-
-__all__ += ["ScoredMemory"]

@@ -5,7 +5,7 @@
 - `text`: the text ranker's rules (OR over stemmed terms, BM25, pinned text-search configs);
 - `fusion`: score fusion of the vector and text rankings with neighbour context, tie-breaks.
 
-The SQL that fetches candidates with both scores is `tokensvc.storage.ranking`.
+The SQL that fetches candidates with both scores is `tokensvc.storage.postgres.ranking`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from tokensvc.retrieval.fusion import (
     fuse,
     rank_by_text,
     rank_by_vector,
-    with_text_scores,
 )
 from tokensvc.retrieval.routing import HNSW_MAX_DIMENSION, RowCounts, SearchTuning
 from tokensvc.retrieval.text import (
@@ -54,5 +53,4 @@ __all__ = [
     "unit_rows",
     "unit_vector",
     "validate_text_config",
-    "with_text_scores",
 ]

@@ -21,13 +21,12 @@ equal output.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
-from tokensvc.storage.ranking import Candidate
+from tokensvc.storage.records import Candidate
 
 __all__ = [
     "Candidate",
@@ -38,7 +37,6 @@ __all__ = [
     "fuse",
     "rank_by_text",
     "rank_by_vector",
-    "with_text_scores",
 ]
 
 T = TypeVar("T")
@@ -136,30 +134,3 @@ def apply_mode(
     if min_score is not None:
         ranked = [r for r in ranked if r.score >= min_score]
     return ranked[:top_k]
-
-
-def with_text_scores(
-    candidates: Sequence[Candidate[T]], scores: Sequence[tuple[Any, float]], k: int, key: Any
-) -> list[Candidate[T]]:
-    """Candidates of a statement run without the text ranker, completed with its results.
-
-    `scores` is `text_statement`'s output (local key, BM25), best first: its first `k` are the
-    text candidates (ranked), the rest only lend scores; rows not in it score 0. `key(item)` is a
-    candidate's local key.
-    """
-    score = dict(scores)
-    rank = {local: index for index, (local, _) in enumerate(scores[:k], 1)}
-
-    def neighbour(pair: tuple[float, float] | None, local: Any) -> tuple[float, float] | None:
-        return None if pair is None else (pair[0], score.get(local, 0.0))
-
-    return [
-        dataclasses.replace(
-            c,
-            text_score=score.get(key(c.item), 0.0),
-            text_rank=rank.get(key(c.item), 0),
-            previous=neighbour(c.previous, c.previous_key),
-            next=neighbour(c.next, c.next_key),
-        )
-        for c in candidates
-    ]

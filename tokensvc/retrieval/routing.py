@@ -11,8 +11,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tokensvc.storage.ranking import hnsw_settings
-
 __all__ = ["HNSW_MAX_DIMENSION", "RowCounts", "SearchTuning"]
 
 HNSW_MAX_DIMENSION = 2000  # HNSW on `vector` indexes at most 2,000 dimensions
@@ -27,9 +25,6 @@ class SearchTuning:
     max_scan_tuples: int = 20_000
     # Rows each ranker contributes to a HYBRID or TEXT search before fusion.
     candidates: int = 50
-    # A HYBRID memory search's text ranker scores at most this many rows (the rest count 0): its
-    # best `candidates` are candidates, the others lend scores to vector candidates and neighbours.
-    text_lookup: int = 1000
     # A filtered search reads this many times more rows exactly before it takes the HNSW index: a
     # filter makes an approximate scan visit 1/selectivity more tuples per hit, while the exact
     # scan computes distances for matching rows only.
@@ -49,9 +44,9 @@ class SearchTuning:
         threshold = self.exact_threshold * (self.filtered_exact_factor if filtered else 1)
         return rows <= threshold
 
-    def hnsw_settings(self, k: int) -> dict[str, str]:
-        """The approximate scan's settings for k candidates (ef_search at least 2 k)."""
-        return hnsw_settings(ef_search=max(self.ef_search, 2 * k), max_scan_tuples=self.max_scan_tuples)
+    def ef_search_for(self, k: int) -> int:
+        """The approximate scan's candidate list for k candidates (at least 2 k)."""
+        return max(self.ef_search, 2 * k)
 
 
 class RowCounts:

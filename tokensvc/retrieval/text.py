@@ -7,7 +7,7 @@ text-search configuration pinned to the memory space or knowledge base stems the
 stop words; and the ranking is BM25 (Robertson et al.), which weighs a term by how rare it is in the
 bucket or corpus, so the one rare shared word ("French", "pg-stage-3") outweighs common ones.
 
-The statements are built in `tokensvc.storage.ranking`; this module owns the rules. Matching and
+The statements are built in `tokensvc.storage.postgres.ranking`; this module owns the rules. Matching and
 scoring use the same words (`query_words`): what scores also matches.
 """
 

@@ -1,22 +1,9 @@
-"""Storage: the database pool, the embedded PostgreSQL and migrations."""
+"""Storage: the store ports (Protocols with their contracts) and the records they speak.
 
-from tokensvc.storage.database import Database, DatabaseTarget, connect_once
-from tokensvc.storage.embedded import EmbeddedPostgres, EmbeddedPostgresError
-from tokensvc.storage.migrations import (
-    MigrationError,
-    apply_migrations,
-    available_migrations,
-    schema_version,
-)
+Implementations: `tokensvc.storage.postgres` (every SQL statement) and `tokensvc.storage.memory`
+(in-process). Nothing here imports the domain (`memory/`, `knowledge/`) or the API.
+"""
 
-__all__ = [
-    "Database",
-    "DatabaseTarget",
-    "EmbeddedPostgres",
-    "EmbeddedPostgresError",
-    "MigrationError",
-    "apply_migrations",
-    "available_migrations",
-    "connect_once",
-    "schema_version",
-]
+from tokensvc.storage.ports import AuditStore, KnowledgeStore, MemoryStore, RevocationStore
+
+__all__ = ["AuditStore", "KnowledgeStore", "MemoryStore", "RevocationStore"]

@@ -17,7 +17,7 @@ from tokensvc.api.memory_codec import decode_page_size
 from tokensvc.audit import AuditKind, AuditOutcome
 from tokensvc.credentials.custody import CredentialStatus
 from tokensvc.errors import InvalidArgument, Reason
-from tokensvc.storage.audit import AuditRecord
+from tokensvc.storage.records import AuditRecord
 from tokensvc.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
 __all__ = ["AdminServicer"]

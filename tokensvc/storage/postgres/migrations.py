@@ -48,7 +48,7 @@ class Migration:
 def available_migrations() -> list[Migration]:
     """The migration files shipped in the package, in version order."""
     found = []
-    for entry in resources.files("tokensvc.storage").joinpath("migrations").iterdir():
+    for entry in resources.files("tokensvc.storage.postgres").joinpath("migrations").iterdir():
         match = _FILE_NAME.fullmatch(entry.name)
         if match:
             found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
@@ -122,7 +122,7 @@ async def schema_version(conn: asyncpg.Connection) -> int:
 
 
 async def _check_pgvector(conn: asyncpg.Connection) -> None:
-    from tokensvc.storage.database import MINIMUM_PGVECTOR, MINIMUM_POSTGRES
+    from tokensvc.storage.postgres.database import MINIMUM_PGVECTOR, MINIMUM_POSTGRES
 
     server = conn.get_server_version()
     if server.major < MINIMUM_POSTGRES:

@@ -20,7 +20,7 @@ from pgvector.asyncpg import register_vector
 
 from tokensvc.credentials.source import DatabaseCredential, FileCredentialSource
 from tokensvc.settings import Settings, SettingsError
-from tokensvc.storage.embedded import EmbeddedPostgres
+from tokensvc.storage.postgres.embedded import EmbeddedPostgres
 
 __all__ = ["MINIMUM_PGVECTOR", "MINIMUM_POSTGRES", "Database", "DatabaseTarget", "connect_once"]
 
@@ -87,6 +87,16 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """The pool's reset on release: nothing to send.
+
+    asyncpg's default sends `SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL`
+    on every release, a round trip per call. tokensvc sets nothing that outlives a transaction
+    (tenant_transaction: `set_config(..., true)` only; no session locks, cursors, LISTEN or SET on
+    pooled connections), and asyncpg still rolls back a transaction left open before this runs.
+    """
+
+
 class Database:
     """Owns the embedded server (if any) and the serving pool."""
 
@@ -148,6 +158,7 @@ class Database:
             max_size=self._pool_sizes[1],
             connect=connect,
             init=_init_connection,
+            reset=_keep_session,
         )
         return self._pool
 

@@ -7,26 +7,14 @@ strictly older than the cursor id, filtered by kinds and a time window.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 
-__all__ = ["AuditRecord", "PostgresAuditStore"]
+from tokensvc.storage.records import AuditRecord
 
-
-@dataclass(frozen=True)
-class AuditRecord:
-    id: int
-    occurred_at: datetime
-    kind: str
-    actor: str
-    action: str
-    target: str
-    outcome: str
-    reason: str
-    detail: str
+__all__ = ["PostgresAuditStore"]
 
 
 class PostgresAuditStore:

@@ -3,10 +3,8 @@
 `candidate_statement`: the vector ranker's top k, the text ranker's top k (BM25 over the rows
 matching any query term), their union with BOTH scores of every candidate, its ranks in each
 ranker, and (when asked) the scores of its two neighbours, in one statement, so one snapshot.
-HYBRID memory search splits it in two so the text ranker can run while the query is embedded:
-`text_statement` first, then `candidate_statement` without the text ranker, its candidates passed
-as `extra`; the two snapshots are milliseconds apart, and a memory written in between can only
-miss (or keep a stale) text score in that one search. Fusion happens in `tokensvc.retrieval`.
+`vector_statement` is the plain VECTOR search (no text, no neighbours). Fusion happens in
+`tokensvc.retrieval`.
 
 BM25 per candidate row d and query term t, over the rows the query matches:
 `idf(t) * tf(t, d) * (k1 + 1) / (tf(t, d) + k1 * (1 - b + b * |d| / avg|d|))`,
@@ -21,17 +19,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import asyncpg
 import numpy as np
 from opentelemetry import trace
 
-from tokensvc.storage.tenant import Tenant, tenant_transaction
+from tokensvc.storage.postgres.tenant import declare_settings, tenant_transaction
+from tokensvc.storage.records import Candidate, CandidateQuery, SearchPlan, Tenant
 
 __all__ = [
-    "Candidate",
-    "CandidateQuery",
     "Corpus",
     "candidate_statement",
     "candidates_from",
@@ -39,8 +36,8 @@ __all__ = [
     "hnsw_settings",
     "plain_vector",
     "search_settings",
+    "search_statement",
     "short",
-    "text_statement",
     "vector_statement",
 ]
 
@@ -50,41 +47,6 @@ T = TypeVar("T")
 # bucket would otherwise make every search unnest every row. Past it, BM25 ranks the first rows the
 # index returns, not all of them (docs/architecture.md, "Search").
 MAX_TEXT_MATCHES = 10_000
-
-
-@dataclass(frozen=True)
-class Candidate(Generic[T]):
-    """One row a ranker found, with both scores and its neighbours' (None: no neighbour)."""
-
-    item: T
-    vector_score: float  # cosine similarity (0 when the search had no query vector)
-    text_score: float  # BM25; 0 = no query term matched
-    vector_rank: int  # 1-based among the vector ranker's candidates; 0 = not among them
-    text_rank: int  # 1-based among the text ranker's candidates; 0 = not among them
-    previous: tuple[float, float] | None = None  # (vector_score, text_score)
-    next: tuple[float, float] | None = None
-    # The neighbours' local keys (within the candidate's partition), when fetched.
-    previous_key: Any = None
-    next_key: Any = None
-
-
-@dataclass(frozen=True)
-class CandidateQuery:
-    """What to rank: built by the domain (tokensvc.retrieval), trusted here."""
-
-    vector: np.ndarray | None  # unit length; None: no vector ranker (TEXT mode)
-    text: str | None  # the query's words, space-separated (BM25 sums over them); None: no text ranker
-    or_text: str  # the same words as websearch_to_tsquery alternatives (what matches)
-    text_config: str  # the pinned text-search configuration (an allow-listed name)
-    k: int  # candidates per ranker
-    row_count: int  # N of BM25's idf
-    exact: bool  # exact scan, else HNSW (re-run exactly when short)
-    neighbours: bool  # fetch each candidate's neighbours' scores
-    bm25_k1: float
-    bm25_b: float
-    hnsw_settings: dict[str, str]
-    # Local keys of rows to add to the candidates (the text ranker's, found beforehand).
-    extra: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -192,21 +154,6 @@ def _bm25_parts(corpus: Corpus, where: str, p: _Params, query: CandidateQuery, k
     ]
 
 
-def text_statement(
-    corpus: Corpus, where: str, params: list[Any], query: CandidateQuery, *, limit: int
-) -> str:
-    """The text ranker alone: the `limit` best rows' local keys and BM25 scores, best first.
-
-    HYBRID memory search runs this while the query is being embedded, then `candidate_statement`
-    (without the text ranker) with the first k of these rows as `extra` candidates; rows past
-    `limit` count as text score 0.
-    """
-    p = _Params(params)
-    top = p.add(limit)
-    parts = _bm25_parts(corpus, where, p, query, top)
-    return f"WITH {', '.join(parts)} SELECT {corpus.local} AS local, score FROM by_text ORDER BY rank"
-
-
 def candidate_statement(corpus: Corpus, where: str, params: list[Any], query: CandidateQuery) -> str:
     """TEXT or HYBRID mode: both rankers' candidates with both scores (see the module docstring).
 
@@ -237,9 +184,6 @@ def candidate_statement(corpus: Corpus, where: str, params: list[Any], query: Ca
         if on
     ]
     pool = [f"SELECT {key} FROM {r}" for r in rankers]
-    if query.extra:
-        extra = p.add(list(query.extra))
-        pool.append(f"SELECT {key} FROM {corpus.table} WHERE {where} AND {corpus.local} = ANY({extra})")
     parts.append(f"pool AS ({' UNION '.join(pool)})")
 
     text_score = "coalesce(b.score, 0)" if query.text is not None else "0::float8"
@@ -368,7 +312,7 @@ def _links(corpus: Corpus, where: str, *, exact: bool) -> str:
 
 
 def search_settings(query: CandidateQuery) -> dict[str, str] | None:
-    """Transaction-local settings of a search (set with the tenant: no extra round trip).
+    """Transaction-local settings of a search (declared with the tenant: no extra round trip).
 
     Approximate: the HNSW scan's. Exact TEXT/HYBRID: no nested loops. Under row-level security the
     planner estimates one row for any bucket, so it joins the statement's parts (candidates, BM25
@@ -377,42 +321,68 @@ def search_settings(query: CandidateQuery) -> dict[str, str] | None:
     it take 7 ms.
     """
     if not query.exact:
-        return query.hnsw_settings
+        return hnsw_settings(ef_search=query.ef_search, max_scan_tuples=query.max_scan_tuples)
     return None if plain_vector(query) else {"enable_nestloop": "off"}
 
 
 def plain_vector(query: CandidateQuery) -> bool:
-    """Whether the fast VECTOR statement answers the query (no text, extra rows or neighbours)."""
-    return query.text is None and not query.extra and not query.neighbours
+    """Whether the fast VECTOR statement answers the query (no text ranker, no neighbours)."""
+    return query.text is None and not query.neighbours
 
 
 async def fetch_candidates(
     pool: asyncpg.Pool,
     tenant: Tenant,
     corpus: Corpus,
-    query: CandidateQuery,
-    where: Callable[[list[Any]], tuple[str, list[Any]]],
-) -> list[asyncpg.Record]:
-    """Run a search's statement in one tenant transaction; `where(params)` gives the searchable
-    rows' predicate and its parameters. An approximate search that comes back short (a selective
-    filter in a big index) re-runs exactly in the same transaction, so results stay complete."""
+    plan: SearchPlan,
+    where: Callable[[list[Any], bool], str],
+    *,
+    row_count: int | None,
+    count_cap: int,
+) -> tuple[int, list[asyncpg.Record]]:
+    """Run one search in one tenant transaction: count the searched rows first (up to
+    `count_cap`) unless `row_count` is known, then the statement `plan(row_count)` asks for.
 
-    def statement(exact: bool) -> tuple[str, list[Any]]:
-        predicate, params = where([])
-        if plain_vector(query):
-            assert query.vector is not None
-            return vector_statement(corpus, predicate, params, query.vector, k=query.k, exact=exact), params
-        wanted = query if exact == query.exact else dataclasses.replace(query, exact=exact)
-        return candidate_statement(corpus, predicate, params, wanted), params
-
-    async with tenant_transaction(pool, tenant, settings=search_settings(query)) as conn:
-        sql, params = statement(query.exact)
+    `where(params, searchable)` appends its parameters and returns the predicate of the tenant's
+    rows (`searchable=False`: what is counted) or of the searchable ones (liveness and filter
+    too). An approximate search that comes back short (a selective filter in a big index) re-runs
+    exactly in the same transaction, so results stay complete. Returns the row count the plan was
+    given (the query's `row_count`) and the rows.
+    """
+    query = None if row_count is None else plan(row_count)
+    settings = None if query is None else search_settings(query)
+    async with tenant_transaction(pool, tenant, settings=settings) as conn:
+        if query is None:
+            params: list[Any] = []
+            scope = where(params, False)
+            params.append(count_cap)
+            counted = await conn.fetchval(
+                f"SELECT count(*) FROM (SELECT 1 FROM {corpus.table} WHERE {scope} LIMIT ${len(params)}) s",
+                *params,
+            )
+            query = plan(int(counted))
+            if settings := search_settings(query):
+                await conn.execute(declare_settings(settings))
+        sql, params = search_statement(corpus, where, query)
         rows = await conn.fetch(sql, *params)
         if not query.exact and (len(rows) < query.k if plain_vector(query) else short(rows, query)):
             trace.get_current_span().set_attribute("tokensvc.search.exact_fallback", True)
-            sql, params = statement(True)
+            sql, params = search_statement(corpus, where, dataclasses.replace(query, exact=True))
             rows = await conn.fetch(sql, *params)
-    return list(rows)
+    return query.row_count, list(rows)
+
+
+def search_statement(
+    corpus: Corpus, where: Callable[[list[Any], bool], str], query: CandidateQuery
+) -> tuple[str, list[Any]]:
+    """The statement a search runs and its parameters: the plain VECTOR one when it answers the
+    query, else the candidate statement (EXPLAIN tests and the bench run exactly this)."""
+    params: list[Any] = []
+    predicate = where(params, True)
+    if plain_vector(query):
+        assert query.vector is not None
+        return vector_statement(corpus, predicate, params, query.vector, k=query.k, exact=query.exact), params
+    return candidate_statement(corpus, predicate, params, query), params
 
 
 def candidates_from(rows: Sequence[Any], item: Any, local: Any = None) -> list[Candidate[Any]]:

@@ -1,96 +1,38 @@
-"""Knowledge-base storage: corpora, versioned documents and their embedded chunks (PostgreSQL).
+"""Knowledge bases in PostgreSQL (the contract: `tokensvc.storage.ports.KnowledgeStore`).
 
-Contract (checked by the knowledge tests):
-- Every method runs in a tenant transaction: one namespace and the declared knowledge bases.
-- `create_base` inserts unless the ref exists; it returns the stored row (pinned choices never change).
-- `replace_document` writes a new version atomically: the new chunks are inserted and the old
-  version's deleted in one transaction, so any single statement sees exactly one version.
-- `search` is ONE statement (both rankings and every candidate's scores), so it reads one snapshot.
-- Deleting a knowledge base or document removes its chunks (foreign keys cascade).
+A new document version is written in one transaction (the new chunks inserted, the old version's
+deleted), serialised per document by a transaction-scoped advisory lock; foreign keys cascade
+deletes to documents and chunks.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import asyncpg
-import numpy as np
 from pgvector import Vector
 
-from tokensvc.memory.filters import Filter, compile_filter
-from tokensvc.storage.ranking import (
-    Candidate,
-    CandidateQuery,
+from tokensvc.storage.filters import Filter
+from tokensvc.storage.postgres.filters import compile_filter
+from tokensvc.storage.postgres.ranking import (
     Corpus,
     candidates_from,
     fetch_candidates,
 )
-from tokensvc.storage.tenant import Tenant, tenant_transaction
+from tokensvc.storage.postgres.tenant import tenant_transaction
+from tokensvc.storage.records import (
+    BaseRow,
+    ChunkRow,
+    DocumentRow,
+    PassageRow,
+    SearchOutcome,
+    SearchPlan,
+    Tenant,
+)
 
-__all__ = [
-    "BaseRow",
-    "ChunkRow",
-    "DocumentRow",
-    "PassageRow",
-    "PostgresKnowledgeStore",
-]
-
-
-@dataclass(frozen=True)
-class BaseRow:
-    namespace: str
-    ref: str
-    display_name: str
-    embedder: str
-    model: str
-    dimension: int
-    normalized: bool
-    chunking: str
-    chunk_size: int
-    chunk_overlap: int
-    text_config: str
-    created_at: datetime
-    document_count: int = 0
-
-
-@dataclass(frozen=True)
-class DocumentRow:
-    namespace: str
-    kb_ref: str
-    ref: str
-    version: int
-    content_type: str
-    content_sha256: bytes
-    size_bytes: int
-    chunk_count: int
-    metadata: dict[str, Any]
-    created_at: datetime
-
-
-@dataclass(frozen=True)
-class ChunkRow:
-    index: int
-    text: str
-    start: int
-    end: int
-    heading_path: tuple[str, ...]
-    embedding: np.ndarray
-
-
-@dataclass(frozen=True)
-class PassageRow:
-    kb_ref: str
-    doc_ref: str
-    version: int
-    chunk_index: int
-    text: str
-    start: int
-    end: int
-    heading_path: tuple[str, ...]
+__all__ = ["PostgresKnowledgeStore"]
 
 
 # A chunk's neighbours are the chunks before and after it in the same document version.
@@ -207,6 +149,26 @@ class PostgresKnowledgeStore:
 
     # --- documents --------------------------------------------------------------------------
 
+    async def upload_state(
+        self, tenant: Tenant, kb_ref: str, doc_ref: str
+    ) -> tuple[BaseRow | None, DocumentRow | None]:
+        async with tenant_transaction(self._pool, tenant) as conn:
+            base = await conn.fetchrow(
+                f"SELECT {_BASE_SELECT}, 0::bigint AS document_count FROM knowledge_bases b "
+                "WHERE namespace = $1 AND ref = $2",
+                tenant.namespace,
+                kb_ref,
+            )
+            document = None
+            if base is not None:
+                document = await conn.fetchrow(
+                    f"SELECT {_DOC_COLUMNS} FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref = $3",
+                    tenant.namespace,
+                    kb_ref,
+                    doc_ref,
+                )
+        return (None if base is None else _base(base)), (None if document is None else _document(document))
+
     async def get_document(self, tenant: Tenant, kb_ref: str, ref: str) -> DocumentRow | None:
         async with tenant_transaction(self._pool, tenant) as conn:
             row = await conn.fetchrow(
@@ -230,24 +192,6 @@ class PostgresKnowledgeStore:
             )
         return [_document(row) for row in rows]
 
-    async def update_metadata(self, tenant: Tenant, kb_ref: str, ref: str, metadata: dict[str, Any]) -> None:
-        async with tenant_transaction(self._pool, tenant) as conn:
-            await conn.execute(
-                "UPDATE documents SET metadata = $4, updated_at = clock_timestamp() "
-                "WHERE namespace = $1 AND kb_ref = $2 AND ref = $3",
-                tenant.namespace,
-                kb_ref,
-                ref,
-                metadata,
-            )
-            await conn.execute(
-                "UPDATE chunks SET metadata = $4 WHERE namespace = $1 AND kb_ref = $2 AND doc_ref = $3",
-                tenant.namespace,
-                kb_ref,
-                ref,
-                metadata,
-            )
-
     async def replace_document(
         self,
         tenant: Tenant,
@@ -258,14 +202,9 @@ class PostgresKnowledgeStore:
         content_sha256: bytes,
         size_bytes: int,
         metadata: dict[str, Any],
-        chunks: Sequence[ChunkRow],
-    ) -> tuple[DocumentRow, bool]:
-        """Store the next version of a document and swap its chunks in one transaction.
-
-        Returns the current document and whether a version was written: when the current version
-        (read under the lock) already has this content, as after a concurrent identical upload,
-        only the metadata is replaced and no version is created.
-        """
+        chunks: Sequence[ChunkRow] | None,
+    ) -> tuple[DocumentRow, bool] | None:
+        """One transaction under the document's advisory lock (contract: the port's)."""
         ns = tenant.namespace
         async with tenant_transaction(self._pool, tenant) as conn:
             # Serialise writers of the same document; the first writer creates the row.
@@ -299,6 +238,8 @@ class PostgresKnowledgeStore:
                 )
                 assert row is not None
                 return _document(row), False
+            if chunks is None:
+                return None  # the content changed meanwhile: the caller chunks the new one
             current = None if stored is None else stored["version"]
             version = 1 if current is None else current + 1
             values = (
@@ -379,34 +320,29 @@ class PostgresKnowledgeStore:
             )
         return int(count)
 
-    async def chunk_count(self, tenant: Tenant, kb_refs: Sequence[str], cap: int) -> int:
-        async with tenant_transaction(self._pool, tenant) as conn:
-            value = await conn.fetchval(
-                "SELECT count(*) FROM (SELECT 1 FROM chunks WHERE namespace = $1 AND kb_ref = ANY($2::text[]) "
-                "LIMIT $3) s",
-                tenant.namespace,
-                list(kb_refs),
-                cap,
-            )
-        return int(value)
-
     # --- search -----------------------------------------------------------------------------
 
     async def search(
-        self, tenant: Tenant, kb_refs: Sequence[str], query: CandidateQuery, *, filter_: Filter | None
-    ) -> list[Candidate[PassageRow]]:
-        """Candidates with both scores in one statement (tokensvc.storage.ranking); an approximate
-        search that comes back short re-runs exactly in the same transaction."""
-
-        def where(params: list[Any]) -> tuple[str, list[Any]]:
+        self,
+        tenant: Tenant,
+        kb_refs: Sequence[str],
+        plan: SearchPlan,
+        *,
+        row_count: int | None,
+        count_cap: int,
+        filter_: Filter | None,
+    ) -> SearchOutcome[PassageRow]:
+        def where(params: list[Any], searchable: bool) -> str:
             params += [tenant.namespace, list(kb_refs)]
             predicate = "namespace = $1 AND kb_ref = ANY($2::text[])"
-            if filter_ is not None:
+            if searchable and filter_ is not None:
                 predicate += f" AND ({compile_filter(filter_, 'metadata', params)})"
-            return predicate, params
+            return predicate
 
-        rows = await fetch_candidates(self._pool, tenant, _CORPUS, query, where)
-        return candidates_from(rows, _passage)
+        rows, found = await fetch_candidates(
+            self._pool, tenant, _CORPUS, plan, where, row_count=row_count, count_cap=count_cap
+        )
+        return SearchOutcome(rows, candidates_from(found, _passage))
 
 
 def _passage(row: asyncpg.Record) -> PassageRow:

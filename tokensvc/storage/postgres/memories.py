@@ -1,25 +1,8 @@
-"""Long-term memory storage: the contract and its PostgreSQL + pgvector implementation.
-
-Contract (checked by tests/storage/test_memory_store.py):
-- Every method is scoped to one tenant (namespace, agent) and one bucket; nothing outside that
-  bucket is ever read, changed or counted (and row-level security enforces it a second time).
-- `insert` is all-or-nothing; a row whose normalised content or idempotency key already exists in
-  the bucket is not inserted and the existing row's id is reported (`inserted=False`); when an
-  idempotency key already belongs to a row with other content, nothing is inserted and
-  `AlreadyExists` is raised.
-- `update` raises `AlreadyExists` (field `content`) when the new content is another row's.
-- Expired rows are never returned, counted or updated.
-- `search_vector(exact=True)` returns the true top-k by inner product among rows matching the
-  filter; `exact=False` uses the HNSW index with iterative scans and returns min(k, matching)
-  rows, ordered by score (re-running exactly, in the same transaction, when the approximate scan
-  comes back short).
-- `list_page` returns newest first (created_at, then id, descending), strictly after the cursor.
-- Storage trusts its input: validation happened in the domain.
-"""
+"""Long-term memories in PostgreSQL + pgvector (the contract: `tokensvc.storage.ports.MemoryStore`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -27,24 +10,30 @@ import asyncpg
 import numpy as np
 from pgvector import Vector
 
-from tokensvc.embedders import EmbedderSpec
 from tokensvc.errors import AlreadyExists
-from tokensvc.memory.filters import Filter, compile_filter
-from tokensvc.memory.models import MemoryRecord, MemorySpace, NewMemory, ScoredMemory, StoredRef
-from tokensvc.storage.ranking import (
-    Candidate,
-    CandidateQuery,
+from tokensvc.storage.filters import Filter
+from tokensvc.storage.postgres.filters import compile_filter
+from tokensvc.storage.postgres.ranking import (
     Corpus,
     candidates_from,
     fetch_candidates,
-    hnsw_settings,
     search_settings,
-    text_statement,
-    vector_statement,
 )
-from tokensvc.storage.tenant import Tenant, tenant_transaction
+from tokensvc.storage.postgres.ranking import search_statement as ranking_statement
+from tokensvc.storage.postgres.tenant import tenant_transaction
+from tokensvc.storage.records import (
+    CandidateQuery,
+    EmbedderSpec,
+    MemoryRecord,
+    MemorySpace,
+    NewMemory,
+    SearchOutcome,
+    SearchPlan,
+    StoredRef,
+    Tenant,
+)
 
-__all__ = ["PostgresMemoryStore"]
+__all__ = ["PostgresMemoryStore", "search_statement"]
 
 _LIVE = "(expires_at IS NULL OR expires_at > now())"
 _COLUMNS = "id, content, metadata, created_at, updated_at, expires_at"
@@ -87,17 +76,22 @@ def _where(bucket_param: str, filter_: Filter | None, params: list[Any]) -> str:
     return clause
 
 
-def _vector_search_sql(
-    bucket: str, query: np.ndarray, *, k: int, filter_: Filter | None, exact: bool
-) -> tuple[str, list[Any]]:
-    """The statement a VECTOR search runs, and its parameters (tests EXPLAIN exactly this)."""
-    params: list[Any] = [bucket]
-    where = _where("$1", filter_, params)
-    return vector_statement(_CORPUS, where, params, query, k=k, exact=exact), params
+def search_statement(
+    bucket: str, query: CandidateQuery, filter_: Filter | None
+) -> tuple[str, list[Any], dict[str, str] | None]:
+    """The statement, parameters and transaction settings a search of `bucket` runs (without the
+    exact re-run of a short approximate scan): what EXPLAIN tests and the bench's same-SQL
+    baseline use."""
+    sql, params = ranking_statement(_CORPUS, _bucket_predicate(bucket, filter_), query)
+    return sql, params, search_settings(query)
 
 
-def _hnsw_settings(*, ef_search: int, max_scan_tuples: int) -> dict[str, str]:
-    return hnsw_settings(ef_search=ef_search, max_scan_tuples=max_scan_tuples)
+def _bucket_predicate(bucket: str, filter_: Filter | None) -> Callable[[list[Any], bool], str]:
+    def where(params: list[Any], searchable: bool) -> str:
+        params.append(bucket)
+        return _where("$1", filter_, params) if searchable else "bucket = $1"
+
+    return where
 
 
 class PostgresMemoryStore:
@@ -340,73 +334,24 @@ class PostgresMemoryStore:
             )
         return [_record(row, embedder) for row in rows]
 
-    async def bucket_size(self, tenant: Tenant, bucket: str, cap: int) -> int:
-        """Rows in the bucket, counted up to `cap` (enough to choose a search path cheaply)."""
-        async with tenant_transaction(self._pool, tenant) as conn:
-            value = await conn.fetchval(
-                "SELECT count(*) FROM (SELECT 1 FROM memories WHERE bucket = $1 LIMIT $2) s", bucket, cap
-            )
-        return int(value)
-
-    async def search_vector(
+    async def search(
         self,
         tenant: Tenant,
         bucket: str,
-        query: np.ndarray,
+        plan: SearchPlan,
         *,
-        k: int,
+        row_count: int | None,
+        count_cap: int,
         filter_: Filter | None,
-        exact: bool,
-        ef_search: int,
-        max_scan_tuples: int,
         embedder: str,
-    ) -> list[ScoredMemory]:
-        """The true top k by inner product when `exact`, else via HNSW (complete either way)."""
-        found = await self.search(
+    ) -> SearchOutcome[MemoryRecord]:
+        rows, found = await fetch_candidates(
+            self._pool,
             tenant,
-            bucket,
-            CandidateQuery(
-                vector=query,
-                text=None,
-                or_text="",
-                text_config="simple",
-                k=k,
-                row_count=0,
-                exact=exact,
-                neighbours=False,
-                bm25_k1=0.0,
-                bm25_b=0.0,
-                hnsw_settings=_hnsw_settings(ef_search=ef_search, max_scan_tuples=max_scan_tuples),
-            ),
-            filter_=filter_,
-            embedder=embedder,
+            _CORPUS,
+            plan,
+            _bucket_predicate(bucket, filter_),
+            row_count=row_count,
+            count_cap=count_cap,
         )
-        return [ScoredMemory(c.item, c.vector_score) for c in found]
-
-    async def search(
-        self, tenant: Tenant, bucket: str, query: CandidateQuery, *, filter_: Filter | None, embedder: str
-    ) -> list[Candidate[MemoryRecord]]:
-        """Search candidates with both scores (tokensvc.storage.ranking), in one transaction.
-
-        VECTOR (no text): the top k by inner product. TEXT / HYBRID: each ranker's top k, every
-        candidate with both scores and, when asked, its neighbours'. An approximate search that
-        comes back short re-runs exactly in the same transaction, so results stay complete.
-        """
-
-        def where(params: list[Any]) -> tuple[str, list[Any]]:
-            params.append(bucket)
-            return _where("$1", filter_, params), params
-
-        rows = await fetch_candidates(self._pool, tenant, _CORPUS, query, where)
-        return candidates_from(rows, lambda row: _record(row, embedder), str)
-
-    async def text_scores(
-        self, tenant: Tenant, bucket: str, query: CandidateQuery, *, filter_: Filter | None, limit: int
-    ) -> list[tuple[str, float]]:
-        """The text ranker alone: the `limit` best memories' ids and BM25 scores, best first."""
-        params: list[Any] = [bucket]
-        where = _where("$1", filter_, params)
-        sql = text_statement(_CORPUS, where, params, query, limit=limit)
-        async with tenant_transaction(self._pool, tenant, settings=search_settings(query)) as conn:
-            rows = await conn.fetch(sql, *params)
-        return [(str(row["local"]), float(row["score"])) for row in rows]
+        return SearchOutcome(rows, candidates_from(found, lambda row: _record(row, embedder), str))

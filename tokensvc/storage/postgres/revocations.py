@@ -1,6 +1,6 @@
-"""Revocation storage: the contract and its PostgreSQL implementation.
+"""Revocation storage in PostgreSQL (the contract: `tokensvc.storage.ports.RevocationStore`).
 
-Contract (checked by tests/storage/test_revocations.py):
+Contract:
 - `revoke(kind, value, ...)` is idempotent: revoking twice keeps the first record and returns its
   time.
 - `since(t)` returns every revocation whose `revoked_at >= t` (visible now); a row committed long
@@ -10,33 +10,13 @@ Contract (checked by tests/storage/test_revocations.py):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal, Protocol
 
 import asyncpg
 
-__all__ = ["PostgresRevocationStore", "Revocation", "RevocationKind", "RevocationStore"]
+from tokensvc.storage.records import Revocation, RevocationKind
 
-RevocationKind = Literal["jti", "run"]
-
-
-@dataclass(frozen=True)
-class Revocation:
-    kind: RevocationKind
-    value: str
-    revoked_at: datetime
-
-
-class RevocationStore(Protocol):
-    async def revoke(self, kind: RevocationKind, value: str, *, reason: str, revoked_by: str) -> datetime:
-        """Record a revocation (idempotent); returns when it was first revoked."""
-
-    async def since(self, moment: datetime) -> list[Revocation]:
-        """Revocations recorded at or after `moment`."""
-
-    async def all(self) -> list[Revocation]:
-        """Every revocation."""
+__all__ = ["PostgresRevocationStore"]
 
 
 class PostgresRevocationStore:

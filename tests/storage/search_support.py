@@ -1,0 +1,114 @@
+"""Search calls for storage tests, through the store port's one `search` method."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tokensvc.storage.filters import Filter
+from tokensvc.storage.ports import MemoryStore
+from tokensvc.storage.postgres.memories import search_statement
+from tokensvc.storage.records import Candidate, CandidateQuery, MemoryRecord, Tenant
+
+__all__ = ["ScoredMemory", "bucket_size", "search_candidates", "vector_query", "vector_search", "vector_sql"]
+
+
+@dataclass(frozen=True)
+class ScoredMemory:
+    memory: MemoryRecord
+    score: float
+
+
+def vector_query(
+    query: np.ndarray, *, k: int, exact: bool, ef_search: int = 40, max_scan_tuples: int = 20_000
+) -> CandidateQuery:
+    """A plain VECTOR query (no text ranker, no neighbours)."""
+    return CandidateQuery(
+        vector=query,
+        text=None,
+        or_text="",
+        text_config="simple",
+        k=k,
+        row_count=0,
+        exact=exact,
+        neighbours=False,
+        bm25_k1=0.0,
+        bm25_b=0.0,
+        ef_search=ef_search,
+        max_scan_tuples=max_scan_tuples,
+    )
+
+
+async def search_candidates(
+    store: MemoryStore,
+    tenant: Tenant,
+    bucket: str,
+    query: CandidateQuery,
+    *,
+    filter_: Filter | None,
+    embedder: str,
+) -> list[Candidate[MemoryRecord]]:
+    outcome = await store.search(
+        tenant,
+        bucket,
+        lambda _rows: query,
+        row_count=query.row_count,
+        count_cap=1,
+        filter_=filter_,
+        embedder=embedder,
+    )
+    return outcome.candidates
+
+
+async def vector_search(
+    store: MemoryStore,
+    tenant: Tenant,
+    bucket: str,
+    query: np.ndarray,
+    *,
+    k: int,
+    filter_: Filter | None,
+    exact: bool,
+    embedder: str,
+    ef_search: int = 40,
+    max_scan_tuples: int = 20_000,
+) -> list[ScoredMemory]:
+    """The true top k by inner product when `exact`, else via HNSW (complete either way)."""
+    wanted = vector_query(query, k=k, exact=exact, ef_search=ef_search, max_scan_tuples=max_scan_tuples)
+    found = await search_candidates(store, tenant, bucket, wanted, filter_=filter_, embedder=embedder)
+    return [ScoredMemory(c.item, c.vector_score) for c in found]
+
+
+async def bucket_size(store: MemoryStore, tenant: Tenant, bucket: str, cap: int) -> int:
+    """The bucket's row count up to `cap`, as a search with no known count measures it."""
+    seen: list[int] = []
+
+    def plan(rows: int) -> CandidateQuery:
+        seen.append(rows)
+        return CandidateQuery(
+            vector=None,
+            text="count",
+            or_text="count",
+            text_config="simple",
+            k=1,
+            row_count=rows,
+            exact=True,
+            neighbours=False,
+            bm25_k1=0.6,
+            bm25_b=0.3,
+        )
+
+    outcome = await store.search(
+        tenant, bucket, plan, row_count=None, count_cap=cap, filter_=None, embedder=""
+    )
+    assert seen == [outcome.row_count]
+    return outcome.row_count
+
+
+def vector_sql(
+    bucket: str, query: np.ndarray, *, k: int, filter_: Filter | None, exact: bool, **scan: Any
+) -> tuple[str, list[Any], dict[str, str] | None]:
+    """Exactly the statement, parameters and settings the store runs for a VECTOR search."""
+    return search_statement(bucket, vector_query(query, k=k, exact=exact, **scan), filter_)

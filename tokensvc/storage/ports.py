@@ -1,0 +1,236 @@
+"""The store ports: what the domain needs from storage, as Protocols, with their contracts.
+
+Every implementation (`tokensvc.storage.postgres`, `tokensvc.storage.memory`) passes the one
+conformance suite in `tests/storage/conformance/`, which checks the contracts written here.
+Domain services take these Protocols, never a concrete store.
+
+Common to every tenant-scoped method: it runs in one transaction bound to `tenant` and sees
+nothing outside it (the bucket or namespace predicate, and row-level security in PostgreSQL);
+storage trusts its input (validation happened at the API edge and in the domain).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, Protocol
+
+import numpy as np
+
+from tokensvc.storage.filters import Filter
+from tokensvc.storage.records import (
+    AuditRecord,
+    BaseRow,
+    ChunkRow,
+    DocumentRow,
+    MemoryRecord,
+    MemorySpace,
+    NewMemory,
+    PassageRow,
+    Revocation,
+    RevocationKind,
+    SearchOutcome,
+    SearchPlan,
+    StoredRef,
+    Tenant,
+)
+
+__all__ = ["AuditStore", "KnowledgeStore", "MemoryStore", "RevocationStore"]
+
+
+class MemoryStore(Protocol):
+    """Long-term memories: one bucket per (namespace, agent, user), rows deduplicated in it.
+
+    - Every bucket-scoped method reads, changes or counts nothing outside `bucket`.
+    - Expired rows (`expires_at <= now`) are never returned, counted, matched or updated.
+    - Timestamps come from the store's clock; `created_at == updated_at` on insert, and the
+      items of one insert are created in order (later items are newer).
+    """
+
+    async def get_space(self, tenant: Tenant) -> MemorySpace | None:
+        """The space pinned for (tenant.namespace, tenant.agent), None before its first write."""
+
+    async def pin_space(self, tenant: Tenant, space: MemorySpace) -> MemorySpace:
+        """Pin `space` unless one is pinned already; returns what is pinned (a pin never changes).
+        Also makes sure the space's dimension can be indexed."""
+
+    async def move_buckets(self, tenant: Tenant, target: str, sources: Sequence[str]) -> int:
+        """Move the live rows of older-pepper buckets `sources` into `target` (in that order), in
+        one transaction; a source row whose content or idempotency key the target already holds
+        is dropped. Returns the rows moved."""
+
+    async def find_existing(
+        self, tenant: Tenant, bucket: str, hashes: Sequence[bytes], keys: Sequence[str]
+    ) -> list[StoredRef]:
+        """The live rows whose content hash is in `hashes` or idempotency key in `keys`."""
+
+    async def insert(self, tenant: Tenant, bucket: str, rows: Sequence[NewMemory]) -> list[StoredRef]:
+        """All-or-nothing. A row whose content hash or idempotency key is already live in the
+        bucket is not inserted; the existing row is reported (`inserted=False`). When an
+        idempotency key already belongs to a row with other content, nothing is inserted and
+        `AlreadyExists` is raised. Rows are indexed for text search with the space's pinned
+        configuration."""
+
+    async def update(
+        self,
+        tenant: Tenant,
+        bucket: str,
+        memory_id: str,
+        *,
+        content: tuple[str, bytes, np.ndarray] | None,
+        metadata: dict[str, Any] | None,
+        ttl_seconds: int | None,
+        embedder: str,
+    ) -> MemoryRecord | None:
+        """Change what is given (content with its hash and vector; metadata replaced; TTL counted
+        from now) and `updated_at`; None when no live row has the id. `AlreadyExists` (field
+        `content`) when the new content is another live row's."""
+
+    async def delete(self, tenant: Tenant, bucket: str, ids: Sequence[str]) -> int:
+        """Delete the live rows with these ids; returns how many."""
+
+    async def delete_all(self, tenant: Tenant, bucket: str) -> int:
+        """Delete every row of the bucket (expired ones too); returns the live rows deleted."""
+
+    async def sweep_expired(self, limit: int = 1000) -> int:
+        """Delete up to `limit` expired rows of any bucket; returns how many (0: none left)."""
+
+    async def get(self, tenant: Tenant, bucket: str, memory_id: str, embedder: str) -> MemoryRecord | None:
+        """The live row with this id."""
+
+    async def list_page(
+        self,
+        tenant: Tenant,
+        bucket: str,
+        *,
+        limit: int,
+        after: tuple[datetime, str] | None,
+        filter_: Filter | None,
+        embedder: str,
+    ) -> list[MemoryRecord]:
+        """Up to `limit` live rows matching the filter, newest first (created_at, then id,
+        descending), strictly after the cursor (created_at, id)."""
+
+    async def search(
+        self,
+        tenant: Tenant,
+        bucket: str,
+        plan: SearchPlan,
+        *,
+        row_count: int | None,
+        count_cap: int,
+        filter_: Filter | None,
+        embedder: str,
+    ) -> SearchOutcome[MemoryRecord]:
+        """One search in one transaction. `row_count` is the bucket's size when the caller knows
+        it; else the store counts the bucket's rows up to `count_cap` first, in the same
+        transaction. `plan(row_count)` says what to rank (`CandidateQuery`). Returns the
+        candidates (see `CandidateQuery`) over the live rows matching the filter; a memory's
+        neighbours are the bucket's memories created just before and after it."""
+
+
+class KnowledgeStore(Protocol):
+    """Knowledge bases of a namespace, their versioned documents and embedded chunks.
+
+    - `tenant.knowledge_bases` limits what is visible: a launcher's roster, or `*` (management).
+    - A knowledge base's pinned choices never change; deleting it or a document removes its
+      documents and chunks.
+    """
+
+    async def create_base(self, tenant: Tenant, base: BaseRow) -> tuple[BaseRow, bool]:
+        """Insert unless the ref exists; the stored base and whether it was created."""
+
+    async def get_bases(self, tenant: Tenant, refs: Sequence[str]) -> list[BaseRow]:
+        """The bases with these refs (with document counts), ordered by ref."""
+
+    async def list_bases(self, tenant: Tenant, *, after: str | None, limit: int) -> list[BaseRow]:
+        """Up to `limit` bases with refs after `after`, ordered by ref."""
+
+    async def delete_base(self, tenant: Tenant, ref: str) -> int | None:
+        """Delete the base with its documents and chunks; its document count, None if absent."""
+
+    async def upload_state(
+        self, tenant: Tenant, kb_ref: str, doc_ref: str
+    ) -> tuple[BaseRow | None, DocumentRow | None]:
+        """The base and its current document `doc_ref` (each None when absent), one snapshot."""
+
+    async def get_document(self, tenant: Tenant, kb_ref: str, ref: str) -> DocumentRow | None:
+        """The current version of the document."""
+
+    async def list_documents(
+        self, tenant: Tenant, kb_ref: str, *, after: str | None, limit: int, filter_: Filter | None
+    ) -> list[DocumentRow]:
+        """Up to `limit` documents matching the filter with refs after `after`, ordered by ref."""
+
+    async def replace_document(
+        self,
+        tenant: Tenant,
+        *,
+        kb_ref: str,
+        ref: str,
+        content_type: str,
+        content_sha256: bytes,
+        size_bytes: int,
+        metadata: dict[str, Any],
+        chunks: Sequence[ChunkRow] | None,
+    ) -> tuple[DocumentRow, bool] | None:
+        """Store the next version of a document and swap its chunks atomically (any reader sees
+        exactly one version), serialised with other writers of the same document.
+
+        When the current version (read under that serialisation) already has this content, only
+        the metadata is replaced: returns (document, False). Otherwise, with `chunks`, the next
+        version is written: (document, True); with `chunks=None` (a metadata-only change of
+        content the caller believed current) nothing is written and None is returned."""
+
+    async def delete_document(self, tenant: Tenant, kb_ref: str, ref: str) -> int | None:
+        """Delete the document and its chunks; its chunk count, None if absent."""
+
+    async def search(
+        self,
+        tenant: Tenant,
+        kb_refs: Sequence[str],
+        plan: SearchPlan,
+        *,
+        row_count: int | None,
+        count_cap: int,
+        filter_: Filter | None,
+    ) -> SearchOutcome[PassageRow]:
+        """One search over the chunks of `kb_refs` in one transaction (as `MemoryStore.search`,
+        counting chunks); a chunk's neighbours are the chunks before and after it in the same
+        document version."""
+
+
+class RevocationStore(Protocol):
+    """Capability revocations (by token id or by run), never deleted while they matter."""
+
+    async def revoke(self, kind: RevocationKind, value: str, *, reason: str, revoked_by: str) -> datetime:
+        """Record a revocation (idempotent: revoking twice keeps the first); returns when it was
+        first revoked."""
+
+    async def since(self, moment: datetime) -> list[Revocation]:
+        """Revocations whose `revoked_at >= moment` visible now. A row committed long after its
+        `revoked_at` can be missed by a window, which is why pollers also resync with `all()`."""
+
+    async def all(self) -> list[Revocation]:
+        """Every revocation."""
+
+
+class AuditStore(Protocol):
+    """The audit trail: append-only."""
+
+    async def append(
+        self, *, kind: str, actor: str, action: str, target: str, outcome: str, reason: str, detail: str
+    ) -> int:
+        """Record one event (detail cut to 2,048 characters); returns its id (increasing)."""
+
+    async def page(
+        self,
+        *,
+        before_id: int | None,
+        kinds: Sequence[str],
+        since: datetime | None,
+        until: datetime | None,
+        limit: int,
+    ) -> list[AuditRecord]:
+        """Up to `limit` events newest first (by id), with ids below `before_id`, of the given
+        kinds (all when empty), with `since <= occurred_at < until`."""

@@ -1,0 +1,31 @@
+"""The PostgreSQL + pgvector implementation of every store port, its pool, migrations and the
+embedded server. All of tokensvc's SQL lives under this package."""
+
+from tokensvc.storage.postgres.audit import PostgresAuditStore
+from tokensvc.storage.postgres.database import Database, DatabaseTarget, connect_once
+from tokensvc.storage.postgres.embedded import EmbeddedPostgres, EmbeddedPostgresError
+from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
+from tokensvc.storage.postgres.memories import PostgresMemoryStore
+from tokensvc.storage.postgres.migrations import (
+    MigrationError,
+    apply_migrations,
+    available_migrations,
+    schema_version,
+)
+from tokensvc.storage.postgres.revocations import PostgresRevocationStore
+
+__all__ = [
+    "Database",
+    "DatabaseTarget",
+    "EmbeddedPostgres",
+    "EmbeddedPostgresError",
+    "MigrationError",
+    "PostgresAuditStore",
+    "PostgresKnowledgeStore",
+    "PostgresMemoryStore",
+    "PostgresRevocationStore",
+    "apply_migrations",
+    "available_migrations",
+    "connect_once",
+    "schema_version",
+]

@@ -1,0 +1,106 @@
+"""Transactions bound to a tenant: the second wall behind every query's own bucket predicate.
+
+Row-level security policies read `tokensvc.buckets`, `tokensvc.namespace`, `tokensvc.agent` and
+`tokensvc.kbs`; we set them with `set_config(..., true)`, which lasts only until the transaction
+ends, so a pooled connection never carries a request's tenant into the next one. That is also why
+the pool needs no reset query on release (`Database.open_pool`): nothing tokensvc sets outlives
+its transaction, and a test checks it.
+
+The transaction start and the tenant declaration travel as ONE simple-protocol message
+(`BEGIN ...; SELECT set_config(...)`), so a search costs three round trips: that message, the
+query, COMMIT. The values are written as literals, which is safe because each one is checked
+first: `Tenant` validates every field, the other settings are our own constants and numbers, and
+`_literal` refuses a quote-breaking character anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+
+import asyncpg
+
+from tokensvc.observability.deadlines import remaining_ms
+from tokensvc.storage.records import Tenant
+
+__all__ = ["declare_settings", "tenant_transaction"]
+
+_log = logging.getLogger(__name__)
+
+_ACQUIRE_CEILING_S = 30.0
+_ISOLATION = {
+    "read_committed": "READ COMMITTED",
+    "repeatable_read": "REPEATABLE READ",
+    "serializable": "SERIALIZABLE",
+}
+
+
+def _literal(value: str) -> str:
+    """A string literal for a value already validated by its owner (defence in depth)."""
+    if "\\" in value or "\x00" in value:
+        raise ValueError("not a value for a session setting")
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _begin(tenant: Tenant, isolation: str, settings: Mapping[str, str], timeout_ms: int | None) -> str:
+    values = {
+        "tokensvc.buckets": ",".join(tenant.buckets),
+        "tokensvc.namespace": tenant.namespace,
+        "tokensvc.agent": tenant.agent,
+        "tokensvc.kbs": ",".join(tenant.knowledge_bases),
+        **settings,
+    }
+    # The caller's deadline bounds every statement; without one the server default stays.
+    if timeout_ms is not None:
+        values["statement_timeout"] = str(max(1, timeout_ms))
+    return f"BEGIN ISOLATION LEVEL {_ISOLATION[isolation]}; {declare_settings(values)}"
+
+
+def declare_settings(settings: Mapping[str, str]) -> str:
+    """One statement setting these transaction-local settings (names are our own constants)."""
+    return "SELECT " + ", ".join(
+        f"set_config({_literal(k)}, {_literal(v)}, true)" for k, v in settings.items()
+    )
+
+
+@asynccontextmanager
+async def tenant_transaction(
+    pool: asyncpg.Pool,
+    tenant: Tenant,
+    *,
+    isolation: str = "read_committed",
+    settings: Mapping[str, str] | None = None,
+) -> AsyncIterator[asyncpg.Connection]:
+    """A transaction bound to `tenant`; `settings` are more transaction-local settings (e.g. the
+    HNSW scan's), declared in the same message, so they cost no extra round trip.
+
+    Commits when the block ends normally, rolls back when it raises (or is cancelled); a
+    connection whose rollback fails is closed, never returned to the pool mid-transaction.
+    """
+    # Waiting for a connection is bounded too: by the caller's deadline, else a fixed ceiling, so a
+    # hung database cannot queue requests forever (the wait ends as UNAVAILABLE).
+    left = remaining_ms()
+    wait = _ACQUIRE_CEILING_S if left is None else min(left / 1000, _ACQUIRE_CEILING_S)
+    async with pool.acquire(timeout=wait) as conn:
+        left = remaining_ms()
+        try:
+            await conn.execute(_begin(tenant, isolation, settings or {}, left))
+            yield conn  # type: ignore[misc]
+        except BaseException:
+            await _rollback(conn)
+            raise
+        await conn.execute("COMMIT")
+
+
+async def _rollback(conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy) -> None:
+    if conn.is_closed():
+        return
+    try:
+        await conn.execute("ROLLBACK")
+    except BaseException as exc:
+        # The block's own error is what the caller sees; this connection is not reused.
+        _log.warning("rollback failed (%s); closing the connection", type(exc).__name__)
+        conn.terminate()
+        if not isinstance(exc, Exception):
+            raise

@@ -1,0 +1,272 @@
+"""The records the store ports take and return: plain frozen dataclasses, no I/O, no SQL.
+
+The domain builds and reads them; every store implementation (PostgreSQL, in-memory) speaks
+them. They live below the domain so that storage never imports `memory/` or `knowledge/`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Generic, Literal, TypeVar
+
+import numpy as np
+
+from tokensvc.names import is_dns_label, is_kb_ref
+from tokensvc.storage.filters import MetadataScalar
+
+__all__ = [
+    "ALL_KNOWLEDGE_BASES",
+    "MAX_DIMENSION",
+    "AuditRecord",
+    "BaseRow",
+    "Candidate",
+    "CandidateQuery",
+    "ChunkRow",
+    "DocumentRow",
+    "EmbedderSpec",
+    "MemoryRecord",
+    "MemorySpace",
+    "NewMemory",
+    "PassageRow",
+    "Revocation",
+    "RevocationKind",
+    "SearchOutcome",
+    "SearchPlan",
+    "StoredRef",
+    "Tenant",
+]
+
+T = TypeVar("T")
+
+MAX_DIMENSION = 16_000  # pgvector's `vector` type stores at most 16,000 dimensions.
+
+# --- tenancy ------------------------------------------------------------------------------------
+
+_BUCKET = re.compile(r"v[1-9][0-9]{0,8}\.[a-z2-7]{1,128}")
+ALL_KNOWLEDGE_BASES = "*"
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """What one transaction may see: a namespace, an agent's buckets, knowledge bases.
+
+    Every field is checked here, so a store may declare them to the database as they are: the
+    row-level-security policies split the lists on commas, and no element can contain one.
+    """
+
+    namespace: str
+    agent: str = ""
+    buckets: Sequence[str] = ()
+    # Knowledge-base refs (a launcher's roster), or ("*",) for control-plane management.
+    knowledge_bases: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        if not is_dns_label(self.namespace) or (self.agent and not is_dns_label(self.agent)):
+            raise ValueError("not a tenant name")
+        for bucket in self.buckets:
+            if not _BUCKET.fullmatch(bucket):
+                raise ValueError("not a bucket id")
+        for ref in self.knowledge_bases:
+            if ref != ALL_KNOWLEDGE_BASES and not is_kb_ref(ref):
+                raise ValueError("not a knowledge base ref")
+
+
+# --- embedders ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EmbedderSpec:
+    """What a memory space or knowledge base pins: vectors from another spec are not comparable."""
+
+    name: str
+    model: str
+    dimension: int
+    normalized: bool
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.dimension <= MAX_DIMENSION:
+            raise ValueError(f"dimension must be 1..{MAX_DIMENSION}, got {self.dimension}")
+
+
+# --- long-term memory ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryRecord:
+    id: str
+    content: str = field(repr=False)
+    metadata: dict[str, MetadataScalar] = field(repr=False)
+    created_at: datetime
+    updated_at: datetime
+    expires_at: datetime | None
+    embedder: str
+
+
+@dataclass(frozen=True)
+class NewMemory:
+    """A memory ready to store: validated, hashed, embedded (unit length)."""
+
+    id: str
+    content: str = field(repr=False)
+    content_sha256: bytes
+    metadata: dict[str, MetadataScalar] = field(repr=False)
+    idempotency_key: str | None
+    ttl_seconds: int | None
+    embedding: np.ndarray = field(repr=False)
+
+
+@dataclass(frozen=True)
+class StoredRef:
+    """Where an item of an insert ended up: its row, and whether this insert created it."""
+
+    id: str
+    content_sha256: bytes
+    idempotency_key: str | None
+    inserted: bool
+
+
+@dataclass(frozen=True)
+class MemorySpace:
+    """What a memory space pins at its first write: the embedder and the text-search config."""
+
+    embedder: EmbedderSpec
+    text_config: str
+
+
+# --- knowledge bases ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BaseRow:
+    namespace: str
+    ref: str
+    display_name: str
+    embedder: str
+    model: str
+    dimension: int
+    normalized: bool
+    chunking: str
+    chunk_size: int
+    chunk_overlap: int
+    text_config: str
+    created_at: datetime
+    document_count: int = 0
+
+
+@dataclass(frozen=True)
+class DocumentRow:
+    namespace: str
+    kb_ref: str
+    ref: str
+    version: int
+    content_type: str
+    content_sha256: bytes
+    size_bytes: int
+    chunk_count: int
+    metadata: dict[str, Any]
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class ChunkRow:
+    index: int
+    text: str
+    start: int
+    end: int
+    heading_path: tuple[str, ...]
+    embedding: np.ndarray
+
+
+@dataclass(frozen=True)
+class PassageRow:
+    kb_ref: str
+    doc_ref: str
+    version: int
+    chunk_index: int
+    text: str
+    start: int
+    end: int
+    heading_path: tuple[str, ...]
+
+
+# --- search -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate(Generic[T]):
+    """One row a ranker found, with both scores and its neighbours' (None: no neighbour)."""
+
+    item: T
+    vector_score: float  # cosine similarity (0 when the search had no query vector)
+    text_score: float  # BM25; 0 = no query term matched
+    vector_rank: int  # 1-based among the vector ranker's candidates; 0 = not among them
+    text_rank: int  # 1-based among the text ranker's candidates; 0 = not among them
+    previous: tuple[float, float] | None = None  # (vector_score, text_score)
+    next: tuple[float, float] | None = None
+    # The neighbours' local keys (within the candidate's partition), when fetched.
+    previous_key: Any = None
+    next_key: Any = None
+
+
+@dataclass(frozen=True)
+class CandidateQuery:
+    """What to rank: built by the domain (tokensvc.retrieval), trusted by the stores.
+
+    Both rankers see only the searchable rows (tenant, liveness, filter). The vector ranker's
+    candidates are the true top k by inner product when `exact`, else an HNSW scan's (re-run
+    exactly when it comes back short, so results stay complete); the text ranker's are the top k
+    by BM25 over the rows matching any query term. Every candidate carries both scores.
+    """
+
+    vector: np.ndarray | None  # unit length; None: no vector ranker (TEXT mode)
+    text: str | None  # the query's words, space-separated (BM25 sums over them); None: no text ranker
+    or_text: str  # the same words as websearch_to_tsquery alternatives (what matches)
+    text_config: str  # the pinned text-search configuration (an allow-listed name)
+    k: int  # candidates per ranker
+    row_count: int  # N of BM25's idf
+    exact: bool  # exact scan, else HNSW (re-run exactly when short)
+    neighbours: bool  # fetch each candidate's neighbours' scores
+    bm25_k1: float
+    bm25_b: float
+    ef_search: int = 100  # the approximate scan's candidate list
+    max_scan_tuples: int = 20_000  # the approximate scan's bound on visited tuples
+
+
+SearchPlan = Callable[[int], CandidateQuery]
+"""Given the searched rows' count (capped), the query to run: routing is the domain's choice."""
+
+
+@dataclass(frozen=True)
+class SearchOutcome(Generic[T]):
+    """A search's candidates and the row count its plan was given (to cache for the next one)."""
+
+    row_count: int
+    candidates: list[Candidate[T]]
+
+
+# --- capabilities and audit ---------------------------------------------------------------------
+
+RevocationKind = Literal["jti", "run"]
+
+
+@dataclass(frozen=True)
+class Revocation:
+    kind: RevocationKind
+    value: str
+    revoked_at: datetime
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    id: int
+    occurred_at: datetime
+    kind: str
+    actor: str
+    action: str
+    target: str
+    outcome: str
+    reason: str
+    detail: str
