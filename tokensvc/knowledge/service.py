@@ -166,7 +166,7 @@ class KnowledgeBases:
     async def get(self, namespace: str, ref: str) -> BaseRow:
         bases = await self._store.get_bases(_management(namespace), [ref])
         if not bases:
-            raise NotFound(f"no knowledge base {ref!r} in namespace {namespace!r}")
+            raise _no_base(namespace, ref)
         return bases[0]
 
     async def list_bases(self, namespace: str, *, after: str | None, limit: int) -> list[BaseRow]:
@@ -176,7 +176,7 @@ class KnowledgeBases:
         with _tracer.start_as_current_span("knowledge.delete", record_exception=False):
             count = await self._store.delete_base(_management(namespace), ref)
             if count is None:
-                raise NotFound(f"no knowledge base {ref!r} in namespace {namespace!r}")
+                raise _no_base(namespace, ref)
             await self._audit.record(
                 AuditKind.KNOWLEDGE_BASE_DELETION,
                 actor=actor,
@@ -199,9 +199,9 @@ class KnowledgeBases:
             span.set_attribute("tokensvc.namespace", namespace)
             span.set_attribute("tokensvc.upload.bytes", len(content))
             tenant = _management(namespace)
-            base, current = await self._store.upload_state(tenant, kb_ref, doc_ref)
+            base, current = await self._store.document_state(tenant, kb_ref, doc_ref)
             if base is None:
-                raise NotFound(f"no knowledge base {kb_ref!r} in namespace {namespace!r}")
+                raise _no_base(namespace, kb_ref)
             digest = hashlib.sha256(content).digest()
             if current is not None and current.content_sha256 == digest:
                 if current.metadata == metadata:
@@ -256,8 +256,9 @@ class KnowledgeBases:
         return vectors
 
     async def get_document(self, namespace: str, kb_ref: str, doc_ref: str) -> DocumentRow:
-        await self.get(namespace, kb_ref)
-        document = await self._store.get_document(_management(namespace), kb_ref, doc_ref)
+        base, document = await self._store.document_state(_management(namespace), kb_ref, doc_ref)
+        if base is None:
+            raise _no_base(namespace, kb_ref)
         if document is None:
             raise NotFound(f"no document {doc_ref!r} in knowledge base {kb_ref!r}")
         return document
@@ -265,15 +266,17 @@ class KnowledgeBases:
     async def list_documents(
         self, namespace: str, kb_ref: str, *, after: str | None, limit: int, filter_: Filter | None
     ) -> list[DocumentRow]:
-        await self.get(namespace, kb_ref)
-        return await self._store.list_documents(
+        documents = await self._store.list_documents(
             _management(namespace), kb_ref, after=after, limit=limit, filter_=filter_
         )
+        if documents is None:
+            raise _no_base(namespace, kb_ref)
+        return documents
 
     async def delete_document(self, namespace: str, kb_ref: str, doc_ref: str) -> int:
-        await self.get(namespace, kb_ref)
         count = await self._store.delete_document(_management(namespace), kb_ref, doc_ref)
         if count is None:
+            await self.get(namespace, kb_ref)  # which of the two is missing decides the message
             raise NotFound(f"no document {doc_ref!r} in knowledge base {kb_ref!r}")
         return count
 
@@ -374,6 +377,10 @@ class KnowledgeBases:
 
 def _extract_and_chunk(content: bytes, content_type: str, strategy: ChunkingStrategy) -> list[Chunk]:
     return chunk_document(extract_text(content, content_type), strategy)
+
+
+def _no_base(namespace: str, ref: str) -> NotFound:
+    return NotFound(f"no knowledge base {ref!r} in namespace {namespace!r}")
 
 
 def _management(namespace: str) -> Tenant:

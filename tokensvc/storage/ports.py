@@ -149,18 +149,17 @@ class KnowledgeStore(Protocol):
     async def delete_base(self, tenant: Tenant, ref: str) -> int | None:
         """Delete the base with its documents and chunks; its document count, None if absent."""
 
-    async def upload_state(
+    async def document_state(
         self, tenant: Tenant, kb_ref: str, doc_ref: str
     ) -> tuple[BaseRow | None, DocumentRow | None]:
-        """The base and its current document `doc_ref` (each None when absent), one snapshot."""
-
-    async def get_document(self, tenant: Tenant, kb_ref: str, ref: str) -> DocumentRow | None:
-        """The current version of the document."""
+        """The base (document_count 0: not counted) and the current version of its document
+        `doc_ref`, each None when absent (no base: no document either), from one snapshot."""
 
     async def list_documents(
         self, tenant: Tenant, kb_ref: str, *, after: str | None, limit: int, filter_: Filter | None
-    ) -> list[DocumentRow]:
-        """Up to `limit` documents matching the filter with refs after `after`, ordered by ref."""
+    ) -> list[DocumentRow] | None:
+        """Up to `limit` documents matching the filter with refs after `after`, ordered by ref;
+        None when the base does not exist."""
 
     async def replace_document(
         self,

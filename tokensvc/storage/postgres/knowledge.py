@@ -61,13 +61,30 @@ _BASE_COLUMNS = (
 # Reads cast the regconfig to its name.
 _BASE_SELECT = _BASE_COLUMNS.replace("text_config", "text_config::text AS text_config")
 _DOC_COLUMNS = "namespace, kb_ref, ref, version, content_type, content_sha256, size_bytes, chunk_count, metadata, created_at"
+_DOC_FIELDS = tuple(_DOC_COLUMNS.split(", "))
+_BASE_FIELDS = (*_BASE_COLUMNS.split(", "), "document_count")
+_BASE_QUALIFIED = ", ".join(
+    f"b.{c}::text AS {c}" if c == "text_config" else f"b.{c}" for c in _BASE_COLUMNS.split(", ")
+)
+
+
+_INSERT_CHUNKS = """
+    INSERT INTO chunks (namespace, kb_ref, doc_ref, version, chunk_index, text, start_offset,
+                        end_offset, heading_path, metadata, dimension, embedding, text_config)
+    SELECT $1, $2, $3, $4, u.idx, u.text, u.start_offset, u.end_offset,
+           ARRAY(SELECT jsonb_array_elements_text(u.heading::jsonb)), $9, $10, u.embedding,
+           -- The corpus's pinned configuration, read here so no writer can differ.
+           (SELECT b.text_config FROM knowledge_bases b WHERE b.namespace = $1 AND b.ref = $2)
+    FROM unnest($11::int[], $12::text[], $13::int[], $14::int[], $15::text[], $16::vector[])
+         AS u(idx, text, start_offset, end_offset, heading, embedding)
+"""
 
 
 def _base(row: asyncpg.Record) -> BaseRow:
     return BaseRow(**dict(row.items()))
 
 
-def _document(row: asyncpg.Record) -> DocumentRow:
+def _document(row: asyncpg.Record | dict[str, Any]) -> DocumentRow:
     values = dict(row.items())
     values["metadata"] = dict(values["metadata"])
     return DocumentRow(**values)
@@ -137,60 +154,54 @@ class PostgresKnowledgeStore:
         return [_base(row) for row in rows]
 
     async def delete_base(self, tenant: Tenant, ref: str) -> int | None:
-        """Deletes the base with its documents and chunks; the document count, None if absent."""
         async with tenant_transaction(self._pool, tenant) as conn:
+            # RETURNING reads the statement's snapshot: the documents the cascade deletes.
             count = await conn.fetchval(
-                "SELECT count(*) FROM documents WHERE namespace = $1 AND kb_ref = $2", tenant.namespace, ref
+                "DELETE FROM knowledge_bases b WHERE namespace = $1 AND ref = $2 RETURNING (SELECT count(*) "
+                "FROM documents d WHERE d.namespace = b.namespace AND d.kb_ref = b.ref)",
+                tenant.namespace,
+                ref,
             )
-            deleted = await conn.execute(
-                "DELETE FROM knowledge_bases WHERE namespace = $1 AND ref = $2", tenant.namespace, ref
-            )
-        return None if deleted.endswith(" 0") else int(count)
+        return None if count is None else int(count)
 
     # --- documents --------------------------------------------------------------------------
 
-    async def upload_state(
+    async def document_state(
         self, tenant: Tenant, kb_ref: str, doc_ref: str
     ) -> tuple[BaseRow | None, DocumentRow | None]:
         async with tenant_transaction(self._pool, tenant) as conn:
-            base = await conn.fetchrow(
-                f"SELECT {_BASE_SELECT}, 0::bigint AS document_count FROM knowledge_bases b "
-                "WHERE namespace = $1 AND ref = $2",
-                tenant.namespace,
-                kb_ref,
-            )
-            document = None
-            if base is not None:
-                document = await conn.fetchrow(
-                    f"SELECT {_DOC_COLUMNS} FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref = $3",
-                    tenant.namespace,
-                    kb_ref,
-                    doc_ref,
-                )
-        return (None if base is None else _base(base)), (None if document is None else _document(document))
-
-    async def get_document(self, tenant: Tenant, kb_ref: str, ref: str) -> DocumentRow | None:
-        async with tenant_transaction(self._pool, tenant) as conn:
             row = await conn.fetchrow(
-                f"SELECT {_DOC_COLUMNS} FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref = $3",
+                f"SELECT {_BASE_QUALIFIED}, 0::bigint AS document_count, "
+                f"{', '.join(f'd.{c} AS d_{c}' for c in _DOC_FIELDS)} FROM knowledge_bases b "
+                "LEFT JOIN documents d ON d.namespace = b.namespace AND d.kb_ref = b.ref AND d.ref = $3 "
+                "WHERE b.namespace = $1 AND b.ref = $2",
                 tenant.namespace,
                 kb_ref,
-                ref,
+                doc_ref,
             )
-        return None if row is None else _document(row)
+        if row is None:
+            return None, None
+        base = BaseRow(**{name: row[name] for name in _BASE_FIELDS})
+        document = None if row["d_ref"] is None else _document({c: row[f"d_{c}"] for c in _DOC_FIELDS})
+        return base, document
 
     async def list_documents(
         self, tenant: Tenant, kb_ref: str, *, after: str | None, limit: int, filter_: Filter | None
-    ) -> list[DocumentRow]:
+    ) -> list[DocumentRow] | None:
         params: list[Any] = [tenant.namespace, kb_ref, after or "", limit]
-        where = "namespace = $1 AND kb_ref = $2 AND ref > $3"
+        where = "namespace = b.namespace AND kb_ref = b.ref AND ref > $3"
         if filter_ is not None:
             where += f" AND ({compile_filter(filter_, 'metadata', params)})"
         async with tenant_transaction(self._pool, tenant) as conn:
+            # No row: no such base; one row of NULLs: a base without (matching) documents.
             rows = await conn.fetch(
-                f"SELECT {_DOC_COLUMNS} FROM documents WHERE {where} ORDER BY ref LIMIT $4", *params
+                f"SELECT d.* FROM knowledge_bases b LEFT JOIN LATERAL (SELECT {_DOC_COLUMNS} FROM documents "
+                f"WHERE {where} ORDER BY ref LIMIT $4) d ON true WHERE b.namespace = $1 AND b.ref = $2",
+                *params,
             )
-        return [_document(row) for row in rows]
+        if not rows:
+            return None
+        return [_document(row) for row in rows if row["ref"] is not None]
 
     async def replace_document(
         self,
@@ -204,121 +215,78 @@ class PostgresKnowledgeStore:
         metadata: dict[str, Any],
         chunks: Sequence[ChunkRow] | None,
     ) -> tuple[DocumentRow, bool] | None:
-        """One transaction under the document's advisory lock (contract: the port's)."""
+        """One transaction under the document's advisory lock (contract: the port's): the lock
+        with the transaction's start, the current version read under it, then one write."""
         ns = tenant.namespace
-        async with tenant_transaction(self._pool, tenant) as conn:
-            # Serialise writers of the same document; the first writer creates the row.
-            await conn.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended($1 || '/' || $2 || '/' || $3, 0))",
-                ns,
-                kb_ref,
-                ref,
-            )
+        keys = (ns, kb_ref, ref)
+        # Serialise writers of the same document; the first writer creates the row.
+        async with tenant_transaction(self._pool, tenant, lock=f"{ns}/{kb_ref}/{ref}") as conn:
             stored = await conn.fetchrow(
                 "SELECT version, content_sha256 FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref = $3",
-                ns,
-                kb_ref,
-                ref,
+                *keys,
             )
             if stored is not None and stored["content_sha256"] == content_sha256:
                 row = await conn.fetchrow(
-                    "UPDATE documents SET metadata = $4, updated_at = clock_timestamp() "
-                    f"WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING {_DOC_COLUMNS}",
-                    ns,
-                    kb_ref,
-                    ref,
-                    metadata,
-                )
-                await conn.execute(
-                    "UPDATE chunks SET metadata = $4 WHERE namespace = $1 AND kb_ref = $2 AND doc_ref = $3",
-                    ns,
-                    kb_ref,
-                    ref,
+                    "WITH doc AS (UPDATE documents SET metadata = $4, updated_at = clock_timestamp() "
+                    f"WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING {_DOC_COLUMNS}), "
+                    "swept AS (UPDATE chunks SET metadata = $4 WHERE namespace = $1 AND kb_ref = $2 "
+                    "AND doc_ref = $3) SELECT * FROM doc",
+                    *keys,
                     metadata,
                 )
                 assert row is not None
                 return _document(row), False
             if chunks is None:
                 return None  # the content changed meanwhile: the caller chunks the new one
-            current = None if stored is None else stored["version"]
-            version = 1 if current is None else current + 1
-            values = (
-                ns,
-                kb_ref,
-                ref,
+            version = 1 if stored is None else stored["version"] + 1
+            if stored is None:
+                document = (
+                    f"INSERT INTO documents ({_DOC_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, "
+                    f"clock_timestamp()) RETURNING {_DOC_COLUMNS}"
+                )
+                old_chunks = ""
+            else:
+                document = (
+                    "UPDATE documents SET version = $4, content_type = $5, content_sha256 = $6, size_bytes = $7, "
+                    "chunk_count = $8, metadata = $9, updated_at = clock_timestamp() "
+                    f"WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING {_DOC_COLUMNS}"
+                )
+                old_chunks = (
+                    ", gone AS (DELETE FROM chunks WHERE namespace = $1 AND kb_ref = $2 AND doc_ref = $3 "
+                    "AND version < $4)"
+                )
+            # One statement: the document row, the old version's chunks gone, the new ones in (the
+            # foreign key is checked at the statement's end, when the document row exists).
+            row = await conn.fetchrow(
+                f"WITH doc AS ({document}){old_chunks}, added AS ({_INSERT_CHUNKS}) SELECT * FROM doc",
+                *keys,
                 version,
                 content_type,
                 content_sha256,
                 size_bytes,
                 len(chunks),
                 metadata,
+                max((int(c.embedding.shape[0]) for c in chunks[:1]), default=1),
+                [c.index for c in chunks],
+                [c.text for c in chunks],
+                [c.start for c in chunks],
+                [c.end for c in chunks],
+                # JSON text per chunk: asyncpg would read a list of lists as a 2-D array.
+                [json.dumps(list(c.heading_path)) for c in chunks],
+                [Vector(c.embedding) for c in chunks],
             )
-            if current is None:
-                row = await conn.fetchrow(
-                    f"INSERT INTO documents ({_DOC_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, "
-                    f"clock_timestamp()) RETURNING {_DOC_COLUMNS}",
-                    *values,
-                )
-            else:
-                row = await conn.fetchrow(
-                    "UPDATE documents SET version = $4, content_type = $5, content_sha256 = $6, size_bytes = $7, "
-                    "chunk_count = $8, metadata = $9, updated_at = clock_timestamp() "
-                    f"WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING {_DOC_COLUMNS}",
-                    *values,
-                )
-                await conn.execute(
-                    "DELETE FROM chunks WHERE namespace = $1 AND kb_ref = $2 AND doc_ref = $3 AND version < $4",
-                    ns,
-                    kb_ref,
-                    ref,
-                    version,
-                )
-            if chunks:
-                await conn.execute(
-                    """
-                    INSERT INTO chunks (namespace, kb_ref, doc_ref, version, chunk_index, text, start_offset,
-                                        end_offset, heading_path, metadata, dimension, embedding, text_config)
-                    SELECT $1, $2, $3, $4, u.idx, u.text, u.start_offset, u.end_offset,
-                           ARRAY(SELECT jsonb_array_elements_text(u.heading::jsonb)), $5, $6, u.embedding,
-                           -- The corpus's pinned configuration, read here so no writer can differ.
-                           (SELECT b.text_config FROM knowledge_bases b WHERE b.namespace = $1 AND b.ref = $2)
-                    FROM unnest($7::int[], $8::text[], $9::int[], $10::int[], $11::text[], $12::vector[])
-                         AS u(idx, text, start_offset, end_offset, heading, embedding)
-                    """,
-                    ns,
-                    kb_ref,
-                    ref,
-                    version,
-                    metadata,
-                    int(chunks[0].embedding.shape[0]),
-                    [c.index for c in chunks],
-                    [c.text for c in chunks],
-                    [c.start for c in chunks],
-                    [c.end for c in chunks],
-                    # JSON text per chunk: asyncpg would read a list of lists as a 2-D array.
-                    [json.dumps(list(c.heading_path)) for c in chunks],
-                    [Vector(c.embedding) for c in chunks],
-                )
         assert row is not None
         return _document(row), True
 
     async def delete_document(self, tenant: Tenant, kb_ref: str, ref: str) -> int | None:
         async with tenant_transaction(self._pool, tenant) as conn:
             count = await conn.fetchval(
-                "SELECT chunk_count FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 FOR UPDATE",
+                "DELETE FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING chunk_count",
                 tenant.namespace,
                 kb_ref,
                 ref,
             )
-            if count is None:
-                return None
-            await conn.execute(
-                "DELETE FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref = $3",
-                tenant.namespace,
-                kb_ref,
-                ref,
-            )
-        return int(count)
+        return None if count is None else int(count)
 
     # --- search -----------------------------------------------------------------------------
 

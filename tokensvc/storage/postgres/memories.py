@@ -286,8 +286,11 @@ class PostgresMemoryStore:
     async def delete_all(self, tenant: Tenant, bucket: str) -> int:
         """Everything in the bucket, in one transaction; expired rows go too but are not counted."""
         async with tenant_transaction(self._pool, tenant) as conn:
-            live = await conn.fetchval(f"SELECT count(*) FROM memories WHERE bucket = $1 AND {_LIVE}", bucket)
-            await conn.execute("DELETE FROM memories WHERE bucket = $1", bucket)
+            live = await conn.fetchval(
+                f"WITH gone AS (DELETE FROM memories WHERE bucket = $1 RETURNING expires_at) "
+                f"SELECT count(*) FROM gone WHERE {_LIVE}",
+                bucket,
+            )
         return int(live)
 
     async def sweep_expired(self, limit: int = 1000) -> int:

@@ -43,7 +43,9 @@ def _literal(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
-def _begin(tenant: Tenant, isolation: str, settings: Mapping[str, str], timeout_ms: int | None) -> str:
+def _begin(
+    tenant: Tenant, isolation: str, settings: Mapping[str, str], timeout_ms: int | None, lock: str | None
+) -> str:
     values = {
         "tokensvc.buckets": ",".join(tenant.buckets),
         "tokensvc.namespace": tenant.namespace,
@@ -54,7 +56,10 @@ def _begin(tenant: Tenant, isolation: str, settings: Mapping[str, str], timeout_
     # The caller's deadline bounds every statement; without one the server default stays.
     if timeout_ms is not None:
         values["statement_timeout"] = str(max(1, timeout_ms))
-    return f"BEGIN ISOLATION LEVEL {_ISOLATION[isolation]}; {declare_settings(values)}"
+    begin = f"BEGIN ISOLATION LEVEL {_ISOLATION[isolation]}; {declare_settings(values)}"
+    if lock is not None:
+        begin += f"; SELECT pg_advisory_xact_lock(hashtextextended({_literal(lock)}, 0))"
+    return begin
 
 
 def declare_settings(settings: Mapping[str, str]) -> str:
@@ -71,9 +76,11 @@ async def tenant_transaction(
     *,
     isolation: str = "read_committed",
     settings: Mapping[str, str] | None = None,
+    lock: str | None = None,
 ) -> AsyncIterator[asyncpg.Connection]:
     """A transaction bound to `tenant`; `settings` are more transaction-local settings (e.g. the
-    HNSW scan's), declared in the same message, so they cost no extra round trip.
+    HNSW scan's) and `lock` names a transaction-scoped advisory lock to wait for, both in the
+    same message, so they cost no extra round trip.
 
     Commits when the block ends normally, rolls back when it raises (or is cancelled); a
     connection whose rollback fails is closed, never returned to the pool mid-transaction.
@@ -85,7 +92,7 @@ async def tenant_transaction(
     async with pool.acquire(timeout=wait) as conn:
         left = remaining_ms()
         try:
-            await conn.execute(_begin(tenant, isolation, settings or {}, left))
+            await conn.execute(_begin(tenant, isolation, settings or {}, left, lock))
             yield conn  # type: ignore[misc]
         except BaseException:
             await _rollback(conn)
