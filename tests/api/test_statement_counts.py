@@ -25,7 +25,15 @@ from tests.api.memory_support import Launchers, superuser
 from tests.conftest import ServiceFactory
 from tests.support import SharedDatabase
 from tokensvc.auth.devpki import DevPaths
-from tokensvc.v1 import admin_pb2, admin_pb2_grpc, capability_pb2, capability_pb2_grpc, common_pb2, memory_pb2
+from tokensvc.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    capability_pb2,
+    capability_pb2_grpc,
+    common_pb2,
+    knowledge_pb2,
+    memory_pb2,
+)
 
 # Statements of the service's own background duties (revocation polling, health probes, the
 # memory gauge, the TTL sweeper): not part of any RPC.
@@ -215,7 +223,12 @@ async def test_each_rpc_sends_no_more_statements_than_recorded(
             await record("CreateKnowledgeBase", lambda: manager.create(next(refs)), repeat=1)
             await manager.create(kb)
             await record("GetKnowledgeBase", lambda: manager.get(kb))
-            await record("ListKnowledgeBases", lambda: manager.list_bases(page_size=100))
+            await record(
+                "ListKnowledgeBases",  # one page (the shared namespace may hold many bases)
+                lambda: manager.stub.ListKnowledgeBases(
+                    knowledge_pb2.ListKnowledgeBasesRequest(namespace=manager.namespace, page_size=2)
+                ),
+            )
             docs = iter(range(1_000))
             text = "# Title\n\nSome words about statement counts.\n\n## Part\n\nMore words here.\n"
             await record("UploadDocument (new)", lambda: manager.upload(kb, f"doc-{next(docs)}", text))
