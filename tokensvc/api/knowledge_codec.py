@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
-
 from tokensvc.api.convert import timestamp
-from tokensvc.api.memory_codec import DEFAULT_TOP_K, MAX_TOP_K, decode_page_size
+from tokensvc.api.memory_codec import DEFAULT_TOP_K, MAX_TOP_K
 from tokensvc.errors import InvalidArgument
 from tokensvc.knowledge.chunking import ChunkingKind, ChunkingStrategy
 from tokensvc.knowledge.service import Passage
@@ -20,12 +17,10 @@ __all__ = [
     "decode_doc_ref",
     "decode_kb_ref",
     "decode_namespace",
-    "decode_page",
     "decode_query",
     "decode_top_k",
     "encode_base",
     "encode_document",
-    "encode_page_token",
     "encode_passage",
 ]
 
@@ -83,23 +78,6 @@ def decode_query(value: str) -> str:
     if "\x00" in value:  # PostgreSQL text cannot hold it; the text ranker would fail on it
         raise InvalidArgument("query_text", "must not contain U+0000 (NUL)")
     return value
-
-
-def decode_page(page_size: int, token: str) -> tuple[int, str | None]:
-    """(limit, the last ref of the previous page). Tokens are base64url of that ref."""
-    if not token:
-        return decode_page_size(page_size), None
-    try:
-        after = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode("utf-8")
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        raise InvalidArgument("page_token", "is not a token this service issued") from None
-    if not after or len(after) > 512 or "\x00" in after:
-        raise InvalidArgument("page_token", "is not a token this service issued")
-    return decode_page_size(page_size), after
-
-
-def encode_page_token(last_ref: str) -> str:
-    return base64.urlsafe_b64encode(last_ref.encode("utf-8")).decode().rstrip("=")
 
 
 def encode_base(base: BaseRow) -> knowledge_pb2.KnowledgeBase:

@@ -16,15 +16,14 @@ from tokensvc.api.knowledge_codec import (
     decode_doc_ref,
     decode_kb_ref,
     decode_namespace,
-    decode_page,
     decode_query,
     decode_top_k,
     encode_base,
     encode_document,
-    encode_page_token,
     encode_passage,
 )
-from tokensvc.api.memory_codec import decode_filter
+from tokensvc.api.memory_codec import decode_filter, decode_page_size
+from tokensvc.api.page_tokens import decode_ref_position, encode_ref_position, listing_binding
 from tokensvc.errors import InvalidArgument, PayloadTooLarge
 from tokensvc.knowledge.extract import parse_content_type
 from tokensvc.knowledge.service import KnowledgeBases
@@ -89,11 +88,12 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
     async def ListKnowledgeBases(
         self, request: knowledge_pb2.ListKnowledgeBasesRequest, context: _Context
     ) -> knowledge_pb2.ListKnowledgeBasesResponse:
-        limit, after = decode_page(request.page_size, request.page_token)
-        bases = await self._knowledge.list_bases(
-            decode_namespace(request.namespace), after=after, limit=limit + 1
-        )
-        token = encode_page_token(bases[limit - 1].ref) if len(bases) > limit else ""
+        namespace = decode_namespace(request.namespace)
+        limit = decode_page_size(request.page_size)
+        binding = listing_binding(namespace)
+        after = decode_ref_position(request.page_token, binding)
+        bases = await self._knowledge.list_bases(namespace, after=after, limit=limit + 1)
+        token = encode_ref_position(bases[limit - 1].ref, binding) if len(bases) > limit else ""
         return knowledge_pb2.ListKnowledgeBasesResponse(
             knowledge_bases=[encode_base(base) for base in bases[:limit]], next_page_token=token
         )
@@ -157,15 +157,18 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
     async def ListDocuments(
         self, request: knowledge_pb2.ListDocumentsRequest, context: _Context
     ) -> knowledge_pb2.ListDocumentsResponse:
-        limit, after = decode_page(request.page_size, request.page_token)
+        namespace = decode_namespace(request.namespace)
+        kb_ref = decode_kb_ref(request.knowledge_base_ref, "knowledge_base_ref")
+        has_filter = request.HasField("filter")
+        filter_ = decode_filter(request.filter, has_filter)
+        limit = decode_page_size(request.page_size)
+        filter_bytes = request.filter.SerializeToString(deterministic=True) if has_filter else b""
+        binding = listing_binding(namespace, kb_ref, filter_bytes)
+        after = decode_ref_position(request.page_token, binding)
         documents = await self._knowledge.list_documents(
-            decode_namespace(request.namespace),
-            decode_kb_ref(request.knowledge_base_ref, "knowledge_base_ref"),
-            after=after,
-            limit=limit + 1,
-            filter_=decode_filter(request.filter, request.HasField("filter")),
+            namespace, kb_ref, after=after, limit=limit + 1, filter_=filter_
         )
-        token = encode_page_token(documents[limit - 1].ref) if len(documents) > limit else ""
+        token = encode_ref_position(documents[limit - 1].ref, binding) if len(documents) > limit else ""
         return knowledge_pb2.ListDocumentsResponse(
             documents=[encode_document(d) for d in documents[:limit]], next_page_token=token
         )

@@ -20,8 +20,9 @@ from tokensvc.api.memory_codec import (
     encode_hit,
     encode_memory,
 )
+from tokensvc.api.page_tokens import decode_memory_cursor, encode_memory_cursor, listing_binding
 from tokensvc.memory.metadata import metadata_from_proto
-from tokensvc.memory.paging import PageCursor, decode_page_token, encode_page_token
+from tokensvc.memory.paging import PageCursor
 from tokensvc.memory.service import LongTermMemory
 from tokensvc.v1 import memory_pb2, memory_pb2_grpc
 
@@ -61,11 +62,12 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         filter_bytes = request.filter.SerializeToString(deterministic=True) if has_filter else b""
         page_size = decode_page_size(request.page_size)
         filter_ = decode_filter(request.filter, has_filter)
-        cursor = decode_page_token(request.page_token, filter_bytes)
+        binding = listing_binding(filter_bytes)
+        cursor = decode_memory_cursor(request.page_token, binding)
         records, last = await self._memory.list_page(
             current_scope(), page_size=page_size, cursor=cursor, filter_=filter_
         )
-        token = "" if last is None else encode_page_token(PageCursor(last.created_at, last.id), filter_bytes)
+        token = "" if last is None else encode_memory_cursor(PageCursor(last.created_at, last.id), binding)
         return memory_pb2.ListMemoriesResponse(
             memories=[encode_memory(record) for record in records], next_page_token=token
         )

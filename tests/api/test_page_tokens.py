@@ -1,4 +1,4 @@
-"""ListMemories page tokens: any forged token is INVALID_ARGUMENT naming page_token, never a crash."""
+"""Page tokens (every List RPC): any forged token is INVALID_ARGUMENT naming page_token, never a crash."""
 
 from __future__ import annotations
 
@@ -11,10 +11,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tokensvc.api.page_tokens import (
+    decode_memory_cursor,
+    decode_ref_position,
+    encode_memory_cursor,
+    encode_ref_position,
+    listing_binding,
+)
 from tokensvc.errors import InvalidArgument
-from tokensvc.memory.paging import PageCursor, decode_page_token, encode_page_token
+from tokensvc.memory.paging import PageCursor
 
-FILTER = b"filter-bytes"
+FILTER = listing_binding(b"filter-bytes")
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
@@ -28,7 +35,7 @@ def token_of(body: Any) -> str:
 
 def test_an_issued_token_round_trips() -> None:
     cursor = PageCursor(datetime(2026, 1, 1, tzinfo=UTC), "6f1c0f4e-3c1a-4a57-9f1e-6d2c8f1b2a3c")
-    assert decode_page_token(encode_page_token(cursor, FILTER), FILTER) == cursor
+    assert decode_memory_cursor(encode_memory_cursor(cursor, FILTER), FILTER) == cursor
 
 
 @pytest.mark.parametrize(
@@ -45,7 +52,7 @@ def test_an_issued_token_round_trips() -> None:
 )
 def test_right_keys_with_wrong_value_types_are_invalid_argument(body: Any) -> None:
     with pytest.raises(InvalidArgument) as refused:
-        decode_page_token(token_of(body), FILTER)
+        decode_memory_cursor(token_of(body), FILTER)
     assert refused.value.field == "page_token"
 
 
@@ -53,5 +60,29 @@ def test_right_keys_with_wrong_value_types_are_invalid_argument(body: Any) -> No
 def test_any_forged_json_body_is_invalid_argument(body: Any) -> None:
     # Nothing but an issued token carries this filter's tag, so every forged body is refused.
     with pytest.raises(InvalidArgument) as refused:
-        decode_page_token(token_of(body), FILTER)
+        decode_memory_cursor(token_of(body), FILTER)
     assert refused.value.field == "page_token"
+
+
+def test_a_document_token_is_bound_to_its_knowledge_base_and_filter() -> None:
+    here = listing_binding("default", "kb-one", b"")
+    token = encode_ref_position("doc-7", here)
+    assert decode_ref_position(token, here) == "doc-7"
+    for elsewhere in (listing_binding("default", "kb-two", b""), listing_binding("default", "kb-one", b"f")):
+        with pytest.raises(InvalidArgument) as refused:
+            decode_ref_position(token, elsewhere)
+        assert refused.value.field == "page_token"
+
+
+@given(JSON)
+def test_any_forged_ref_token_is_invalid_argument(body: Any) -> None:
+    with pytest.raises(InvalidArgument) as refused:
+        decode_ref_position(token_of(body), listing_binding("default"))
+    assert refused.value.field == "page_token"
+
+
+def test_a_memory_token_is_not_a_document_token() -> None:
+    binding = listing_binding("default")
+    cursor = PageCursor(datetime(2026, 1, 1, tzinfo=UTC), "6f1c0f4e-3c1a-4a57-9f1e-6d2c8f1b2a3c")
+    with pytest.raises(InvalidArgument):
+        decode_ref_position(encode_memory_cursor(cursor, binding), binding)
