@@ -259,15 +259,12 @@ class TokensvcClient:
         query: str,
         *,
         top_k: int = 10,
-        hybrid: bool = False,
+        mode: common_pb2.SearchMode.ValueType = common_pb2.SEARCH_MODE_UNSPECIFIED,
         filter: common_pb2.Filter | None = None,
         min_score: float | None = None,
     ) -> list[memory_pb2.MemorySearchResult]:
-        request = memory_pb2.SearchMemoriesRequest(
-            query_text=query,
-            top_k=top_k,
-            mode=common_pb2.SEARCH_MODE_HYBRID if hybrid else common_pb2.SEARCH_MODE_VECTOR,
-        )
+        """The best memories for `query`; `mode` unset is the server's default (HYBRID)."""
+        request = memory_pb2.SearchMemoriesRequest(query_text=query, top_k=top_k, mode=mode)
         if filter is not None:
             request.filter.CopyFrom(filter)
         if min_score is not None:
@@ -276,10 +273,16 @@ class TokensvcClient:
         return list(response.results)
 
     async def search_knowledge(
-        self, query: str, *, knowledge_bases: Sequence[str] = (), top_k: int = 5
+        self,
+        query: str,
+        *,
+        knowledge_bases: Sequence[str] = (),
+        top_k: int = 5,
+        mode: common_pb2.SearchMode.ValueType = common_pb2.SEARCH_MODE_UNSPECIFIED,
     ) -> list[knowledge_pb2.Passage]:
+        """Cited passages for `query`; `mode` unset is the server's default (HYBRID)."""
         request = knowledge_pb2.SearchKnowledgeRequest(
-            knowledge_base_refs=list(knowledge_bases), query_text=query, top_k=top_k
+            knowledge_base_refs=list(knowledge_bases), query_text=query, top_k=top_k, mode=mode
         )
         response = await self.call("KnowledgeService", "SearchKnowledge", request, capability=True)
         return list(response.passages)
