@@ -589,3 +589,37 @@ async def test_concurrent_searches_never_see_a_mix_of_versions_or_nothing(client
         for passage in passages:
             assert_cited(passage, text)
     assert len(seen_versions) >= 3
+
+
+# --- remembered pins -----------------------------------------------------------------------------
+
+
+async def test_a_search_sees_a_base_recreated_with_another_embedder_by_another_replica(
+    start_service: ServiceFactory, dev: DevPaths, tmp_path: Path
+) -> None:
+    # Replica A remembers the bases' pins from its last search; replica B replaces the base (a
+    # new embedder and dimension) and creates a second one of the roster meanwhile. A's next
+    # search must notice both in its own transaction: no dimension error, no stale corpus.
+    config = tmp_path / "embedders.toml"
+    config.write_text('[embedders.hash128]\nkind = "hash"\ndimension = 128\n', encoding="utf-8")
+    a = await start_service(embedders_file=config)
+    b = await start_service(embedders_file=config)
+    kb, later = new_ref(), new_ref()
+    async with open_clients(a, dev) as on_a, open_clients(b, dev) as on_b:
+        await on_a.manager().create(kb, MARKDOWN, embedder="hash")
+        await on_a.manager().upload(kb, "old.md", "# Old\n\nalpha words from the first corpus")
+        searcher = on_a.searcher([kb, later])
+        assert [p.document_ref for p in await searcher.search("alpha words")] == ["old.md"]
+
+        manager_b = on_b.manager()
+        await manager_b.delete(kb)
+        assert (await manager_b.create(kb, MARKDOWN, embedder="hash128")).knowledge_base.dimension == 128
+        await manager_b.upload(kb, "new.md", "# New\n\nbeta words from the second corpus")
+        await manager_b.create(later, MARKDOWN, embedder="hash")
+        await manager_b.upload(later, "later.md", "# Later\n\ngamma words from a base created after")
+
+        found = {p.document_ref for p in await searcher.search("beta gamma words", top_k=10)}
+        assert found == {"new.md", "later.md"}
+        vector = await searcher.search("beta words", mode=VECTOR)
+        assert vector[0].document_ref == "new.md"
+        assert {p.document_ref for p in vector} <= {"new.md", "later.md"}

@@ -69,8 +69,8 @@ EXPECTED = {
     "UploadDocument (new version)": 7,
     "GetDocument": 3,
     "ListDocuments": 3,
-    "SearchKnowledge hybrid (warm)": 6,  # the bases' pins (to embed with), then the search
-    "SearchKnowledge vector (warm)": 6,
+    "SearchKnowledge hybrid (warm)": 3,  # the remembered pins are checked with BEGIN
+    "SearchKnowledge vector (warm)": 3,
     "DeleteDocument": 3,
     "DeleteKnowledgeBase": 4,  # + the audit event
     "ListAuditEvents": 1,

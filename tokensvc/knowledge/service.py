@@ -32,6 +32,7 @@ from tokensvc.retrieval import (
     DEFAULT_TEXT_CONFIG,
     FusionWeights,
     Ranked,
+    Recent,
     RowCounts,
     SearchMode,
     SearchTuning,
@@ -42,13 +43,14 @@ from tokensvc.retrieval import (
     unit_vector,
     validate_text_config,
 )
-from tokensvc.storage.ports import KnowledgeStore
+from tokensvc.storage.ports import KnowledgeStore, StaleKnowledgeBases
 from tokensvc.storage.records import (
     ALL_KNOWLEDGE_BASES,
     BaseRow,
     CandidateQuery,
     ChunkRow,
     DocumentRow,
+    KnowledgePins,
     PassageRow,
     Tenant,
 )
@@ -105,6 +107,8 @@ class KnowledgeBases:
         self._tuning = tuning or SearchTuning(exact_threshold=5000)
         self._fusion = fusion or FusionWeights()
         self._sizes = RowCounts(self._tuning.row_count_ttl_seconds)
+        # Bases by (namespace, searched refs), as their last search read them.
+        self._pins: Recent[list[BaseRow]] = Recent(self._tuning.row_count_ttl_seconds)
 
     # --- management (control plane, admin) --------------------------------------------------
 
@@ -145,6 +149,7 @@ class KnowledgeBases:
             )
             stored, created = await self._store.create_base(_management(namespace), wanted)
             if created:
+                self._pins.clear()
                 await self._audit.record(
                     AuditKind.KNOWLEDGE_BASE_CREATION,
                     actor=actor,
@@ -175,6 +180,7 @@ class KnowledgeBases:
     async def delete(self, namespace: str, ref: str, *, actor: str) -> int:
         with _tracer.start_as_current_span("knowledge.delete", record_exception=False):
             count = await self._store.delete_base(_management(namespace), ref)
+            self._pins.clear()
             if count is None:
                 raise _no_base(namespace, ref)
             await self._audit.record(
@@ -299,21 +305,50 @@ class KnowledgeBases:
             span.set_attribute("tokensvc.search.mode", str(mode))
             refs = _authorised_refs(scope, refs)
             tenant = Tenant(scope.namespace, scope.agent, knowledge_bases=tuple(refs))
-            bases = await self._store.get_bases(tenant, refs)
-            # One search per (embedder, text config): vectors and lexemes compare only within one.
-            groups: dict[tuple[EmbedderSpec, str], list[str]] = {}
-            for base in bases:
-                groups.setdefault((_spec(base), base.text_config), []).append(base.ref)
-            ranked: list[Ranked[PassageRow]] = []
-            for (spec, text_config), group in groups.items():
-                ranked += await self._search_group(
-                    tenant, spec, text_config, group, query, top_k, min_score, filter_, mode
-                )
-            if len(groups) > 1:
-                ranked.sort(key=lambda r: -r.score)
+            wanted = (query, top_k, min_score, filter_, mode)
+            # The bases' pins (what to embed the query with) are remembered for a while; the
+            # search's own transaction checks they still hold, so a warm search is one
+            # transaction, and a stale one is re-run with the pins read afresh.
+            key = f"{scope.namespace}/{','.join(refs)}"
+            remembered = self._pins.get(key)
+            ranked: list[Ranked[PassageRow]] | None = None
+            if remembered is not None:
+                pins = KnowledgePins(tuple(refs), tuple((b.ref, b.created_at) for b in remembered))
+                try:
+                    ranked = await self._search_bases(tenant, remembered, pins, *wanted)
+                except StaleKnowledgeBases:
+                    span.set_attribute("tokensvc.search.stale_pins", True)
+            if ranked is None:
+                bases = await self._store.get_bases(tenant, refs)
+                self._pins.put(key, bases)
+                ranked = await self._search_bases(tenant, bases, None, *wanted)
             passages = [_passage(r) for r in ranked[:top_k]]
             span.set_attribute("tokensvc.result_count", len(passages))
             return passages
+
+    async def _search_bases(
+        self,
+        tenant: Tenant,
+        bases: Sequence[BaseRow],
+        pins: KnowledgePins | None,
+        query: str,
+        top_k: int,
+        min_score: float | None,
+        filter_: Filter | None,
+        mode: SearchMode,
+    ) -> list[Ranked[PassageRow]]:
+        # One search per (embedder, text config): vectors and lexemes compare only within one.
+        groups: dict[tuple[EmbedderSpec, str], list[str]] = {}
+        for base in bases:
+            groups.setdefault((_spec(base), base.text_config), []).append(base.ref)
+        ranked: list[Ranked[PassageRow]] = []
+        for (spec, text_config), group in groups.items():
+            ranked += await self._search_group(
+                tenant, spec, text_config, group, pins, query, top_k, min_score, filter_, mode
+            )
+        if len(groups) > 1:
+            ranked.sort(key=lambda r: -r.score)
+        return ranked
 
     async def _search_group(
         self,
@@ -321,6 +356,7 @@ class KnowledgeBases:
         spec: EmbedderSpec,
         text_config: str,
         refs: list[str],
+        pins: KnowledgePins | None,
         query: str,
         top_k: int,
         min_score: float | None,
@@ -357,7 +393,7 @@ class KnowledgeBases:
         key = f"{tenant.namespace}/{','.join(refs)}"
         cached = self._sizes.get(key)
         outcome = await self._store.search(
-            tenant, refs, plan, row_count=cached, count_cap=tuning.count_cap, filter_=filter_
+            tenant, refs, plan, row_count=cached, count_cap=tuning.count_cap, filter_=filter_, expect=pins
         )
         if cached is None:
             self._sizes.put(key, outcome.row_count)

@@ -20,7 +20,7 @@ from tokensvc.retrieval.fusion import (
     rank_by_text,
     rank_by_vector,
 )
-from tokensvc.retrieval.routing import HNSW_MAX_DIMENSION, RowCounts, SearchTuning
+from tokensvc.retrieval.routing import HNSW_MAX_DIMENSION, Recent, RowCounts, SearchTuning
 from tokensvc.retrieval.text import (
     BM25_B,
     BM25_K1,
@@ -41,6 +41,7 @@ __all__ = [
     "Candidate",
     "FusionWeights",
     "Ranked",
+    "Recent",
     "RowCounts",
     "SearchMode",
     "SearchTuning",

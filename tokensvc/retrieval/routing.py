@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
-__all__ = ["HNSW_MAX_DIMENSION", "RowCounts", "SearchTuning"]
+__all__ = ["HNSW_MAX_DIMENSION", "Recent", "RowCounts", "SearchTuning"]
+
+T = TypeVar("T")
 
 HNSW_MAX_DIMENSION = 2000  # HNSW on `vector` indexes at most 2,000 dimensions
 
@@ -49,7 +52,33 @@ class SearchTuning:
         return max(self.ef_search, 2 * k)
 
 
-class RowCounts:
+class Recent(Generic[T]):
+    """Values kept for `ttl` seconds (at most `capacity`, the oldest dropped first)."""
+
+    def __init__(self, ttl: float, capacity: int = 100_000):
+        self._ttl = ttl
+        self._capacity = capacity
+        self._entries: dict[str, tuple[T, float]] = {}
+
+    def get(self, key: str) -> T | None:
+        entry = self._entries.get(key)
+        if entry is None or entry[1] <= time.monotonic():
+            return None
+        return entry[0]
+
+    def put(self, key: str, value: T) -> None:
+        if len(self._entries) >= self._capacity:
+            self._entries.pop(next(iter(self._entries)))
+        self._entries[key] = (value, time.monotonic() + self._ttl)
+
+    def forget(self, key: str) -> None:
+        self._entries.pop(key, None)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+class RowCounts(Recent[int]):
     """Row counts of buckets or corpora (capped), reused for a while: they route searches and weigh
     BM25 terms, never decide results.
 
@@ -58,25 +87,6 @@ class RowCounts:
     Writes made by this process adjust the count at once; other replicas' after the TTL.
     """
 
-    def __init__(self, ttl: float, capacity: int = 100_000):
-        self._ttl = ttl
-        self._capacity = capacity
-        self._entries: dict[str, tuple[int, float]] = {}
-
-    def get(self, key: str) -> int | None:
-        entry = self._entries.get(key)
-        if entry is None or entry[1] <= time.monotonic():
-            return None
-        return entry[0]
-
-    def put(self, key: str, rows: int) -> None:
-        if len(self._entries) >= self._capacity:
-            self._entries.pop(next(iter(self._entries)))
-        self._entries[key] = (rows, time.monotonic() + self._ttl)
-
     def grew(self, key: str, rows: int) -> None:
         if (entry := self._entries.get(key)) is not None:
             self._entries[key] = (max(0, entry[0] + rows), entry[1])
-
-    def forget(self, key: str) -> None:
-        self._entries.pop(key, None)

@@ -23,6 +23,7 @@ from tokensvc.storage.records import (
     BaseRow,
     ChunkRow,
     DocumentRow,
+    KnowledgePins,
     MemoryRecord,
     MemorySpace,
     NewMemory,
@@ -35,7 +36,11 @@ from tokensvc.storage.records import (
     Tenant,
 )
 
-__all__ = ["AuditStore", "KnowledgeStore", "MemoryStore", "RevocationStore"]
+__all__ = ["AuditStore", "KnowledgeStore", "MemoryStore", "RevocationStore", "StaleKnowledgeBases"]
+
+
+class StaleKnowledgeBases(Exception):
+    """A knowledge search's `expect` no longer holds: re-read the bases and search again."""
 
 
 class MemoryStore(Protocol):
@@ -193,10 +198,13 @@ class KnowledgeStore(Protocol):
         row_count: int | None,
         count_cap: int,
         filter_: Filter | None,
+        expect: KnowledgePins | None = None,
     ) -> SearchOutcome[PassageRow]:
         """One search over the chunks of `kb_refs` in one transaction (as `MemoryStore.search`,
         counting chunks); a chunk's neighbours are the chunks before and after it in the same
-        document version."""
+        document version. With `expect`, the transaction first checks that exactly those refs of
+        the roster exist, each with that creation time, and raises `StaleKnowledgeBases`
+        (searching nothing) when not."""
 
 
 class RevocationStore(Protocol):

@@ -27,6 +27,7 @@ __all__ = [
     "ChunkRow",
     "DocumentRow",
     "EmbedderSpec",
+    "KnowledgePins",
     "MemoryRecord",
     "MemorySpace",
     "NewMemory",
@@ -178,6 +179,14 @@ class ChunkRow:
     end: int
     heading_path: tuple[str, ...]
     embedding: np.ndarray
+
+
+@dataclass(frozen=True)
+class KnowledgePins:
+    """What a knowledge search assumed: which refs of its roster exist, each created when."""
+
+    roster: tuple[str, ...]
+    created: tuple[tuple[str, datetime], ...]  # (ref, created_at) of the existing ones
 
 
 @dataclass(frozen=True)

@@ -15,17 +15,19 @@ import asyncpg
 from pgvector import Vector
 
 from tokensvc.storage.filters import Filter
+from tokensvc.storage.ports import StaleKnowledgeBases
 from tokensvc.storage.postgres.filters import compile_filter
 from tokensvc.storage.postgres.ranking import (
     Corpus,
     candidates_from,
     fetch_candidates,
 )
-from tokensvc.storage.postgres.tenant import tenant_transaction
+from tokensvc.storage.postgres.tenant import literal, tenant_transaction
 from tokensvc.storage.records import (
     BaseRow,
     ChunkRow,
     DocumentRow,
+    KnowledgePins,
     PassageRow,
     SearchOutcome,
     SearchPlan,
@@ -299,6 +301,7 @@ class PostgresKnowledgeStore:
         row_count: int | None,
         count_cap: int,
         filter_: Filter | None,
+        expect: KnowledgePins | None = None,
     ) -> SearchOutcome[PassageRow]:
         def where(params: list[Any], searchable: bool) -> str:
             params += [tenant.namespace, list(kb_refs)]
@@ -307,10 +310,37 @@ class PostgresKnowledgeStore:
                 predicate += f" AND ({compile_filter(filter_, 'metadata', params)})"
             return predicate
 
-        rows, found = await fetch_candidates(
-            self._pool, tenant, _CORPUS, plan, where, row_count=row_count, count_cap=count_cap
-        )
+        try:
+            rows, found = await fetch_candidates(
+                self._pool,
+                tenant,
+                _CORPUS,
+                plan,
+                where,
+                row_count=row_count,
+                count_cap=count_cap,
+                checks=() if expect is None else (_expectation(expect),),
+            )
+        except asyncpg.PostgresError as exc:
+            if exc.sqlstate == _STALE_PINS:
+                raise StaleKnowledgeBases() from None
+            raise
         return SearchOutcome(rows, candidates_from(found, _passage))
+
+
+_STALE_PINS = "TS001"  # raised by tokensvc.expect_knowledge_bases (migration 0010)
+
+
+def _expectation(expect: KnowledgePins) -> str:
+    def array(values: list[str], kind: str) -> str:
+        return f"ARRAY[{', '.join(literal(v) for v in values)}]::{kind}[]"
+
+    refs = [ref for ref, _ in expect.created]
+    created = [moment.isoformat() for _, moment in expect.created]
+    return (
+        f"SELECT expect_knowledge_bases({array(list(expect.roster), 'text')}, {array(refs, 'text')}, "
+        f"{array(created, 'timestamptz')})"
+    )
 
 
 def _passage(row: asyncpg.Record) -> PassageRow:

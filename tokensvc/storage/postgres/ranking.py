@@ -339,19 +339,21 @@ async def fetch_candidates(
     *,
     row_count: int | None,
     count_cap: int,
+    checks: Sequence[str] = (),
 ) -> tuple[int, list[asyncpg.Record]]:
     """Run one search in one tenant transaction: count the searched rows first (up to
     `count_cap`) unless `row_count` is known, then the statement `plan(row_count)` asks for.
 
     `where(params, searchable)` appends its parameters and returns the predicate of the tenant's
     rows (`searchable=False`: what is counted) or of the searchable ones (liveness and filter
-    too). An approximate search that comes back short (a selective filter in a big index) re-runs
+    too); `checks` run with the transaction's start (`tenant_transaction`). An approximate search
+    that comes back short (a selective filter in a big index) re-runs
     exactly in the same transaction, so results stay complete. Returns the row count the plan was
     given (the query's `row_count`) and the rows.
     """
     query = None if row_count is None else plan(row_count)
     settings = None if query is None else search_settings(query)
-    async with tenant_transaction(pool, tenant, settings=settings) as conn:
+    async with tenant_transaction(pool, tenant, settings=settings, checks=checks) as conn:
         if query is None:
             params: list[Any] = []
             scope = where(params, False)

@@ -16,7 +16,7 @@ first: `Tenant` validates every field, the other settings are our own constants 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 import asyncpg
@@ -24,7 +24,7 @@ import asyncpg
 from tokensvc.observability.deadlines import remaining_ms
 from tokensvc.storage.records import Tenant
 
-__all__ = ["declare_settings", "tenant_transaction"]
+__all__ = ["declare_settings", "literal", "tenant_transaction"]
 
 _log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ _ISOLATION = {
 }
 
 
-def _literal(value: str) -> str:
+def literal(value: str) -> str:
     """A string literal for a value already validated by its owner (defence in depth)."""
     if "\\" in value or "\x00" in value:
         raise ValueError("not a value for a session setting")
@@ -44,7 +44,12 @@ def _literal(value: str) -> str:
 
 
 def _begin(
-    tenant: Tenant, isolation: str, settings: Mapping[str, str], timeout_ms: int | None, lock: str | None
+    tenant: Tenant,
+    isolation: str,
+    settings: Mapping[str, str],
+    timeout_ms: int | None,
+    lock: str | None,
+    checks: Sequence[str],
 ) -> str:
     values = {
         "tokensvc.buckets": ",".join(tenant.buckets),
@@ -58,15 +63,13 @@ def _begin(
         values["statement_timeout"] = str(max(1, timeout_ms))
     begin = f"BEGIN ISOLATION LEVEL {_ISOLATION[isolation]}; {declare_settings(values)}"
     if lock is not None:
-        begin += f"; SELECT pg_advisory_xact_lock(hashtextextended({_literal(lock)}, 0))"
-    return begin
+        begin += f"; SELECT pg_advisory_xact_lock(hashtextextended({literal(lock)}, 0))"
+    return "; ".join([begin, *checks])
 
 
 def declare_settings(settings: Mapping[str, str]) -> str:
     """One statement setting these transaction-local settings (names are our own constants)."""
-    return "SELECT " + ", ".join(
-        f"set_config({_literal(k)}, {_literal(v)}, true)" for k, v in settings.items()
-    )
+    return "SELECT " + ", ".join(f"set_config({literal(k)}, {literal(v)}, true)" for k, v in settings.items())
 
 
 @asynccontextmanager
@@ -77,10 +80,13 @@ async def tenant_transaction(
     isolation: str = "read_committed",
     settings: Mapping[str, str] | None = None,
     lock: str | None = None,
+    checks: Sequence[str] = (),
 ) -> AsyncIterator[asyncpg.Connection]:
     """A transaction bound to `tenant`; `settings` are more transaction-local settings (e.g. the
     HNSW scan's) and `lock` names a transaction-scoped advisory lock to wait for, both in the
-    same message, so they cost no extra round trip.
+    same message, so they cost no extra round trip; so are `checks`, statements of this package
+    (their values written with `literal`) that fail the transaction's start when an expectation
+    of the caller no longer holds.
 
     Commits when the block ends normally, rolls back when it raises (or is cancelled); a
     connection whose rollback fails is closed, never returned to the pool mid-transaction.
@@ -92,7 +98,7 @@ async def tenant_transaction(
     async with pool.acquire(timeout=wait) as conn:
         left = remaining_ms()
         try:
-            await conn.execute(_begin(tenant, isolation, settings or {}, left, lock))
+            await conn.execute(_begin(tenant, isolation, settings or {}, left, lock, checks))
             yield conn  # type: ignore[misc]
         except BaseException:
             await _rollback(conn)
