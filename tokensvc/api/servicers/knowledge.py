@@ -25,10 +25,11 @@ from tokensvc.api.knowledge_codec import (
     encode_passage,
 )
 from tokensvc.api.memory_codec import decode_filter
+from tokensvc.api.metadata_codec import metadata_from_proto
 from tokensvc.errors import InvalidArgument, PayloadTooLarge
 from tokensvc.knowledge.extract import parse_content_type
 from tokensvc.knowledge.service import KnowledgeBases
-from tokensvc.memory.metadata import MetadataScalar, metadata_from_proto
+from tokensvc.memory.metadata import MetadataScalar
 from tokensvc.v1 import knowledge_pb2, knowledge_pb2_grpc
 
 __all__ = ["KnowledgeServicer"]

@@ -20,7 +20,7 @@ from tokensvc.api.memory_codec import (
     encode_hit,
     encode_memory,
 )
-from tokensvc.memory.metadata import metadata_from_proto
+from tokensvc.api.metadata_codec import metadata_from_proto
 from tokensvc.memory.paging import PageCursor, decode_page_token, encode_page_token
 from tokensvc.memory.service import LongTermMemory
 from tokensvc.v1 import memory_pb2, memory_pb2_grpc

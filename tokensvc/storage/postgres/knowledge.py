@@ -15,6 +15,7 @@ import asyncpg
 from pgvector import Vector
 
 from tokensvc.storage.filters import Filter
+from tokensvc.storage.postgres.errors import translate_errors
 from tokensvc.storage.postgres.filters import compile_filter
 from tokensvc.storage.postgres.ranking import (
     Corpus,
@@ -73,6 +74,7 @@ def _document(row: asyncpg.Record) -> DocumentRow:
     return DocumentRow(**values)
 
 
+@translate_errors
 class PostgresKnowledgeStore:
     def __init__(self, pool: asyncpg.Pool):
         self._pool = pool
