@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2
 
+from tokensvc.api.status import status_code_for_reason
 from tokensvc.cli.main import build_parser
-from tokensvc.errors import Reason, status_code_for_reason
+from tokensvc.errors import Reason
 from tokensvc.v1 import admin_pb2, capability_pb2, knowledge_pb2, memory_pb2
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,5 @@
-"""The one error table: every reason has a status code and matches the proto enum."""
+"""The one error table: every reason has a status code and matches the proto enum; database
+failures reach it as domain errors, translated by exception class in storage."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import grpc
 import pytest
 
 from tokensvc import errors
-from tokensvc.errors import Reason, status_for
+from tokensvc.api.status import status_code_for_reason, status_for
+from tokensvc.errors import Reason
+from tokensvc.storage.postgres.errors import database_errors, domain_error
 from tokensvc.v1 import common_pb2
 
 PROTO_PREFIX = "ERROR_REASON_"
@@ -24,7 +27,7 @@ def test_reasons_mirror_the_proto_error_reason_enum_exactly() -> None:
 
 def test_every_reason_maps_to_a_status_code() -> None:
     for reason in Reason:
-        assert isinstance(errors.status_code_for_reason(reason), grpc.StatusCode)
+        assert isinstance(status_code_for_reason(reason), grpc.StatusCode)
 
 
 @pytest.mark.parametrize(
@@ -52,10 +55,42 @@ def test_invalid_argument_names_its_field() -> None:
 
 
 def test_database_errors_are_translated_by_class_not_message() -> None:
-    lost = asyncpg.ConnectionDoesNotExistError("anything at all")
+    lost = domain_error(asyncpg.ConnectionDoesNotExistError("anything at all"))
+    assert isinstance(lost, errors.DatabaseUnavailable)
+    assert status_for(lost).code == grpc.StatusCode.UNAVAILABLE
     assert status_for(lost).reason == Reason.DATABASE_UNAVAILABLE
-    cancelled = asyncpg.QueryCanceledError("canceling statement due to user request")
+    cancelled = domain_error(asyncpg.QueryCanceledError("canceling statement due to user request"))
+    assert isinstance(cancelled, errors.DeadlineExceeded)
     assert status_for(cancelled).code == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The same message on another class is not a connection failure.
+    assert domain_error(asyncpg.CheckViolationError("connection does not exist")) is None
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        asyncpg.CannotConnectNowError("the database system is starting up"),
+        asyncpg.AdminShutdownError("terminating connection due to administrator command"),
+        asyncpg.TooManyConnectionsError("sorry, too many clients already"),
+        ConnectionResetError("connection reset by peer"),
+        TimeoutError(),
+    ],
+)
+def test_a_lost_or_unreachable_database_becomes_database_unavailable(failure: Exception) -> None:
+    with pytest.raises(errors.DatabaseUnavailable) as caught, database_errors():
+        raise failure
+    assert caught.value.__cause__ is failure
+    assert status_for(caught.value).code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_other_database_errors_pass_through_and_answer_internal_generically() -> None:
+    refused = asyncpg.InsufficientPrivilegeError("new row violates row-level security policy for table")
+    with pytest.raises(asyncpg.InsufficientPrivilegeError), database_errors():
+        raise refused
+    info = status_for(refused)
+    assert info.code == grpc.StatusCode.INTERNAL
+    assert info.internal
+    assert "row-level security" not in info.message
 
 
 def test_unknown_errors_become_internal_with_a_generic_message() -> None:

@@ -10,14 +10,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-import asyncpg
-
-from tokensvc.audit import AuditKind, AuditLog, AuditOutcome
+from tokensvc.audit import AuditKind, AuditLog, AuditOutcome, AuditRecord
 from tokensvc.auth.buckets import PepperKeyring
 from tokensvc.auth.keyset import TrustBundle
 from tokensvc.credentials.custody import CredentialCustodian, CredentialStatus
 from tokensvc.errors import InvalidArgument, TokensvcError
-from tokensvc.storage.records import AuditRecord
+from tokensvc.storage.ports import MemoryStatistics
 
 __all__ = ["Administration", "PepperCount"]
 
@@ -37,13 +35,13 @@ class Administration:
         bundle: TrustBundle,
         keyring: PepperKeyring,
         audit: AuditLog,
-        pool: asyncpg.Pool,
+        statistics: MemoryStatistics,
     ):
         self._custodian = custodian
         self._bundle = bundle
         self._keyring = keyring
         self._audit = audit
-        self._pool = pool
+        self._statistics = statistics
 
     async def rotate(self, mode: str, actor: str) -> tuple[CredentialStatus, list[PepperCount]]:
         if mode == "reload":
@@ -57,9 +55,7 @@ class Administration:
         return await self.status()
 
     async def status(self) -> tuple[CredentialStatus, list[PepperCount]]:
-        async with self._pool.acquire() as conn:
-            rows = await conn.fetch("SELECT pepper_version, row_count FROM memory_rows_by_pepper_version()")
-        counts = {int(row[0]): int(row[1]) for row in rows}
+        counts = await self._statistics.rows_by_pepper_version()
         newest = self._keyring.newest_version
         for version in self._keyring.versions:
             counts.setdefault(version, 0)

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import grpc
 from grpc_health.v1 import _async as health_aio  # re-exported as health.aio; named for mypy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -37,24 +36,20 @@ from tokensvc.auth.keyset import TrustBundle
 from tokensvc.auth.operations import CapabilityOperations
 from tokensvc.auth.revocation import RevocationList
 from tokensvc.credentials.custody import CredentialCustodian
-from tokensvc.credentials.journal import PostgresRotationJournal
 from tokensvc.embedders import EmbedderRegistry, load_embedders
 from tokensvc.knowledge.service import KnowledgeBases
 from tokensvc.memory.service import LongTermMemory
 from tokensvc.observability import METRICS, configure_tracing, start_metrics_server
 from tokensvc.retrieval import FusionWeights, SearchTuning
 from tokensvc.settings import Settings, SettingsError
-from tokensvc.storage.postgres import (
-    Database,
-    apply_migrations,
-    available_migrations,
-    connect_once,
-    schema_version,
-)
+from tokensvc.storage.postgres import Database
 from tokensvc.storage.postgres.audit import PostgresAuditStore
 from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
+from tokensvc.storage.postgres.logins import PostgresLogins
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
+from tokensvc.storage.postgres.monitoring import PostgresHealth, PostgresStatistics
 from tokensvc.storage.postgres.revocations import PostgresRevocationStore
+from tokensvc.storage.postgres.rotations import PostgresRotationJournal
 from tokensvc.supervision import HealthMonitor, refresh_memory_gauge_forever, sweep_forever
 from tokensvc.tls import ReloadingServerCredentials, TlsMaterialError
 
@@ -103,22 +98,21 @@ class Service:
         issuer = self._issuer()
         self.embedders = self._embedders()
 
-        pool = await self._open_database()
+        database = await self._open_database()
         self.revocations = RevocationList(
-            PostgresRevocationStore(pool), poll_seconds=self.settings.revocation_poll_seconds
+            PostgresRevocationStore(database.pool), poll_seconds=self.settings.revocation_poll_seconds
         )
         await self.revocations.start()
         identities = self._identities()
         self.authenticator = self._authenticator(bundle, keyring, identities)
-        domain = self._domain(pool, bundle, keyring, issuer)
+        domain = self._domain(database, bundle, keyring, issuer)
         self.server = self._server(domain, identities)
         self.port = self.server.add_secure_port(self.settings.listen_address, self.tls.credentials())
         if self.port == 0:
             raise SettingsError(f"listen_address: cannot bind {self.settings.listen_address}")
         await self.server.start()
-        for name in ("", *service_names()):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._start_background(pool)
+        await self._publish_health(True)
+        self._start_background(database)
         _log.info("serving", extra={"address": self.settings.listen_address, "port": self.port})
 
     def _tls(self) -> ReloadingServerCredentials:
@@ -137,27 +131,24 @@ class Service:
             )
         return embedders
 
-    async def _open_database(self) -> asyncpg.Pool:
+    async def _open_database(self) -> Database:
         """Locate (or start) the database, migrate if asked, open the pool, recover rotations."""
-        self.database = await Database.locate(self.settings)
+        database = self.database = await Database.locate(self.settings)
         if self.settings.migrate_on_start:
-            await migrate(self.database, self.settings)
-        target = self.database.target
+            await migrate(database, self.settings)
+        target = database.target
         self.custodian = CredentialCustodian(
-            host=target.host,
-            port=target.port,
-            database=target.database,
             source=target.app_credentials,
             rotator=target.rotator_credentials,
             login_roles=(self.settings.database_login_roles[0], self.settings.database_login_roles[1]),
-            connect_timeout=self.settings.database_connect_timeout_seconds,
+            logins=PostgresLogins(target),
         )
-        pool = await self.database.open_pool(self.custodian.credential_for_new_connection)
+        pool = await database.open_pool(self.custodian.credential_for_new_connection)
         await self._check_schema()
         self.audit = AuditLog(PostgresAuditStore(pool))
         self.custodian.attach(pool, PostgresRotationJournal(pool), self.audit)
         await self.custodian.recover()
-        return pool
+        return database
 
     def _authenticator(
         self, bundle: TrustBundle, keyring: PepperKeyring, identities: IdentityPolicy
@@ -179,13 +170,14 @@ class Service:
         )
 
     def _domain(
-        self, pool: asyncpg.Pool, bundle: TrustBundle, keyring: PepperKeyring, issuer: CapabilityIssuer | None
+        self, database: Database, bundle: TrustBundle, keyring: PepperKeyring, issuer: CapabilityIssuer | None
     ) -> Domain:
         assert self.embedders is not None
         assert self.audit is not None
         assert self.custodian is not None
         assert self.revocations is not None
         settings = self.settings
+        pool = database.pool
         tuning = SearchTuning(
             exact_threshold=settings.memory_exact_search_threshold,
             ef_search=settings.memory_hnsw_ef_search,
@@ -225,7 +217,11 @@ class Service:
             knowledge=self.knowledge,
             max_upload_bytes=settings.knowledge_max_upload_bytes,
             administration=Administration(
-                custodian=self.custodian, bundle=bundle, keyring=keyring, audit=self.audit, pool=pool
+                custodian=self.custodian,
+                bundle=bundle,
+                keyring=keyring,
+                audit=self.audit,
+                statistics=PostgresStatistics(pool),
             ),
         )
 
@@ -266,24 +262,30 @@ class Service:
             server.add_generic_rpc_handlers((handler,))
         return server
 
-    def _start_background(self, pool: asyncpg.Pool) -> None:
-        assert self.database is not None
+    async def _publish_health(self, serving: bool) -> None:
+        """Every service's gRPC health status (and the server's, named "")."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *service_names()):
+            await self.health.set(name, status)
+
+    def _start_background(self, database: Database) -> None:
         assert self.custodian is not None
         assert self.memory is not None
         settings = self.settings
+        pool = database.pool
         self.monitor = HealthMonitor(
-            pool,
-            self.health,
-            service_names(),
-            embedded=self.database.embedded,
+            PostgresHealth(pool, probe_timeout=settings.database_connect_timeout_seconds),
+            self._publish_health,
+            embedded=database.embedded,
             interval=settings.health_check_interval_seconds,
-            probe_timeout=settings.database_connect_timeout_seconds,
         )
         duties = {
             "health-monitor": self.monitor.run(),
             "credential-watch": self.custodian.watch(settings.credential_watch_seconds),
             "memory-sweeper": sweep_forever(self.memory, settings.memory_sweep_interval_seconds),
-            "memory-gauge": refresh_memory_gauge_forever(pool, 60.0),
+            "memory-gauge": refresh_memory_gauge_forever(PostgresStatistics(pool), 60.0),
         }
         self._background += [asyncio.create_task(duty, name=name) for name, duty in duties.items()]
         self._unwatch_pool = METRICS.live.watch_pool(
@@ -315,9 +317,7 @@ class Service:
 
     async def _check_schema(self) -> None:
         assert self.database is not None
-        async with self.database.pool.acquire() as conn:
-            have = await schema_version(conn)  # type: ignore[arg-type]
-        want = len(available_migrations())
+        have, want = await self.database.schema_versions()
         if have < want:
             raise SchemaOutdated(
                 f"the database schema is at version {have}, this tokensvc needs {want}: "
@@ -359,15 +359,7 @@ def _load_keyring(pepper_dir: Path) -> PepperKeyring:
 
 async def migrate(database: Database, settings: Settings) -> list[str]:
     """Apply pending migrations as the schema owner; returns the names applied."""
-    owner = database.target.owner_credentials
-    if owner is None:
-        raise SettingsError("database_owner_credential_dir: required to migrate")
-    conn = await connect_once(database.target, owner.read())
-    try:
-        applied = await apply_migrations(conn, app_role=settings.database_app_role)
-    finally:
-        await conn.close()
-    return [f"{m.version:04d}_{m.name}" for m in applied]
+    return await database.migrate(settings.database_app_role)
 
 
 async def run_service(

@@ -16,7 +16,7 @@ from tokensvc.errors import Reason
 from tokensvc.storage.ports import AuditStore
 from tokensvc.storage.records import AuditRecord
 
-__all__ = ["SYSTEM_ACTOR", "AuditKind", "AuditLog", "AuditOutcome"]
+__all__ = ["SYSTEM_ACTOR", "AuditKind", "AuditLog", "AuditOutcome", "AuditRecord"]
 
 _log = logging.getLogger(__name__)
 

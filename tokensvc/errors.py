@@ -1,29 +1,23 @@
-"""The domain error tree and the one table that maps it to gRPC status codes.
+"""The domain error tree: what domain and storage code raise. No transport, no database driver.
 
-Domain and storage code raise `TokensvcError` subclasses and never see a status code. The API
-edge calls `status_for` for every error that escapes a servicer: known errors keep their message
-and stable reason; database errors are translated by exception class (asyncpg's SQLSTATE classes,
-never message text); anything else becomes INTERNAL with a generic message, and the detail goes
-to the log under the request id.
+Every error carries a stable `Reason` (mirrored by the proto's `ErrorReason`) and a message that
+is safe to show to the caller. Nothing here knows a status code: the one table mapping reasons to
+gRPC status codes is `tokensvc.api.status`. Database failures are translated into these errors by
+exception class where the database is called (`tokensvc.storage.postgres.errors`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
-from dataclasses import dataclass
-
-import asyncpg
-import grpc
 
 __all__ = [
-    "ERROR_DOMAIN",
     "AlreadyExists",
     "CapabilityExpired",
     "CapabilityInvalid",
     "CapabilityMissing",
     "CapabilityRevoked",
     "ConcurrencyLimit",
+    "DatabaseRefused",
     "DatabaseUnavailable",
     "DeadlineExceeded",
     "EmbedderUnavailable",
@@ -34,13 +28,9 @@ __all__ = [
     "PermissionDenied",
     "PinnedConfiguration",
     "Reason",
-    "StatusInfo",
     "TokensvcError",
     "Unauthenticated",
-    "status_for",
 ]
-
-ERROR_DOMAIN = "tokensvc.ctxmesh.ai"
 
 
 class Reason(enum.StrEnum):
@@ -171,84 +161,15 @@ class DeadlineExceeded(TokensvcError):
     reason = Reason.DEADLINE_EXCEEDED
 
 
-# The one table: reason -> status code. Every Reason appears exactly once (a test checks).
-_STATUS_BY_REASON: dict[Reason, grpc.StatusCode] = {
-    Reason.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    Reason.PAYLOAD_TOO_LARGE: grpc.StatusCode.INVALID_ARGUMENT,
-    Reason.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    Reason.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
-    Reason.PINNED_CONFIGURATION: grpc.StatusCode.FAILED_PRECONDITION,
-    Reason.NOT_IMPLEMENTED: grpc.StatusCode.UNIMPLEMENTED,
-    Reason.CAPABILITY_MISSING: grpc.StatusCode.UNAUTHENTICATED,
-    Reason.CAPABILITY_INVALID: grpc.StatusCode.UNAUTHENTICATED,
-    Reason.CAPABILITY_EXPIRED: grpc.StatusCode.UNAUTHENTICATED,
-    Reason.CAPABILITY_REVOKED: grpc.StatusCode.UNAUTHENTICATED,
-    Reason.CALLER_IDENTITY_INVALID: grpc.StatusCode.UNAUTHENTICATED,
-    Reason.BINDING_MISMATCH: grpc.StatusCode.PERMISSION_DENIED,
-    Reason.ROLE_NOT_ALLOWED: grpc.StatusCode.PERMISSION_DENIED,
-    Reason.SCOPE_NOT_GRANTED: grpc.StatusCode.PERMISSION_DENIED,
-    Reason.SIGNING_KEY_NOT_CONFIGURED: grpc.StatusCode.FAILED_PRECONDITION,
-    Reason.DATABASE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    Reason.EMBEDDER_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    Reason.ROTATION_IN_PROGRESS: grpc.StatusCode.ABORTED,
-    Reason.ROTATION_FAILED: grpc.StatusCode.FAILED_PRECONDITION,
-    Reason.CREDENTIAL_INVALID: grpc.StatusCode.FAILED_PRECONDITION,
-    Reason.TRUST_BUNDLE_INVALID: grpc.StatusCode.FAILED_PRECONDITION,
-    Reason.CONCURRENCY_LIMIT: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Reason.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
-    Reason.INTERNAL: grpc.StatusCode.INTERNAL,
-}
+class DatabaseRefused(TokensvcError):
+    """The database refused a statement for a reason no other error names (a privilege, a check).
 
-# Database failures by exception class: the connection is gone or cannot be made.
-_DATABASE_UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
-    asyncpg.PostgresConnectionError,
-    asyncpg.CannotConnectNowError,
-    asyncpg.TooManyConnectionsError,
-    asyncpg.InterfaceError,
-    # The server ended the connection between two operations (its FATAL arrived while the
-    # connection sat idle) and the next one, often the pool's reset on release, finds the protocol
-    # mid-error (MagicStack/asyncpg#784). The pool has already terminated that connection.
-    asyncpg.InternalClientError,
-    asyncpg.AdminShutdownError,
-    asyncpg.CrashShutdownError,
-    ConnectionError,
-    OSError,
-    asyncio.TimeoutError,
-)
+    `kind` is the SQLSTATE class's name (e.g. `InsufficientPrivilegeError`), never the server's
+    message text, which can quote the statement's values.
+    """
 
+    reason = Reason.INTERNAL
 
-@dataclass(frozen=True)
-class StatusInfo:
-    """What the API edge sends: a status code, a safe message, a reason and the offending field."""
-
-    code: grpc.StatusCode
-    message: str
-    reason: Reason
-    field: str | None = None
-    internal: bool = False
-
-
-def status_for(exc: BaseException) -> StatusInfo:
-    """Map any exception to what the caller sees. Unknown errors are INTERNAL and generic."""
-    if isinstance(exc, TokensvcError):
-        return StatusInfo(_STATUS_BY_REASON[exc.reason], exc.message, exc.reason, exc.field)
-    if isinstance(exc, asyncpg.QueryCanceledError):
-        return StatusInfo(
-            _STATUS_BY_REASON[Reason.DEADLINE_EXCEEDED],
-            "the operation was cancelled before it finished",
-            Reason.DEADLINE_EXCEEDED,
-        )
-    if isinstance(exc, _DATABASE_UNAVAILABLE_ERRORS):
-        return status_for(DatabaseUnavailable())
-    if isinstance(exc, NotImplementedError):
-        return status_for(NotImplementedRpc("this RPC is not implemented yet"))
-    return StatusInfo(
-        _STATUS_BY_REASON[Reason.INTERNAL],
-        "internal error; quote the request id to the operator",
-        Reason.INTERNAL,
-        internal=True,
-    )
-
-
-def status_code_for_reason(reason: Reason) -> grpc.StatusCode:
-    return _STATUS_BY_REASON[reason]
+    def __init__(self, kind: str):
+        super().__init__(f"the database refused the statement ({kind})")
+        self.kind = kind

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokensvc.names import is_sql_identifier
+from tokensvc.names import TEXT_CONFIGS, is_sql_identifier
 
 __all__ = ["ENV_PREFIX", "Settings", "SettingsError", "load_settings"]
 
@@ -273,8 +273,6 @@ class Settings:
             raise SettingsError("revocation_poll_seconds: must be in (0, 5] so revocations apply within 5 s")
 
     def _validate_search(self) -> None:
-        from tokensvc.retrieval.text import TEXT_CONFIGS  # retrieval imports storage, which imports us
-
         if not 0.0 <= self.search_vector_weight <= 1.0:
             raise SettingsError("search_vector_weight: must be between 0 and 1")
         if not 0.0 <= self.search_neighbour_weight < 1.0:

@@ -4,66 +4,45 @@ the expired-memory sweeper and the per-space memory gauge.
 Health follows the database: when it cannot be reached, every service turns NOT_SERVING (load
 balancers stop sending traffic) and RPCs fail fast with UNAVAILABLE; when it returns, stale
 pooled connections are dropped and health turns SERVING again. In embedded mode a dead
-PostgreSQL is restarted on the same port.
+PostgreSQL is restarted on the same port. The monitor only decides; the app publishes the
+decision to the gRPC health service (`publish`), so nothing here knows gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
-from typing import Any
-
-import asyncpg
-from grpc_health.v1 import health_pb2
+from collections.abc import Awaitable, Callable
 
 from tokensvc.memory.service import LongTermMemory
 from tokensvc.observability.metrics import METRICS
-from tokensvc.storage.postgres.embedded import EmbeddedPostgres
+from tokensvc.storage.ports import DatabaseHealth, DatabaseServer, MemoryStatistics
 
 __all__ = ["HealthMonitor", "refresh_memory_gauge_forever", "sweep_forever"]
 
 _log = logging.getLogger(__name__)
 
+# Told whether tokensvc serves (True: SERVING) whenever that changes; the app sets gRPC health.
+Publish = Callable[[bool], Awaitable[None]]
+
 
 class HealthMonitor:
     def __init__(
         self,
-        pool: asyncpg.Pool,
-        health: Any,
-        services: Sequence[str],
+        database: DatabaseHealth,
+        publish: Publish,
         *,
-        embedded: EmbeddedPostgres | None,
+        embedded: DatabaseServer | None,
         interval: float,
-        probe_timeout: float,
     ):
-        self._pool = pool
-        self._health = health
-        self._services = ("", *services)
+        self._database = database
+        self._publish = publish
         self._embedded = embedded
         self._interval = interval
-        self._timeout = probe_timeout
         self.serving = True
 
     async def probe(self) -> bool:
-        try:
-            async with self._pool.acquire(timeout=self._timeout) as conn:
-                try:
-                    await conn.fetchval("SELECT 1", timeout=self._timeout)
-                except TimeoutError:
-                    # A hung server never answers the cancel request that returning this connection
-                    # to the pool waits for (the probe would hang with it): drop the connection.
-                    conn.terminate()
-                    raise
-        except (
-            TimeoutError,
-            OSError,
-            asyncpg.PostgresError,
-            asyncpg.InterfaceError,
-            asyncpg.InternalClientError,
-        ):
-            return False
-        return True
+        return await self._database.probe()
 
     async def run(self) -> None:
         while True:
@@ -85,7 +64,7 @@ class HealthMonitor:
                 _log.error("embedded PostgreSQL restart failed", extra={"error": str(exc)})
             else:
                 # Pooled connections belong to the dead server: probe (and serve) on fresh ones.
-                await self._pool.expire_connections()
+                await self._database.reconnect()
                 healthy = await self.probe()
         await self._set_serving(healthy)
 
@@ -95,12 +74,8 @@ class HealthMonitor:
         self.serving = healthy
         if healthy:
             # Connections made to the previous server process are dead; drop them all now.
-            await self._pool.expire_connections()
-        status = (
-            health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for name in self._services:
-            await self._health.set(name, status)
+            await self._database.reconnect()
+        await self._publish(healthy)
         _log.warning(
             "database %s; health is %s",
             "reachable" if healthy else "unreachable",
@@ -120,13 +95,11 @@ async def sweep_forever(memory: LongTermMemory, interval: float) -> None:
             _log.info("expired memories deleted", extra={"count": swept})
 
 
-async def refresh_memory_gauge_forever(pool: asyncpg.Pool, interval: float) -> None:
+async def refresh_memory_gauge_forever(statistics: MemoryStatistics, interval: float) -> None:
     """Memories per (namespace, agent) for the tokensvc_memories gauge; counts only."""
     while True:
         try:
-            async with pool.acquire() as conn:
-                rows = await conn.fetch("SELECT namespace, agent, row_count FROM memory_rows_by_space()")
-            METRICS.live.memories_per_space = {(r[0], r[1]): int(r[2]) for r in rows}
+            METRICS.live.memories_per_space = await statistics.rows_by_space()
         except Exception as exc:
             _log.debug("memory gauge refresh failed", extra={"error": type(exc).__name__})
         await asyncio.sleep(interval)

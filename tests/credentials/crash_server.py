@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 from tokensvc.app import run_service
-from tokensvc.credentials.journal import PostgresRotationJournal
 from tokensvc.logs import configure_logging
 from tokensvc.settings import load_settings
+from tokensvc.storage.postgres.rotations import PostgresRotationJournal
 
 CRASH_AT = os.environ.get("CRASH_AT_STEP", "")
 

@@ -27,9 +27,10 @@ from tests.api.memory_support import Caller
 from tests.support import RpcFailure, SharedDatabase, failure_of, role_channel, service_settings
 from tokensvc.app import migrate
 from tokensvc.auth.devpki import DevPaths
-from tokensvc.credentials import DatabaseCredential, FileCredentialSource, scram_sha256_verifier
+from tokensvc.credentials import DatabaseCredential, FileCredentialSource
 from tokensvc.settings import Settings
 from tokensvc.storage.postgres import Database, EmbeddedPostgres
+from tokensvc.storage.postgres.scram import scram_sha256_verifier
 from tokensvc.v1 import admin_pb2, admin_pb2_grpc, memory_pb2
 
 __all__ = [

@@ -40,12 +40,12 @@ from tokensvc.app import Service
 from tokensvc.audit import SYSTEM_ACTOR
 from tokensvc.auth.devpki import ADMIN_SPIFFE_ID, DevPaths
 from tokensvc.credentials import FileCredentialSource
+from tokensvc.storage.postgres.logins import ROTATION_LOCK
 from tokensvc.v1 import admin_pb2
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-ROTATION_LOCK = 0x746F6B656E726F74  # CredentialCustodian's advisory lock id
 
 # (the step the journal was about to record when the process died, the step it last recorded,
 #  which way recovery must go)

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokensvc.errors import InvalidArgument, status_for
+from tokensvc.api.status import status_for
+from tokensvc.errors import InvalidArgument
 from tokensvc.knowledge import Chunk, ChunkingKind, ChunkingStrategy, chunk_document
 from tokensvc.knowledge.chunking import MAX_WORD_CHARS
 

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokensvc.errors import InvalidArgument, status_for
+from tokensvc.api.status import status_for
+from tokensvc.errors import InvalidArgument
 from tokensvc.knowledge import ChunkingKind, ChunkingStrategy, chunk_document, extract_text
 
 HANDBOOK = (Path(__file__).parent / "fixtures" / "handbook.md").read_bytes()

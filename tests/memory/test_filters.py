@@ -16,6 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support import SharedDatabase
+from tokensvc.api.filter_codec import filter_from_proto
+from tokensvc.api.metadata_codec import scalar_to_proto
 from tokensvc.credentials import FileCredentialSource
 from tokensvc.errors import InvalidArgument, PayloadTooLarge
 from tokensvc.memory.filters import (
@@ -25,10 +27,9 @@ from tokensvc.memory.filters import (
     Filter,
     Not,
     Operator,
-    filter_from_proto,
     matches,
 )
-from tokensvc.memory.metadata import MetadataScalar, scalar_to_proto
+from tokensvc.memory.metadata import MetadataScalar
 from tokensvc.storage.postgres.filters import compile_filter
 from tokensvc.v1 import common_pb2 as pb
 

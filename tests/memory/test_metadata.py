@@ -10,15 +10,11 @@ import grpc
 import pytest
 
 from tests.support import SharedDatabase
+from tokensvc.api.metadata_codec import metadata_from_proto, metadata_to_proto, scalar_to_proto
+from tokensvc.api.status import status_for
 from tokensvc.credentials import FileCredentialSource
-from tokensvc.errors import InvalidArgument, PayloadTooLarge, Reason, status_for
-from tokensvc.memory.metadata import (
-    MetadataScalar,
-    metadata_from_json,
-    metadata_from_proto,
-    metadata_to_proto,
-    scalar_to_proto,
-)
+from tokensvc.errors import InvalidArgument, PayloadTooLarge, Reason
+from tokensvc.memory.metadata import MetadataScalar, metadata_from_json
 from tokensvc.v1 import common_pb2 as pb
 
 FIELD = "items[0].metadata"

@@ -18,6 +18,7 @@ from tests.support import failure_of, free_port, role_channel
 from tokensvc.app import Service
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.observability import METRICS
+from tokensvc.storage.postgres.monitoring import PostgresStatistics
 from tokensvc.supervision import refresh_memory_gauge_forever
 from tokensvc.v1 import memory_pb2
 
@@ -80,7 +81,9 @@ async def test_scrape_counts_rpcs_verifications_pool_embedder_and_memories(
 
     # The gauge refreshes every minute in the background; run one refresh now.
     assert service.database is not None
-    refresher = asyncio.create_task(refresh_memory_gauge_forever(service.database.pool, 3600.0))
+    refresher = asyncio.create_task(
+        refresh_memory_gauge_forever(PostgresStatistics(service.database.pool), 3600.0)
+    )
     try:
         for _ in range(200):
             if METRICS.live.memories_per_space.get(("default", caller.agent)) == 2:

@@ -2,7 +2,7 @@
 
 For each call, in order: a request id; the caller's identity from its client certificate; the
 role check from `policy.POLICIES`; the run capability when the RPC needs one; then the servicer
-runs with a `CallContext`. Any exception that escapes becomes a status through `errors.status_for`
+runs with a `CallContext`. Any exception that escapes becomes a status through `api.status.status_for`
 (the one table), sent with `google.rpc.ErrorInfo` (and `BadRequest` for field errors); internal
 errors are logged with the request id and answered with a generic message.
 """
@@ -20,28 +20,23 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol, cast
 
 import grpc
-from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError
-from google.rpc import error_details_pb2, status_pb2
-from grpc_status import rpc_status
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from tokensvc.api.context import CallContext, reset_call, use_call
 from tokensvc.api.policy import POLICIES, RpcPolicy
+from tokensvc.api.status import abort_with, status_for
 from tokensvc.auth.identity import Caller, CallerCache, IdentityPolicy
 from tokensvc.auth.scope import TenantScope
 from tokensvc.errors import (
-    ERROR_DOMAIN,
     CapabilityMissing,
     ConcurrencyLimit,
     InvalidArgument,
     NotImplementedRpc,
     PermissionDenied,
     Reason,
-    StatusInfo,
     TokensvcError,
-    status_for,
 )
 from tokensvc.observability.deadlines import reset_deadline, use_deadline
 from tokensvc.observability.metrics import METRICS
@@ -56,9 +51,6 @@ _AUTHORIZATION_KEY = "authorization"
 _MAX_REQUEST_ID = 64
 # A handler cancelled with less time than this left was cancelled by its deadline.
 _DEADLINE_SLACK_SECONDS = 0.05
-# Error messages and field paths longer than this are cut (see rich_status).
-_MAX_MESSAGE_CHARS = 512
-_MAX_FIELD_CHARS = 256
 
 
 class CapabilityAuthenticator(Protocol):
@@ -134,43 +126,6 @@ def _bearer(metadata: tuple[tuple[str, str | bytes], ...]) -> str | None:
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip()
-
-
-def _bounded(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
-
-
-def rich_status(info: StatusInfo, request_id: str) -> grpc.Status:
-    """A grpc.Status whose details carry ErrorInfo (and BadRequest when a field is named).
-
-    Messages and field paths may quote the caller's input; they are cut short so the status
-    trailers stay far below the 16 KiB metadata limit of gRPC clients (over it, the client sees
-    RESOURCE_EXHAUSTED instead of this status).
-    """
-    message = _bounded(info.message, _MAX_MESSAGE_CHARS)
-    field = _bounded(info.field, _MAX_FIELD_CHARS) if info.field else None
-    metadata = {"request_id": request_id}
-    if field:
-        metadata["field"] = field
-    details = [
-        _pack(error_details_pb2.ErrorInfo(reason=info.reason.value, domain=ERROR_DOMAIN, metadata=metadata))
-    ]
-    if field:
-        violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=message)
-        details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
-    status = status_pb2.Status(code=info.code.value[0], message=message, details=details)
-    return rpc_status.to_status(status)
-
-
-def _pack(message: Any) -> any_pb2.Any:
-    packed = any_pb2.Any()
-    packed.Pack(message)
-    return packed
-
-
-async def abort_with(context: grpc.aio.ServicerContext[Any, Any], info: StatusInfo, request_id: str) -> None:
-    status = rich_status(info, request_id)
-    await context.abort(status.code, status.details, status.trailing_metadata)
 
 
 class EdgeInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from tokensvc.api.convert import timestamp
 from tokensvc.api.memory_codec import DEFAULT_TOP_K, MAX_TOP_K
+from tokensvc.api.metadata_codec import metadata_to_proto
 from tokensvc.errors import InvalidArgument
+from tokensvc.knowledge import BaseRow, DocumentRow
 from tokensvc.knowledge.chunking import ChunkingKind, ChunkingStrategy
 from tokensvc.knowledge.service import Passage
-from tokensvc.memory.metadata import metadata_to_proto
 from tokensvc.names import is_dns_label, is_kb_ref
-from tokensvc.storage.records import BaseRow, DocumentRow
 from tokensvc.v1 import knowledge_pb2
 
 __all__ = [

@@ -13,9 +13,10 @@ import numpy as np
 from google.protobuf import duration_pb2
 
 from tokensvc.api.convert import decode_search_mode, timestamp
+from tokensvc.api.filter_codec import filter_from_proto
+from tokensvc.api.metadata_codec import metadata_from_proto, metadata_to_proto
 from tokensvc.errors import InvalidArgument, PayloadTooLarge
-from tokensvc.memory.filters import Filter, filter_from_proto
-from tokensvc.memory.metadata import metadata_from_proto, metadata_to_proto
+from tokensvc.memory.filters import Filter
 from tokensvc.memory.models import MemoryRecord
 from tokensvc.memory.service import RememberItem, SearchHit, SearchQuery
 from tokensvc.v1 import common_pb2, memory_pb2

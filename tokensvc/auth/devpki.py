@@ -3,8 +3,9 @@
 Everything lives under one state directory: a dev CA, a server certificate for localhost, client
 certificates for the launcher, admin and control-plane roles (identity is the single SPIFFE URI
 SAN; the common name is deliberately different because it is never trusted), an Ed25519 signing
-key with its public trust bundle, and a bucket pepper. Creation is idempotent and never overwrites
-a file: each file is written once, atomically, with its final permissions from the first byte.
+key with its public trust bundle (JWK functions in `tokensvc.auth.keys`, re-exported here), and a
+bucket pepper. Creation is idempotent and never overwrites a file: each file is written once,
+atomically, with its final permissions from the first byte.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import errno
-import hashlib
 import ipaddress
 import json
 import os
@@ -27,9 +27,11 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from tokensvc.auth.keys import b64url, jwk_thumbprint, load_signing_key, public_jwk
 
 __all__ = [
     "ADMIN_SPIFFE_ID",
@@ -80,7 +82,6 @@ _SPIFFE_MAX_BYTES = 2048  # SPIFFE ID spec limit
 _TRUST_DOMAIN = re.compile(r"[a-z0-9._-]+")
 _PATH_SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
 _FILE_STEM = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_BASE64URL = re.compile(r"[A-Za-z0-9_-]*")
 # errnos meaning "this filesystem has no hard links"; we then fall back to os.replace.
 _NO_HARDLINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV})
 
@@ -355,44 +356,6 @@ def _client_cert(
 # --- signing key, trust bundle ----------------------------------------------------------------
 
 
-def jwk_thumbprint(public_key: Ed25519PublicKey) -> str:
-    """RFC 7638 thumbprint: base64url SHA-256 of the required members in lexicographic order."""
-    members = {"crv": "Ed25519", "kty": "OKP", "x": _b64url(_raw_public(public_key))}
-    canonical = json.dumps(members, separators=(",", ":"), sort_keys=True)
-    return _b64url(hashlib.sha256(canonical.encode()).digest())
-
-
-def public_jwk(public_key: Ed25519PublicKey, kid: str) -> dict[str, str]:
-    return {
-        "kty": "OKP",
-        "crv": "Ed25519",
-        "x": _b64url(_raw_public(public_key)),
-        "kid": kid,
-        "use": "sig",
-        "alg": "EdDSA",
-    }
-
-
-def load_signing_key(path: Path) -> tuple[str, Ed25519PrivateKey]:
-    """Read a private Ed25519 JWK; returns (kid, key). Errors never echo the private part."""
-    try:
-        jwk = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not a JSON JWK") from exc
-    if not isinstance(jwk, dict) or jwk.get("kty") != "OKP" or jwk.get("crv") != "Ed25519":
-        raise ValueError(f"{path}: expected an OKP Ed25519 JWK")
-    kid, x, d = jwk.get("kid"), jwk.get("x"), jwk.get("d")
-    if not (isinstance(kid, str) and kid and isinstance(x, str) and isinstance(d, str)):
-        raise ValueError(f"{path}: the JWK needs string members 'kid', 'x' and 'd'")
-    raw = _b64url_decode(d)
-    if raw is None or len(raw) != 32:
-        raise ValueError(f"{path}: 'd' is not a base64url 32-byte Ed25519 private key")
-    key = Ed25519PrivateKey.from_private_bytes(raw)
-    if _b64url(_raw_public(key.public_key())) != x:
-        raise ValueError(f"{path}: 'x' does not match the private key")
-    return kid, key
-
-
 def _signing_jwk_bytes() -> bytes:
     key = Ed25519PrivateKey.generate()
     jwk = public_jwk(key.public_key(), jwk_thumbprint(key.public_key()))
@@ -401,22 +364,8 @@ def _signing_jwk_bytes() -> bytes:
         serialization.PrivateFormat.Raw,
         serialization.NoEncryption(),
     )
-    private = {k: jwk[k] for k in ("kty", "crv", "x")} | {"d": _b64url(raw_private)}
+    private = {k: jwk[k] for k in ("kty", "crv", "x")} | {"d": b64url(raw_private)}
     return _json_bytes(private | {"kid": jwk["kid"]})
-
-
-def _raw_public(public_key: Ed25519PublicKey) -> bytes:
-    return public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-
-
-def _b64url(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
-
-
-def _b64url_decode(text: str) -> bytes | None:
-    if not _BASE64URL.fullmatch(text) or len(text) % 4 == 1:
-        return None
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
 def _json_bytes(value: object) -> bytes:

@@ -17,7 +17,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from tokensvc.auth.capabilities import mint_capability
-from tokensvc.auth.devpki import load_signing_key
+from tokensvc.auth.keys import load_signing_key
 from tokensvc.errors import InvalidArgument, Reason, TokensvcError
 from tokensvc.names import is_dns_label, is_kb_ref
 

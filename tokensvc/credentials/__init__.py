@@ -1,16 +1,20 @@
-"""Database credential custody: secret sources and SCRAM verifiers.
+"""Database credential custody: zero-downtime RELOAD and ROTATE, journaled, crash-recoverable.
 
-The rotation machinery lives in `tokensvc.credentials.custody` and `.journal`; they are not
-re-exported here because they depend on the audit trail and storage, which import this package.
+The custodian takes storage ports (`tokensvc.storage.ports`); the secret-file source and the
+credential record it reads live in storage (`tokensvc.storage.secrets`, `.records`) and are
+re-exported here for callers of this package.
 """
 
-from tokensvc.credentials.scram import generate_password, scram_sha256_verifier
-from tokensvc.credentials.source import DatabaseCredential, FileCredentialSource, write_secret_file
+from tokensvc.credentials.custody import CredentialCustodian, CredentialStatus, RotationMode
+from tokensvc.storage.records import DatabaseCredential
+from tokensvc.storage.secrets import FileCredentialSource, generate_password, write_secret_file
 
 __all__ = [
+    "CredentialCustodian",
+    "CredentialStatus",
     "DatabaseCredential",
     "FileCredentialSource",
+    "RotationMode",
     "generate_password",
-    "scram_sha256_verifier",
     "write_secret_file",
 ]

@@ -9,8 +9,12 @@ ROTATE follows AWS Secrets Manager's alternating users: two login roles share on
 grants; the inactive one gets a fresh password (sent as a SCRAM verifier) from a separate rotator
 credential, its login is tested, the secret source is rewritten atomically, the pool switches and
 retires old connections as they are released, and the old role's password is removed. Every
-step is journaled before it is taken (`credentials/journal.py`); `recover()` at start finishes or
+step is journaled before it is taken (`CredentialJournal`); `recover()` at start finishes or
 undoes a rotation a crash interrupted, so the service comes back on exactly one working credential.
+
+No SQL here: the custodian takes the ports of `tokensvc.storage.ports` (`CredentialSource`,
+`CredentialJournal`, `DatabaseLogins`, `ConnectionPool`); PostgreSQL's side, including the
+advisory lock that serialises rotations across replicas, is `tokensvc.storage.postgres`.
 """
 
 from __future__ import annotations
@@ -22,21 +26,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
 
-import asyncpg
-
 from tokensvc.audit import SYSTEM_ACTOR, AuditKind, AuditLog, AuditOutcome
-from tokensvc.credentials.journal import PostgresRotationJournal, RotationEntry
-from tokensvc.credentials.scram import generate_password, scram_sha256_verifier
-from tokensvc.credentials.source import DatabaseCredential, FileCredentialSource
-from tokensvc.errors import DatabaseUnavailable, Reason, TokensvcError
+from tokensvc.errors import DatabaseRefused, Reason, TokensvcError
 from tokensvc.names import is_sql_identifier
 from tokensvc.observability.metrics import METRICS
+from tokensvc.storage.ports import ConnectionPool, CredentialJournal, CredentialSource, DatabaseLogins
+from tokensvc.storage.records import DatabaseCredential, RotationEntry
+from tokensvc.storage.secrets import generate_password
 
 __all__ = ["CredentialCustodian", "CredentialStatus", "RotationMode"]
 
 _log = logging.getLogger(__name__)
-# Every replica agrees on this lock id: one rotation at a time across the whole deployment.
-_ROTATION_LOCK = 0x746F6B656E726F74  # "tokenrot"
 
 RotationMode = str  # "reload" | "rotate"
 
@@ -60,33 +60,29 @@ class CredentialCustodian:
     def __init__(
         self,
         *,
-        host: str,
-        port: int,
-        database: str,
-        source: FileCredentialSource,
-        rotator: FileCredentialSource | None,
+        source: CredentialSource,
+        rotator: CredentialSource | None,
         login_roles: tuple[str, str],
+        logins: DatabaseLogins,
         audit: AuditLog | None = None,
-        connect_timeout: float = 5.0,
     ):
         for role in login_roles:
             if not is_sql_identifier(role):
                 raise ValueError(f"login role {role!r} is not a plain SQL identifier")
-        self._host, self._port, self._database = host, port, database
         self._source = source
         self._rotator = rotator
         self._roles = login_roles
-        self._timeout = connect_timeout
+        self._logins = logins
         self._active = source.read()
         self._stamp = source.stamp()
         self._changed = asyncio.Event()
         self._local_lock = asyncio.Lock()
         self._reloading = False
-        self._pool: asyncpg.Pool | None = None
-        self._journal: PostgresRotationJournal | None = None
+        self._pool: ConnectionPool | None = None
+        self._journal: CredentialJournal | None = None
         self._audit = audit
 
-    def attach(self, pool: asyncpg.Pool, journal: PostgresRotationJournal, audit: AuditLog) -> None:
+    def attach(self, pool: ConnectionPool, journal: CredentialJournal, audit: AuditLog) -> None:
         self._pool, self._journal, self._audit = pool, journal, audit
 
     @property
@@ -169,21 +165,22 @@ class CredentialCustodian:
             )
             try:
                 await journal.step(rotation, "set_password")
-                await self._alter_password(inactive, scram_sha256_verifier(new.password))
+                await self._alter_password(inactive, new.password)
                 await journal.step(rotation, "test_login")
                 await self._test_login(new)
                 await journal.step(rotation, "write_secret")
                 self._source.write(new)
                 self._stamp = self._source.stamp()
-            except TokensvcError as exc:
-                await self._fail(rotation, AuditKind.CREDENTIAL_ROTATION, actor, exc)
-                raise
-            except (OSError, asyncpg.PostgresError) as exc:
+            except (OSError, DatabaseRefused) as exc:
+                kind_name = exc.kind if isinstance(exc, DatabaseRefused) else type(exc).__name__
                 failure = _rotation_failed(
-                    f"rotation failed before the switch ({type(exc).__name__}); still on {current.username}"
+                    f"rotation failed before the switch ({kind_name}); still on {current.username}"
                 )
                 await self._fail(rotation, AuditKind.CREDENTIAL_ROTATION, actor, failure)
                 raise failure from None
+            except TokensvcError as exc:
+                await self._fail(rotation, AuditKind.CREDENTIAL_ROTATION, actor, exc)
+                raise
             # From here on the new credential is in the secret source: only forward.
             await journal.step(rotation, "switch")
             await self._switch(new)
@@ -191,8 +188,9 @@ class CredentialCustodian:
             reason = ""
             try:
                 await self._alter_password(current.username, None)
-            except (TokensvcError, OSError, asyncpg.PostgresError) as exc:
-                reason = f"old role {current.username} not retired ({type(exc).__name__}); retry the rotation"
+            except TokensvcError as exc:
+                kind_name = exc.kind if isinstance(exc, DatabaseRefused) else type(exc).__name__
+                reason = f"old role {current.username} not retired ({kind_name}); retry the rotation"
                 _log.warning("old login role not retired", extra={"role": current.username})
             version = await journal.close(rotation, outcome="succeeded", step="completed", reason=reason)
             METRICS.rotations.labels("rotate", "succeeded").inc()
@@ -234,13 +232,13 @@ class CredentialCustodian:
             await self._test_login(in_source)
             self._active = in_source
             if entry.mode == "rotate" and self._rotator is not None:
-                with contextlib.suppress(TokensvcError, OSError, asyncpg.PostgresError):
+                with contextlib.suppress(TokensvcError):
                     await self._alter_password(entry.from_role, None)
             await journal.close(entry.id, outcome="recovered", reason=f"rolled forward to {entry.to_role}")
         else:
             # The secret source still holds the old credential, which was never retired.
             if entry.mode == "rotate" and self._rotator is not None and entry.to_role != in_source.username:
-                with contextlib.suppress(TokensvcError, OSError, asyncpg.PostgresError):
+                with contextlib.suppress(TokensvcError):
                     await self._alter_password(entry.to_role, None)
             await journal.close(
                 entry.id,
@@ -317,57 +315,29 @@ class CredentialCustodian:
         async with self._local_lock:
             self._reloading = kind is AuditKind.CREDENTIAL_RELOAD
             try:
-                conn = await self._connect(self._active)
-            except TokensvcError as exc:
-                raise await self._refuse(kind, actor, exc) from None
-            try:
-                if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", _ROTATION_LOCK):
-                    elsewhere = TokensvcError(
-                        "a credential rotation is already running on another replica",
-                        reason=Reason.ROTATION_IN_PROGRESS,
-                    )
-                    raise await self._refuse(kind, actor, elsewhere)
-                yield
+                async with contextlib.AsyncExitStack() as session:
+                    try:
+                        held = await session.enter_async_context(self._logins.rotation_lock(self._active))
+                    except TokensvcError as exc:
+                        raise await self._refuse(kind, actor, exc) from None
+                    if not held:
+                        elsewhere = TokensvcError(
+                            "a credential rotation is already running on another replica",
+                            reason=Reason.ROTATION_IN_PROGRESS,
+                        )
+                        raise await self._refuse(kind, actor, elsewhere)
+                    yield
             finally:
                 self._reloading = False
-                await conn.close()  # ends the session, releasing the lock
-
-    async def _connect(self, credential: DatabaseCredential) -> asyncpg.Connection:
-        try:
-            return await asyncpg.connect(
-                host=self._host,
-                port=self._port,
-                database=self._database,
-                user=credential.username,
-                password=credential.password,
-                timeout=self._timeout,
-            )
-        except (asyncpg.InvalidPasswordError, asyncpg.InvalidAuthorizationSpecificationError):
-            raise TokensvcError(
-                f"the credential for role {credential.username!r} does not log in",
-                reason=Reason.CREDENTIAL_INVALID,
-            ) from None
-        except (OSError, TimeoutError, asyncpg.PostgresConnectionError, asyncpg.CannotConnectNowError):
-            raise DatabaseUnavailable() from None
 
     async def _test_login(self, credential: DatabaseCredential) -> None:
-        conn = await self._connect(credential)
-        try:
-            await conn.fetchval("SELECT 1")
-        finally:
-            await conn.close()
+        await self._logins.test_login(credential)
 
-    async def _alter_password(self, role: str, verifier: str | None) -> None:
+    async def _alter_password(self, role: str, password: str | None) -> None:
         assert self._rotator is not None
         if not is_sql_identifier(role):
             raise _rotation_failed(f"role {role!r} is not a plain SQL identifier")
-        conn = await self._connect(self._rotator.read())
-        try:
-            # A verifier is base64 and '$' only; NULL removes password login altogether.
-            value = "NULL" if verifier is None else f"'{verifier}'"
-            await conn.execute(f'ALTER ROLE "{role}" PASSWORD {value}')
-        finally:
-            await conn.close()
+        await self._logins.set_password(role, password, admin=self._rotator.read())
 
     async def _switch(self, new: DatabaseCredential) -> None:
         self._active = new
@@ -423,7 +393,7 @@ class CredentialCustodian:
                 kind, actor=actor, action=action, target=target, outcome=outcome, reason=reason, detail=detail
             )
 
-    def _require_journal(self) -> PostgresRotationJournal:
+    def _require_journal(self) -> CredentialJournal:
         if self._journal is None:
             raise RuntimeError("CredentialCustodian.attach() has not run")
         return self._journal

@@ -1,15 +1,20 @@
-"""Knowledge bases: text extraction, chunking strategies and the corpus service."""
+"""Knowledge bases: text extraction, chunking strategies, their records and the corpus service."""
 
 from __future__ import annotations
 
 from tokensvc.knowledge.chunking import Chunk, ChunkingKind, ChunkingStrategy, chunk_document
 from tokensvc.knowledge.extract import SUPPORTED_CONTENT_TYPES, extract_text, parse_content_type
+from tokensvc.knowledge.models import BaseRow, ChunkRow, DocumentRow, PassageRow
 
 __all__ = [
     "SUPPORTED_CONTENT_TYPES",
+    "BaseRow",
     "Chunk",
+    "ChunkRow",
     "ChunkingKind",
     "ChunkingStrategy",
+    "DocumentRow",
+    "PassageRow",
     "chunk_document",
     "extract_text",
     "parse_content_type",

@@ -2,17 +2,8 @@
 
 from __future__ import annotations
 
-from tokensvc.memory.filters import (
-    AllOf,
-    AnyOf,
-    Condition,
-    Filter,
-    Not,
-    Operator,
-    filter_from_proto,
-    matches,
-)
-from tokensvc.memory.metadata import MetadataScalar, metadata_from_proto, metadata_to_proto
+from tokensvc.memory.filters import AllOf, AnyOf, Condition, Filter, Not, Operator, matches
+from tokensvc.memory.metadata import MetadataScalar, metadata_from_json
 
 __all__ = [
     "AllOf",
@@ -22,8 +13,6 @@ __all__ = [
     "MetadataScalar",
     "Not",
     "Operator",
-    "filter_from_proto",
     "matches",
-    "metadata_from_proto",
-    "metadata_to_proto",
+    "metadata_from_json",
 ]

@@ -1,4 +1,5 @@
-"""Typed metadata: validation of `MetadataValue` maps from the API and conversion back.
+"""Typed metadata: the rules for metadata maps (no protobuf: `tokensvc.api.metadata_codec`
+decodes `MetadataValue` maps and applies these checks).
 
 Metadata is a flat map from key to scalar: a string, a number or a boolean. It is stored as a
 jsonb object whose values are JSON strings, JSON numbers and JSON booleans, so the filter
@@ -28,21 +29,19 @@ from collections.abc import Mapping
 
 from tokensvc.errors import InvalidArgument, PayloadTooLarge
 from tokensvc.storage.filters import MetadataScalar, scalar_kind
-from tokensvc.v1 import common_pb2
 
 __all__ = [
     "MAX_METADATA_ENTRIES",
     "MAX_METADATA_KEY_CHARS",
     "MAX_METADATA_STRING_BYTES",
     "MetadataScalar",
+    "check_entry_count",
+    "check_key",
+    "check_scalar",
     "is_valid_key",
     "key_path",
     "metadata_from_json",
-    "metadata_from_proto",
-    "metadata_to_proto",
-    "scalar_from_proto",
     "scalar_kind",
-    "scalar_to_proto",
 ]
 
 MAX_METADATA_ENTRIES = 32
@@ -67,61 +66,44 @@ def key_path(field: str, key: str) -> str:
     return f"{field}[{json.dumps(shown)}]"
 
 
-def scalar_from_proto(value: common_pb2.MetadataValue, field: str) -> MetadataScalar:
-    """Validate one `MetadataValue` (kind set, string size, finite number); `field` is its path."""
-    kind = value.WhichOneof("kind")
-    if kind == "string_value":
-        text = value.string_value
+def check_scalar(value: MetadataScalar, field: str) -> MetadataScalar:
+    """Validate one decoded scalar (string size, no NUL, finite number); `field` is its path.
+
+    Returns the value as stored: a number normalised (`-0.0` becomes `0.0`, as jsonb stores it).
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
         try:
-            size = len(text.encode("utf-8"))
+            size = len(value.encode("utf-8"))
         except UnicodeEncodeError:
             raise InvalidArgument(field, "string value is not valid UTF-8") from None
         if size > MAX_METADATA_STRING_BYTES:
             raise PayloadTooLarge(
                 field, f"string value is {size} bytes; the limit is {MAX_METADATA_STRING_BYTES}"
             )
-        if "\x00" in text:
+        if "\x00" in value:
             raise InvalidArgument(field, "string value must not contain U+0000 (NUL)")
-        return text
-    if kind == "number_value":
-        number = value.number_value
-        if not math.isfinite(number):
-            raise InvalidArgument(field, "number value must be finite (no NaN or infinity)")
-        return number + 0.0  # normalises -0.0 to 0.0, as jsonb stores it
-    if kind == "bool_value":
-        return bool(value.bool_value)
-    raise InvalidArgument(field, "value has no kind set (string_value, number_value or bool_value)")
+        return value
+    if not math.isfinite(value):
+        raise InvalidArgument(field, "number value must be finite (no NaN or infinity)")
+    return value + 0.0  # normalises -0.0 to 0.0, as jsonb stores it
 
 
-def scalar_to_proto(value: MetadataScalar) -> common_pb2.MetadataValue:
-    """One scalar as a `MetadataValue`; ints (from JSON) become numbers, bools stay bools."""
-    if isinstance(value, bool):
-        return common_pb2.MetadataValue(bool_value=value)
-    if isinstance(value, str):
-        return common_pb2.MetadataValue(string_value=value)
-    return common_pb2.MetadataValue(number_value=float(value))
+def check_entry_count(count: int, field: str) -> None:
+    """At most `MAX_METADATA_ENTRIES` entries in one metadata map."""
+    if count > MAX_METADATA_ENTRIES:
+        raise InvalidArgument(field, f"metadata has {count} entries; the limit is {MAX_METADATA_ENTRIES}")
 
 
-def metadata_from_proto(
-    values: Mapping[str, common_pb2.MetadataValue], field: str
-) -> dict[str, MetadataScalar]:
-    """Validate a request's metadata map; `field` is its path (e.g. `items[0].metadata`).
-
-    Entries are checked in key order, so the first error reported is deterministic.
-    """
-    if len(values) > MAX_METADATA_ENTRIES:
+def check_key(key: str, field: str) -> str:
+    """Validate a metadata key of the map at `field`; returns the entry's path, `field["key"]`."""
+    path = key_path(field, key)
+    if not is_valid_key(key):
         raise InvalidArgument(
-            field, f"metadata has {len(values)} entries; the limit is {MAX_METADATA_ENTRIES}"
+            path, f"metadata keys are 1 to {MAX_METADATA_KEY_CHARS} characters from A-Z a-z 0-9 _ - ."
         )
-    result: dict[str, MetadataScalar] = {}
-    for key in sorted(values):
-        if not is_valid_key(key):
-            raise InvalidArgument(
-                key_path(field, key),
-                f"metadata keys are 1 to {MAX_METADATA_KEY_CHARS} characters from A-Z a-z 0-9 _ - .",
-            )
-        result[key] = scalar_from_proto(values[key], key_path(field, key))
-    return result
+    return path
 
 
 def metadata_from_json(values: Mapping[str, object]) -> dict[str, MetadataScalar]:
@@ -139,8 +121,3 @@ def metadata_from_json(values: Mapping[str, object]) -> dict[str, MetadataScalar
         else:
             raise TypeError(f"metadata value of {key!r} is {type(value).__name__}, not a scalar")
     return result
-
-
-def metadata_to_proto(values: Mapping[str, MetadataScalar]) -> dict[str, common_pb2.MetadataValue]:
-    """The inverse of `metadata_from_proto`, usable as a message constructor's map argument."""
-    return {key: scalar_to_proto(value) for key, value in values.items()}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 
 from tokensvc.errors import InvalidArgument
+from tokensvc.names import TEXT_CONFIGS
 
 __all__ = [
     "BM25_B",
@@ -28,16 +29,6 @@ __all__ = [
     "validate_text_config",
 ]
 
-# PostgreSQL's built-in text-search configurations (pg_catalog). `simple` lower-cases only: the
-# choice for text where stemming would hurt (identifiers, mixed languages).
-TEXT_CONFIGS = frozenset(
-    {
-        "simple", "arabic", "armenian", "basque", "catalan", "danish", "dutch", "english", "finnish",
-        "french", "german", "greek", "hindi", "hungarian", "indonesian", "irish", "italian",
-        "lithuanian", "nepali", "norwegian", "portuguese", "romanian", "russian", "serbian",
-        "spanish", "swedish", "tamil", "turkish", "yiddish",
-    }
-)  # fmt: skip
 DEFAULT_TEXT_CONFIG = "english"
 
 # BM25 term-frequency saturation and length normalisation. Memories and chunks are short, so

@@ -1,9 +1,34 @@
 """Storage: the store ports (Protocols with their contracts) and the records they speak.
 
 Implementations: `tokensvc.storage.postgres` (every SQL statement) and `tokensvc.storage.memory`
-(in-process). Nothing here imports the domain (`memory/`, `knowledge/`) or the API.
+(in-process); `tokensvc.storage.secrets` reads and writes credentials in mounted secret files.
+Nothing here imports the domain (`memory/`, `knowledge/`, `credentials/`) or the API.
 """
 
-from tokensvc.storage.ports import AuditStore, KnowledgeStore, MemoryStore, RevocationStore
+from tokensvc.storage.ports import (
+    AuditStore,
+    ConnectionPool,
+    CredentialJournal,
+    CredentialSource,
+    DatabaseHealth,
+    DatabaseLogins,
+    DatabaseServer,
+    KnowledgeStore,
+    MemoryStatistics,
+    MemoryStore,
+    RevocationStore,
+)
 
-__all__ = ["AuditStore", "KnowledgeStore", "MemoryStore", "RevocationStore"]
+__all__ = [
+    "AuditStore",
+    "ConnectionPool",
+    "CredentialJournal",
+    "CredentialSource",
+    "DatabaseHealth",
+    "DatabaseLogins",
+    "DatabaseServer",
+    "KnowledgeStore",
+    "MemoryStatistics",
+    "MemoryStore",
+    "RevocationStore",
+]

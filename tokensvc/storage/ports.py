@@ -12,6 +12,7 @@ storage trusts its input (validation happened at the API edge and in the domain)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -22,6 +23,7 @@ from tokensvc.storage.records import (
     AuditRecord,
     BaseRow,
     ChunkRow,
+    DatabaseCredential,
     DocumentRow,
     KnowledgePins,
     MemoryRecord,
@@ -30,13 +32,27 @@ from tokensvc.storage.records import (
     PassageRow,
     Revocation,
     RevocationKind,
+    RotationEntry,
     SearchOutcome,
     SearchPlan,
     StoredRef,
     Tenant,
 )
 
-__all__ = ["AuditStore", "KnowledgeStore", "MemoryStore", "RevocationStore", "StaleKnowledgeBases"]
+__all__ = [
+    "AuditStore",
+    "ConnectionPool",
+    "CredentialJournal",
+    "CredentialSource",
+    "DatabaseHealth",
+    "DatabaseLogins",
+    "DatabaseServer",
+    "KnowledgeStore",
+    "MemoryStatistics",
+    "MemoryStore",
+    "RevocationStore",
+    "StaleKnowledgeBases",
+]
 
 
 class StaleKnowledgeBases(Exception):
@@ -241,3 +257,122 @@ class AuditStore(Protocol):
     ) -> list[AuditRecord]:
         """Up to `limit` events newest first (by id), with ids below `before_id`, of the given
         kinds (all when empty), with `since <= occurred_at < until`."""
+
+
+class MemoryStatistics(Protocol):
+    """Counts over every tenant's memories, for operators (counts only: no content, no bucket)."""
+
+    async def rows_by_pepper_version(self) -> dict[int, int]:
+        """Live memories per bucket-pepper version; versions without rows are absent."""
+
+    async def rows_by_space(self) -> dict[tuple[str, str], int]:
+        """Live memories per (namespace, agent); spaces without rows are absent."""
+
+
+# --- database credentials (custody and rotation) ------------------------------------------------
+
+
+class CredentialSource(Protocol):
+    """Where a database credential comes from (a mounted secret) and where ROTATE writes one."""
+
+    def read(self) -> DatabaseCredential:
+        """The credential as it is now, both fields from the same version of the secret;
+        `TokensvcError` (reason CREDENTIAL_INVALID) when it cannot be read or is empty."""
+
+    def stamp(self) -> tuple[int, ...]:
+        """A cheap change detector that reads no secret: equal stamps mean nothing changed."""
+
+    def write(self, credential: DatabaseCredential) -> None:
+        """Replace the credential atomically: a reader sees the old one or the new one, never a
+        mix. `OSError` when it cannot be written (the old credential is then still in place)."""
+
+
+class CredentialJournal(Protocol):
+    """The rotation journal: every credential change, each step recorded before it is taken.
+
+    Holds role names, steps and outcomes only, never a secret. Writers are serialised by the
+    rotation lock (`DatabaseLogins.rotation_lock`); readers may run at any time.
+    """
+
+    async def begin(self, *, mode: str, actor: str, from_role: str, to_role: str) -> int:
+        """Open a rotation (step `started`, outcome `in_progress`); returns its id (increasing)."""
+
+    async def step(self, rotation_id: int, step: str) -> None:
+        """Record the step the rotation is about to take."""
+
+    async def close(
+        self,
+        rotation_id: int,
+        *,
+        outcome: str,
+        reason: str = "",
+        step: str | None = None,
+        keep_version: bool = False,
+    ) -> int | None:
+        """Close a rotation with its outcome (and last step, when given). A `succeeded` or
+        `recovered` rotation gets the next credential version (1 + the highest so far) and it is
+        returned, unless `keep_version` (the credential did not change); otherwise None."""
+
+    async def open_rotations(self) -> list[RotationEntry]:
+        """Rotations still `in_progress` (a crash interrupted them), oldest first."""
+
+    async def snapshot(self) -> tuple[int, datetime | None, RotationEntry | None]:
+        """One consistent read: the current credential version (0 before any), when it was set,
+        and the latest rotation (None before any)."""
+
+
+class DatabaseLogins(Protocol):
+    """Login roles as credential custody needs them; each call uses a session of its own.
+
+    Login failures raise `TokensvcError` with reason CREDENTIAL_INVALID; an unreachable database
+    `DatabaseUnavailable`; a statement the database refuses `DatabaseRefused`.
+    """
+
+    async def test_login(self, credential: DatabaseCredential) -> None:
+        """Log in with `credential` and run one statement; returns when both worked."""
+
+    async def set_password(self, role: str, password: str | None, *, admin: DatabaseCredential) -> None:
+        """As `admin`, give login role `role` this password (None: no password login at all).
+        The password itself never reaches the database, only its verifier."""
+
+    def rotation_lock(self, credential: DatabaseCredential) -> AbstractAsyncContextManager[bool]:
+        """The one deployment-wide rotation lock, tried once in a session of `credential`'s:
+        yields True when held (until the block ends), False when another session holds it."""
+
+
+class ConnectionPool(Protocol):
+    """The serving pool as the domain may touch it: its size and retiring its connections."""
+
+    def get_size(self) -> int:
+        """Connections open now."""
+
+    def get_idle_size(self) -> int:
+        """Connections open and not in use now."""
+
+    async def expire_connections(self) -> None:
+        """Close idle connections now and busy ones when released; new ones log in afresh."""
+
+
+# --- the database server ------------------------------------------------------------------------
+
+
+class DatabaseHealth(Protocol):
+    """Whether the database answers, and starting over with fresh connections."""
+
+    async def probe(self) -> bool:
+        """True when a connection can be had and answers a trivial statement, each within the
+        probe's timeout; False (never an exception) for any database failure."""
+
+    async def reconnect(self) -> None:
+        """Drop every pooled connection (idle now, busy when released): after a server restart,
+        connections to the previous server process are dead."""
+
+
+class DatabaseServer(Protocol):
+    """A database server process tokensvc runs itself (the embedded PostgreSQL)."""
+
+    def postmaster_pid(self) -> int | None:
+        """The server's process id while it runs; None when it is not running."""
+
+    async def restart(self) -> None:
+        """Start the server again on the same port and data (crash recovery may take a while)."""

@@ -6,6 +6,7 @@ them. They live below the domain so that storage never imports `memory/` or `kno
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ __all__ = [
     "Candidate",
     "CandidateQuery",
     "ChunkRow",
+    "DatabaseCredential",
     "DocumentRow",
     "EmbedderSpec",
     "KnowledgePins",
@@ -34,6 +36,7 @@ __all__ = [
     "PassageRow",
     "Revocation",
     "RevocationKind",
+    "RotationEntry",
     "SearchOutcome",
     "SearchPlan",
     "StoredRef",
@@ -279,3 +282,36 @@ class AuditRecord:
     outcome: str
     reason: str
     detail: str
+
+
+# --- database credentials -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DatabaseCredential:
+    """A login role and its password; the password never appears in a repr."""
+
+    username: str
+    password: str = field(repr=False)
+
+    @property
+    def fingerprint(self) -> str:
+        """A short one-way tag telling credentials apart in logs and the journal (not reversible)."""
+        return hashlib.sha256(f"{self.username}\0{self.password}".encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class RotationEntry:
+    """One credential change in the rotation journal (no secret: role names and steps only)."""
+
+    id: int
+    mode: str
+    actor: str
+    from_role: str
+    to_role: str
+    step: str
+    outcome: str
+    reason: str
+    version: int | None
+    started_at: datetime
+    updated_at: datetime

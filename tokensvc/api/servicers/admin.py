@@ -14,10 +14,9 @@ from tokensvc.admin import Administration, PepperCount
 from tokensvc.api.context import current_call
 from tokensvc.api.convert import timestamp
 from tokensvc.api.memory_codec import decode_page_size
-from tokensvc.audit import AuditKind, AuditOutcome
+from tokensvc.audit import AuditKind, AuditOutcome, AuditRecord
 from tokensvc.credentials.custody import CredentialStatus
 from tokensvc.errors import InvalidArgument, Reason
-from tokensvc.storage.records import AuditRecord
 from tokensvc.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
 __all__ = ["AdminServicer"]

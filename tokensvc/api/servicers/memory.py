@@ -20,8 +20,8 @@ from tokensvc.api.memory_codec import (
     encode_hit,
     encode_memory,
 )
+from tokensvc.api.metadata_codec import metadata_from_proto
 from tokensvc.api.page_tokens import decode_memory_cursor, encode_memory_cursor, listing_binding
-from tokensvc.memory.metadata import metadata_from_proto
 from tokensvc.memory.paging import PageCursor
 from tokensvc.memory.service import LongTermMemory
 from tokensvc.v1 import memory_pb2, memory_pb2_grpc

@@ -1,10 +1,12 @@
 """The PostgreSQL + pgvector implementation of every store port, its pool, migrations and the
-embedded server. All of tokensvc's SQL lives under this package."""
+embedded server. All of tokensvc's SQL lives under this package, and database failures become
+domain errors here (`errors.py`), so nothing above storage imports asyncpg."""
 
 from tokensvc.storage.postgres.audit import PostgresAuditStore
 from tokensvc.storage.postgres.database import Database, DatabaseTarget, connect_once
 from tokensvc.storage.postgres.embedded import EmbeddedPostgres, EmbeddedPostgresError
 from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
+from tokensvc.storage.postgres.logins import PostgresLogins
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
 from tokensvc.storage.postgres.migrations import (
     MigrationError,
@@ -12,7 +14,9 @@ from tokensvc.storage.postgres.migrations import (
     available_migrations,
     schema_version,
 )
+from tokensvc.storage.postgres.monitoring import PostgresHealth, PostgresStatistics
 from tokensvc.storage.postgres.revocations import PostgresRevocationStore
+from tokensvc.storage.postgres.rotations import PostgresRotationJournal
 
 __all__ = [
     "Database",
@@ -21,9 +25,13 @@ __all__ = [
     "EmbeddedPostgresError",
     "MigrationError",
     "PostgresAuditStore",
+    "PostgresHealth",
     "PostgresKnowledgeStore",
+    "PostgresLogins",
     "PostgresMemoryStore",
     "PostgresRevocationStore",
+    "PostgresRotationJournal",
+    "PostgresStatistics",
     "apply_migrations",
     "available_migrations",
     "connect_once",

@@ -12,11 +12,13 @@ from typing import Any
 
 import asyncpg
 
+from tokensvc.storage.postgres.errors import translate_errors
 from tokensvc.storage.records import AuditRecord
 
 __all__ = ["PostgresAuditStore"]
 
 
+@translate_errors
 class PostgresAuditStore:
     def __init__(self, pool: asyncpg.Pool):
         self._pool = pool

@@ -18,9 +18,11 @@ from urllib.parse import urlsplit
 import asyncpg
 from pgvector.asyncpg import register_vector
 
-from tokensvc.credentials.source import DatabaseCredential, FileCredentialSource
 from tokensvc.settings import Settings, SettingsError
 from tokensvc.storage.postgres.embedded import EmbeddedPostgres
+from tokensvc.storage.postgres.migrations import apply_migrations, available_migrations, schema_version
+from tokensvc.storage.records import DatabaseCredential
+from tokensvc.storage.secrets import FileCredentialSource
 
 __all__ = ["MINIMUM_PGVECTOR", "MINIMUM_POSTGRES", "Database", "DatabaseTarget", "connect_once"]
 
@@ -161,6 +163,24 @@ class Database:
             reset=_keep_session,
         )
         return self._pool
+
+    async def schema_versions(self) -> tuple[int, int]:
+        """(the schema version the database is at, the version this tokensvc's migrations reach)."""
+        async with self.pool.acquire() as conn:
+            have = await schema_version(conn)  # type: ignore[arg-type]
+        return have, len(available_migrations())
+
+    async def migrate(self, app_role: str) -> list[str]:
+        """Apply pending migrations as the schema owner; returns the names applied."""
+        owner = self.target.owner_credentials
+        if owner is None:
+            raise SettingsError("database_owner_credential_dir: required to migrate")
+        conn = await connect_once(self.target, owner.read())
+        try:
+            applied = await apply_migrations(conn, app_role=app_role)
+        finally:
+            await conn.close()
+        return [f"{m.version:04d}_{m.name}" for m in applied]
 
     async def close(self) -> None:
         if self._pool is not None:

@@ -32,8 +32,9 @@ from pathlib import Path
 
 import asyncpg
 
-from tokensvc.credentials.scram import generate_password, scram_sha256_verifier
-from tokensvc.credentials.source import DatabaseCredential, FileCredentialSource
+from tokensvc.storage.postgres.scram import scram_sha256_verifier
+from tokensvc.storage.records import DatabaseCredential
+from tokensvc.storage.secrets import FileCredentialSource, generate_password
 
 __all__ = ["DATABASE_NAME", "EmbeddedPaths", "EmbeddedPostgres", "EmbeddedPostgresError", "process_alive"]
 

@@ -16,6 +16,7 @@ from pgvector import Vector
 
 from tokensvc.storage.filters import Filter
 from tokensvc.storage.ports import StaleKnowledgeBases
+from tokensvc.storage.postgres.errors import translate_errors
 from tokensvc.storage.postgres.filters import compile_filter
 from tokensvc.storage.postgres.ranking import (
     Corpus,
@@ -92,6 +93,7 @@ def _document(row: asyncpg.Record | dict[str, Any]) -> DocumentRow:
     return DocumentRow(**values)
 
 
+@translate_errors
 class PostgresKnowledgeStore:
     def __init__(self, pool: asyncpg.Pool):
         self._pool = pool

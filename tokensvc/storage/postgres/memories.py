@@ -12,6 +12,7 @@ from pgvector import Vector
 
 from tokensvc.errors import AlreadyExists
 from tokensvc.storage.filters import Filter
+from tokensvc.storage.postgres.errors import translate_errors
 from tokensvc.storage.postgres.filters import compile_filter
 from tokensvc.storage.postgres.ranking import (
     Corpus,
@@ -94,6 +95,7 @@ def _bucket_predicate(bucket: str, filter_: Filter | None) -> Callable[[list[Any
     return where
 
 
+@translate_errors
 class PostgresMemoryStore:
     def __init__(self, pool: asyncpg.Pool):
         self._pool = pool

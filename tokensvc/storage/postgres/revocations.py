@@ -14,11 +14,13 @@ from datetime import datetime
 
 import asyncpg
 
+from tokensvc.storage.postgres.errors import translate_errors
 from tokensvc.storage.records import Revocation, RevocationKind
 
 __all__ = ["PostgresRevocationStore"]
 
 
+@translate_errors
 class PostgresRevocationStore:
     def __init__(self, pool: asyncpg.Pool):
         self._pool = pool

@@ -5,23 +5,25 @@ That is how a Kubernetes Secret arrives as a mounted volume: the files are symli
 once, then read both files from that one version) and, when tokensvc writes a credential itself
 (ROTATE mode), we write the same way (a new version directory, then one atomic rename of the
 `..data` link), so a reader never pairs one credential's username with another's password.
-The password lives only in `DatabaseCredential`, whose repr hides it.
+The password lives only in `DatabaseCredential` (a record in `tokensvc.storage.records`), whose
+repr hides it. No SQL here: this is the file side of credential custody, shared by the serving
+pool, the embedded server's bootstrap and `tokensvc.credentials`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
+import secrets
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokensvc.errors import Reason, TokensvcError
+from tokensvc.storage.records import DatabaseCredential
 
-__all__ = ["DatabaseCredential", "FileCredentialSource", "write_secret_file"]
+__all__ = ["FileCredentialSource", "generate_password", "write_secret_file"]
 
 _DATA = "..data"
 _FILES = ("username", "password")
@@ -29,19 +31,16 @@ _FILES = ("username", "password")
 _READ_ATTEMPTS = 5
 
 
-@dataclass(frozen=True)
-class DatabaseCredential:
-    username: str
-    password: str = field(repr=False)
-
-    @property
-    def fingerprint(self) -> str:
-        """A short one-way tag telling credentials apart in logs and the journal (not reversible)."""
-        return hashlib.sha256(f"{self.username}\0{self.password}".encode()).hexdigest()[:12]
+def generate_password() -> str:
+    """A strong password: 256 random bits, URL-safe so it survives any secret store."""
+    return secrets.token_urlsafe(32)
 
 
 class FileCredentialSource:
-    """Reads `<directory>/username` and `<directory>/password` on every call."""
+    """Reads `<directory>/username` and `<directory>/password` on every call.
+
+    Implements `tokensvc.storage.ports.CredentialSource`.
+    """
 
     def __init__(self, directory: Path):
         self.directory = directory

@@ -1,4 +1,4 @@
-"""The credential rotation journal in PostgreSQL (append a rotation, advance its step, close it).
+"""The credential rotation journal in PostgreSQL: `tokensvc.storage.ports.CredentialJournal`.
 
 Each step is recorded *before* it is taken; after a crash the last recorded step says how far the
 rotation may have got, and recovery rolls it forward or back. No secret is ever written here.
@@ -6,33 +6,21 @@ rotation may have got, and recovery rolls it forward or back. No secret is ever 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime
 
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
-__all__ = ["PostgresRotationJournal", "RotationEntry"]
+from tokensvc.storage.postgres.errors import translate_errors
+from tokensvc.storage.records import RotationEntry
 
-
-@dataclass(frozen=True)
-class RotationEntry:
-    id: int
-    mode: str
-    actor: str
-    from_role: str
-    to_role: str
-    step: str
-    outcome: str
-    reason: str
-    version: int | None
-    started_at: datetime
-    updated_at: datetime
+__all__ = ["PostgresRotationJournal"]
 
 
 _COLUMNS = "id, mode, actor, from_role, to_role, step, outcome, reason, version, started_at, updated_at"
 
 
+@translate_errors
 class PostgresRotationJournal:
     def __init__(self, pool: asyncpg.Pool):
         self._pool = pool
@@ -92,11 +80,6 @@ class PostgresRotationJournal:
             )
         return [RotationEntry(**dict(row)) for row in rows]
 
-    async def latest(self) -> RotationEntry | None:
-        async with self._pool.acquire() as conn:
-            row = await conn.fetchrow(f"SELECT {_COLUMNS} FROM credential_rotations ORDER BY id DESC LIMIT 1")
-        return None if row is None else RotationEntry(**dict(row))
-
     async def snapshot(self) -> tuple[int, datetime | None, RotationEntry | None]:
         """The credential version, when it was set, and the latest rotation: one consistent read."""
         async with self._pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
@@ -110,12 +93,4 @@ class PostgresRotationJournal:
             "SELECT version, updated_at FROM credential_rotations WHERE version IS NOT NULL "
             "ORDER BY version DESC LIMIT 1"
         )
-        return (0, None) if row is None else (int(row["version"]), row["updated_at"])
-
-    async def current_version(self) -> tuple[int, datetime | None]:
-        async with self._pool.acquire() as conn:
-            row = await conn.fetchrow(
-                "SELECT version, updated_at FROM credential_rotations WHERE version IS NOT NULL "
-                "ORDER BY version DESC LIMIT 1"
-            )
         return (0, None) if row is None else (int(row["version"]), row["updated_at"])

@@ -11,7 +11,7 @@ import hashlib
 import hmac
 import secrets
 
-__all__ = ["generate_password", "scram_sha256_verifier"]
+__all__ = ["scram_sha256_verifier"]
 
 _ITERATIONS = 4096  # PostgreSQL's default scram_iterations
 
@@ -28,8 +28,3 @@ def scram_sha256_verifier(password: str, *, salt: bytes | None = None, iteration
         return base64.b64encode(data).decode("ascii")
 
     return f"SCRAM-SHA-256${iterations}:{b64(salt)}${b64(stored_key)}:{b64(server_key)}"
-
-
-def generate_password() -> str:
-    """A strong password: 256 random bits, URL-safe so it survives any secret store."""
-    return secrets.token_urlsafe(32)

@@ -1,0 +1,7 @@
+"""Knowledge bases' domain records (frozen; no I/O): the store port's records."""
+
+from __future__ import annotations
+
+from tokensvc.storage.records import BaseRow, ChunkRow, DocumentRow, PassageRow
+
+__all__ = ["BaseRow", "ChunkRow", "DocumentRow", "PassageRow"]
