@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager
 import asyncpg
 
 from tokensvc.observability.deadlines import remaining_ms
+from tokensvc.storage.postgres.errors import database_errors
 from tokensvc.storage.records import Tenant
 
 __all__ = ["declare_settings", "literal", "tenant_transaction"]
@@ -95,15 +96,18 @@ async def tenant_transaction(
     # hung database cannot queue requests forever (the wait ends as UNAVAILABLE).
     left = remaining_ms()
     wait = _ACQUIRE_CEILING_S if left is None else min(left / 1000, _ACQUIRE_CEILING_S)
-    async with pool.acquire(timeout=wait) as conn:
-        left = remaining_ms()
-        try:
-            await conn.execute(_begin(tenant, isolation, settings or {}, left, lock, checks))
-            yield conn  # type: ignore[misc]
-        except BaseException:
-            await _rollback(conn)
-            raise
-        await conn.execute("COMMIT")
+    # Failures of the block too are translated here (a lost connection, a statement cancelled
+    # by the deadline), so any caller of a tenant transaction gets domain errors.
+    with database_errors():
+        async with pool.acquire(timeout=wait) as conn:
+            left = remaining_ms()
+            try:
+                await conn.execute(_begin(tenant, isolation, settings or {}, left, lock, checks))
+                yield conn  # type: ignore[misc]
+            except BaseException:
+                await _rollback(conn)
+                raise
+            await conn.execute("COMMIT")
 
 
 async def _rollback(conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy) -> None:
