@@ -95,10 +95,10 @@ class InMemoryKnowledgeStore:
     async def create_base(self, tenant: Tenant, base: BaseRow) -> tuple[BaseRow, bool]:
         _check_writable(tenant, base.namespace, base.ref)
         async with self._lock:
-            await _round_trip()
             stored = self._base(tenant, base.ref)
             if stored is not None:
                 return stored, False
+            await _round_trip()
             created = replace(base, created_at=self._clock.now(), document_count=0)
             self._bases[(base.namespace, base.ref)] = created
             return created, True

@@ -125,15 +125,14 @@ class InMemoryMemoryStore:
         async with self._lock:
             now = self._clock.now()
             buckets = [b for b in (target, *sources) if b in tenant.buckets]
-            await _round_trip()
             if target not in buckets:
                 return 0
             # Expired rows are dead: an expired target row must not make a live source row a
             # duplicate, and expired source rows do not move.
             for bucket in buckets:
-                rows = self._rows.get(bucket, {})
-                for row in [r for r in rows.values() if not r.live(now)]:
-                    del rows[row.id]
+                table = self._rows.get(bucket, {})
+                for row in [r for r in table.values() if not r.live(now)]:
+                    del table[row.id]
             into = self._rows.setdefault(target, {})
             moved = 0
             for source in dict.fromkeys(buckets[1:]):
@@ -141,7 +140,10 @@ class InMemoryMemoryStore:
                     continue
                 shas = {row.sha for row in into.values()}
                 keys = {row.key for row in into.values() if row.key is not None}
-                for row in self._rows.pop(source, {}).values():
+                leaving = list(self._rows.get(source, {}).values())
+                await _round_trip()
+                self._rows.pop(source, None)
+                for row in leaving:
                     if row.sha in shas or (row.key is not None and row.key in keys):
                         continue
                     into[row.id] = replace(row, bucket=target)
@@ -170,7 +172,6 @@ class InMemoryMemoryStore:
         async with self._lock:
             table = self._writable(tenant, bucket)
             now = self._clock.now()
-            await _round_trip()
             live = [row for row in table.values() if row.live(now)]
             ids = {row.id for row in live}
             shas = {row.sha for row in live}
@@ -196,6 +197,7 @@ class InMemoryMemoryStore:
             ]
             if missing_shas - {ref.content_sha256 for ref in existing}:
                 raise AlreadyExists("an idempotency key of this request is used for different content")
+            await _round_trip()  # what was read above must still hold below: the lock sees to it
             # Expired rows with these contents or keys would block a re-insert in PostgreSQL: gone.
             for row in [r for r in table.values() if not r.live(now)]:
                 if any(
@@ -237,7 +239,6 @@ class InMemoryMemoryStore:
         async with self._lock:
             now = self._clock.now()
             table = self._bucket(tenant, bucket)
-            await _round_trip()
             row = table.get(_uuid(memory_id))
             if row is None or not row.live(now):
                 return None
@@ -258,6 +259,7 @@ class InMemoryMemoryStore:
                 changes["metadata"] = dict(metadata)
             if ttl_seconds is not None:
                 changes["expires_at"] = now + timedelta(seconds=ttl_seconds)
+            await _round_trip()
             updated = replace(row, **changes)
             table[row.id] = updated
             return updated.record(embedder)
