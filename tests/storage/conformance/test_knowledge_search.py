@@ -44,7 +44,7 @@ async def corpus(
 ) -> tuple[str, dict[tuple[str, str, int], np.ndarray]]:
     """Two knowledge bases of the namespace; each chunk's vector by (kb, doc, index)."""
     ns = new_namespace()
-    vectors = {}
+    vectors: dict[tuple[str, str, int], np.ndarray] = {}
     for kb, documents in DOCS.items():
         await create_base(store, ns, kb)
         for doc, texts in documents.items():

@@ -4,6 +4,7 @@ isolation by bucket."""
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import numpy as np
 import pytest
@@ -166,7 +167,7 @@ async def test_filters_select_by_metadata_with_the_documented_semantics(
     filter_: Filter,
     expected: set[str],
 ) -> None:
-    labelled = {
+    labelled: dict[str, dict[str, Any]] = {
         "red-1": {"colour": "red", "n": 1},
         "red-2": {"colour": "red", "n": "1"},
         "blue": {"colour": "blue", "n": 3},
