@@ -444,6 +444,21 @@ async def test_move_buckets_never_reaches_a_bucket_the_tenant_did_not_declare(
     assert await ids_in(memories, owner, foreign) == [theirs.id]
 
 
+async def test_move_buckets_ignores_the_target_among_its_sources(
+    memories: MemoryStore, rng: np.random.Generator
+) -> None:
+    target, older = new_bucket(2), new_bucket(1)
+    tenant = new_tenant(target, older)
+    kept = [memory(f"current {i}", random_unit(rng)) for i in range(2)]
+    await memories.insert(tenant, target, kept)
+    moved = memory("older", random_unit(rng))
+    await memories.insert(tenant, older, [moved])
+
+    assert await memories.move_buckets(tenant, target, [target, older, older]) == 1
+
+    assert sorted(await ids_in(memories, tenant, target)) == sorted([*(row.id for row in kept), moved.id])
+
+
 # --- memory spaces ----------------------------------------------------------------------------
 
 

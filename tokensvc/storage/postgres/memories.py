@@ -143,8 +143,9 @@ class PostgresMemoryStore:
                 "DELETE FROM memories WHERE bucket = ANY($1::text[]) AND expires_at <= now()",
                 [target, *sources],
             )
-            # One source at a time: two older buckets may hold the same content as each other.
-            for source in sources:
+            # One source at a time: two older buckets may hold the same content as each other. The
+            # target is never its own source: every row would be its own duplicate and be deleted.
+            for source in dict.fromkeys(s for s in sources if s != target):
                 await conn.execute(
                     "DELETE FROM memories m WHERE bucket = $1 AND EXISTS ("
                     " SELECT 1 FROM memories t WHERE t.bucket = $2 AND (t.content_sha256 = m.content_sha256"
