@@ -63,7 +63,8 @@ class MemoryStore(Protocol):
     """Long-term memories: one bucket per (namespace, agent, user), rows deduplicated in it.
 
     - Every bucket-scoped method reads, changes or counts nothing outside `bucket`.
-    - Expired rows (`expires_at <= now`) are never returned, counted, matched or updated.
+    - Expired rows (`expires_at <= now`) are never returned, counted, matched or updated (one
+      exception: the row count a search measures for its plan includes rows not swept yet).
     - Timestamps come from the store's clock; `created_at == updated_at` on insert, and the
       items of one insert are created in order (later items are newer).
     """
@@ -145,9 +146,11 @@ class MemoryStore(Protocol):
     ) -> SearchOutcome[MemoryRecord]:
         """One search in one transaction. `row_count` is the bucket's size when the caller knows
         it; else the store counts the bucket's rows up to `count_cap` first, in the same
-        transaction. `plan(row_count)` says what to rank (`CandidateQuery`). Returns the
-        candidates (see `CandidateQuery`) over the live rows matching the filter; a memory's
-        neighbours are the bucket's memories created just before and after it."""
+        transaction (every row of the bucket: the filter is not applied, and expired rows not
+        swept yet are counted; the count routes the search and sizes BM25's N, it never selects).
+        `plan(row_count)` says what to rank (`CandidateQuery`). Returns the candidates (see
+        `CandidateQuery`) over the live rows matching the filter; a memory's neighbours are the
+        live, matching memories of the bucket created just before and after it."""
 
 
 class KnowledgeStore(Protocol):
@@ -217,10 +220,10 @@ class KnowledgeStore(Protocol):
         expect: KnowledgePins | None = None,
     ) -> SearchOutcome[PassageRow]:
         """One search over the chunks of `kb_refs` in one transaction (as `MemoryStore.search`,
-        counting chunks); a chunk's neighbours are the chunks before and after it in the same
-        document version. With `expect`, the transaction first checks that exactly those refs of
-        the roster exist, each with that creation time, and raises `StaleKnowledgeBases`
-        (searching nothing) when not."""
+        counting the visible chunks of `kb_refs`, the filter not applied); a chunk's neighbours are
+        the chunks before and after it in the same document version. With `expect`, the
+        transaction first checks that exactly those refs of the roster exist, each with that
+        creation time, and raises `StaleKnowledgeBases` (searching nothing) when not."""
 
 
 class RevocationStore(Protocol):

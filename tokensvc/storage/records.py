@@ -230,7 +230,9 @@ class CandidateQuery:
     Both rankers see only the searchable rows (tenant, liveness, filter). The vector ranker's
     candidates are the true top k by inner product when `exact`, else an HNSW scan's (re-run
     exactly when it comes back short, so results stay complete); the text ranker's are the top k
-    by BM25 over the rows matching any query term. Every candidate carries both scores.
+    by BM25 over the rows matching any query term. Every candidate carries both scores. Both
+    rankers break ties by the row's key (a memory's id; a chunk's knowledge base, document,
+    version and index), so an exact search returns the same candidates every time.
     """
 
     vector: np.ndarray | None  # unit length; None: no vector ranker (TEXT mode)

@@ -145,8 +145,9 @@ class PostgresMemoryStore:
                 "DELETE FROM memories WHERE bucket = ANY($1::text[]) AND expires_at <= now()",
                 [target, *sources],
             )
-            # One source at a time: two older buckets may hold the same content as each other.
-            for source in sources:
+            # One source at a time: two older buckets may hold the same content as each other. The
+            # target is never its own source: every row would be its own duplicate and be deleted.
+            for source in dict.fromkeys(s for s in sources if s != target):
                 await conn.execute(
                     "DELETE FROM memories m WHERE bucket = $1 AND EXISTS ("
                     " SELECT 1 FROM memories t WHERE t.bucket = $2 AND (t.content_sha256 = m.content_sha256"
@@ -251,6 +252,7 @@ class PostgresMemoryStore:
     ) -> MemoryRecord | None:
         sets = ["updated_at = clock_timestamp()"]
         params: list[Any] = [bucket, memory_id]
+        clear = ""
         if content is not None:
             params += [content[0], content[1], content[2]]
             sets += [
@@ -258,6 +260,14 @@ class PostgresMemoryStore:
                 f"content_sha256 = ${len(params) - 1}",
                 f"embedding = ${len(params)}",
             ]
+            # An expired row with the new content is dead, yet its unique (bucket, content_sha256)
+            # entry would refuse the update: delete it first, in the same statement. The one-time
+            # filter on `cleared` runs the DELETE before the UPDATE writes, and the unique check
+            # ignores a row this transaction deleted.
+            clear = (
+                "WITH cleared AS (DELETE FROM memories WHERE bucket = $1 AND content_sha256 = "
+                f"${len(params) - 1} AND expires_at <= now() RETURNING 1) "
+            )
         if metadata is not None:
             params.append(metadata)
             sets.append(f"metadata = ${len(params)}")
@@ -267,8 +277,8 @@ class PostgresMemoryStore:
         try:
             async with tenant_transaction(self._pool, tenant) as conn:
                 row = await conn.fetchrow(
-                    f"UPDATE memories SET {', '.join(sets)} WHERE bucket = $1 AND id = $2 AND {_LIVE} "
-                    f"RETURNING {_COLUMNS}",
+                    f"{clear}UPDATE memories SET {', '.join(sets)} WHERE bucket = $1 AND id = $2 AND {_LIVE} "
+                    f"{'AND (SELECT count(*) FROM cleared) >= 0 ' if clear else ''}RETURNING {_COLUMNS}",
                     *params,
                 )
         except asyncpg.UniqueViolationError:

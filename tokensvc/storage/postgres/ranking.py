@@ -114,14 +114,19 @@ def vector_statement(
     limit = p.add(k)
     distance = _distance(q, dimension, exact=exact)
     where = where if exact else f"dimension = {dimension} AND {where}"
+    # Ties break by key, as in every ranker. The exact scan sorts by (distance, key), so the top k
+    # is the same set every time; the approximate scan keeps the index order alone (the HNSW
+    # index serves no second key) and ties break among the rows it returned.
+    inner = distance if not exact else f"{distance}, {', '.join(corpus.key)}"
+    outer = ", ".join(["vector_score DESC", *(c for c in corpus.key if c in corpus.columns)])
     # The rank is numbered after the outer sort: relaxed_order iterative scans may return rows
     # slightly out of order, and a window over the index order would number them as they came.
     return (
-        f"SELECT *, row_number() OVER (ORDER BY vector_score DESC) AS vector_rank, 0::bigint AS text_rank, "
+        f"SELECT *, row_number() OVER (ORDER BY {outer}) AS vector_rank, 0::bigint AS text_rank, "
         "NULL::float8 AS prev_vector, NULL::float8 AS prev_text, NULL::float8 AS next_vector, "
         f"NULL::float8 AS next_text, NULL AS prev_local, NULL AS next_local FROM (SELECT {', '.join(corpus.columns)}, -({distance}) AS vector_score, "
-        f"0::float8 AS text_score FROM {corpus.table} WHERE {where} ORDER BY {distance} LIMIT {limit}) s "
-        "ORDER BY vector_score DESC"
+        f"0::float8 AS text_score FROM {corpus.table} WHERE {where} ORDER BY {inner} LIMIT {limit}) s "
+        f"ORDER BY {outer}"
     )
 
 
@@ -173,7 +178,8 @@ def candidate_statement(corpus: Corpus, where: str, params: list[Any], query: Ca
         parts.append(
             f"by_vector AS (SELECT {key}, row_number() OVER (ORDER BY d, {key}) AS rank FROM "
             f"(SELECT {key}, {distance} AS d FROM {corpus.table} WHERE {vwhere} "
-            f"ORDER BY {distance} LIMIT {k}) v)"
+            # An exact scan sorts by key too, so ties at the k-th place always keep the same rows.
+            f"ORDER BY {distance if not query.exact else f'{distance}, {key}'} LIMIT {k}) v)"
         )
         vector_score = f"-(%s.embedding <#> {q})"
     if query.text is not None:

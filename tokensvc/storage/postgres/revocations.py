@@ -45,6 +45,14 @@ class PostgresRevocationStore:
                 reason,
                 revoked_by,
             )
+            if revoked_at is None:
+                # A concurrent revocation of the same value won: the insert waited for it and did
+                # nothing, but this statement's snapshot predates its commit. A new one sees it.
+                revoked_at = await conn.fetchval(
+                    "SELECT revoked_at FROM capability_revocations WHERE kind = $1 AND value = $2",
+                    kind,
+                    value,
+                )
         return revoked_at
 
     async def since(self, moment: datetime) -> list[Revocation]:

@@ -1,0 +1,22 @@
+"""In-process implementations of every store port: no database, the same contracts.
+
+Each passes the conformance suite (`tests/storage/conformance/`) that the PostgreSQL stores pass;
+domain unit tests run on them. Differences that the contracts leave open, and that are documented
+in the modules: searches are always exact (`CandidateQuery.exact` is ignored), text is split into
+`simple` words whatever the pinned text-search configuration (no stemming, no stop words:
+`tokensvc.storage.memory.text`), nothing is durable, and a write outside the tenant's buckets or
+roster raises `PermissionError` where PostgreSQL's row-level security refuses it.
+"""
+
+from tokensvc.storage.memory.clock import Clock
+from tokensvc.storage.memory.knowledge import InMemoryKnowledgeStore
+from tokensvc.storage.memory.ledgers import InMemoryAuditStore, InMemoryRevocationStore
+from tokensvc.storage.memory.memories import InMemoryMemoryStore
+
+__all__ = [
+    "Clock",
+    "InMemoryAuditStore",
+    "InMemoryKnowledgeStore",
+    "InMemoryMemoryStore",
+    "InMemoryRevocationStore",
+]

@@ -1,0 +1,275 @@
+"""Knowledge bases in process memory (the contract: `tokensvc.storage.ports.KnowledgeStore`).
+
+The same semantics as `tokensvc.storage.postgres.knowledge`, checked by the conformance suite: a
+tenant sees its namespace's knowledge bases in its roster (`("*",)` alone: all of them), and
+writing outside it raises `PermissionError` (row-level security refuses in PostgreSQL); a
+document's current version and its chunks are swapped in one step, so a reader sees exactly one
+version; deleting a base or a document deletes what belongs to it. Searching is
+`tokensvc.storage.memory.ranking`'s (always exact, `simple` words).
+
+Writers hold the store's lock from their first read to their last write, across a scheduling
+point where PostgreSQL would take a round trip (its per-document advisory lock serialises the
+same writers); reads never yield, so each sees one state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from tokensvc.storage.filters import Filter, matches
+from tokensvc.storage.memory.clock import Clock, StoreClock
+from tokensvc.storage.memory.ranking import Searchable, candidates
+from tokensvc.storage.memory.text import Terms, terms_of
+from tokensvc.storage.ports import StaleKnowledgeBases
+from tokensvc.storage.records import (
+    ALL_KNOWLEDGE_BASES,
+    BaseRow,
+    ChunkRow,
+    DocumentRow,
+    KnowledgePins,
+    PassageRow,
+    SearchOutcome,
+    SearchPlan,
+    Tenant,
+)
+
+__all__ = ["InMemoryKnowledgeStore"]
+
+_DocKey = tuple[str, str, str]  # namespace, kb_ref, ref
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    passage: PassageRow
+    embedding: np.ndarray
+    terms: Terms
+
+
+@dataclass(frozen=True)
+class _Version:
+    """A document's current version with its chunks: replaced whole, never edited in place."""
+
+    document: DocumentRow
+    chunks: tuple[_Chunk, ...]
+
+
+def _visible(tenant: Tenant, namespace: str, kb_ref: str) -> bool:
+    # As the policies read `tokensvc.kbs`: '*' only when it is the whole roster.
+    roster = tuple(tenant.knowledge_bases)
+    return namespace == tenant.namespace and (roster == (ALL_KNOWLEDGE_BASES,) or kb_ref in roster)
+
+
+def _check_writable(tenant: Tenant, namespace: str, kb_ref: str) -> None:
+    if not _visible(tenant, namespace, kb_ref):
+        raise PermissionError("the knowledge base is outside the tenant's namespace or roster")
+
+
+async def _round_trip() -> None:
+    """Where PostgreSQL would wait for the database: other tasks may run here."""
+    await asyncio.sleep(0)
+
+
+class InMemoryKnowledgeStore:
+    """`KnowledgeStore` over dictionaries; `clock` is the wall clock."""
+
+    def __init__(self, clock: Clock | None = None):
+        self._clock = StoreClock(clock)
+        self._lock = asyncio.Lock()
+        self._bases: dict[tuple[str, str], BaseRow] = {}
+        self._documents: dict[_DocKey, _Version] = {}
+
+    def _count(self, namespace: str, ref: str) -> int:
+        return sum(1 for ns, kb, _ in self._documents if (ns, kb) == (namespace, ref))
+
+    def _base(self, tenant: Tenant, ref: str, *, counted: bool = True) -> BaseRow | None:
+        base = self._bases.get((tenant.namespace, ref))
+        if base is None or not _visible(tenant, tenant.namespace, ref):
+            return None
+        return replace(base, document_count=self._count(tenant.namespace, ref) if counted else 0)
+
+    # --- knowledge bases --------------------------------------------------------------------
+
+    async def create_base(self, tenant: Tenant, base: BaseRow) -> tuple[BaseRow, bool]:
+        _check_writable(tenant, base.namespace, base.ref)
+        async with self._lock:
+            stored = self._base(tenant, base.ref)
+            if stored is not None:
+                return stored, False
+            await _round_trip()
+            created = replace(base, created_at=self._clock.now(), document_count=0)
+            self._bases[(base.namespace, base.ref)] = created
+            return created, True
+
+    async def get_bases(self, tenant: Tenant, refs: Sequence[str]) -> list[BaseRow]:
+        found = (self._base(tenant, ref) for ref in sorted(set(refs)))
+        return [base for base in found if base is not None]
+
+    async def list_bases(self, tenant: Tenant, *, after: str | None, limit: int) -> list[BaseRow]:
+        refs = sorted(ref for ns, ref in self._bases if ns == tenant.namespace and ref > (after or ""))
+        found = (self._base(tenant, ref) for ref in refs)
+        return [base for base in found if base is not None][:limit]
+
+    async def delete_base(self, tenant: Tenant, ref: str) -> int | None:
+        async with self._lock:
+            base = self._base(tenant, ref)
+            if base is None:
+                return None
+            del self._bases[(tenant.namespace, ref)]
+            for key in [k for k in self._documents if k[:2] == (tenant.namespace, ref)]:
+                del self._documents[key]
+            return base.document_count
+
+    # --- documents --------------------------------------------------------------------------
+
+    def _current(self, tenant: Tenant, kb_ref: str, ref: str) -> _Version | None:
+        if not _visible(tenant, tenant.namespace, kb_ref):
+            return None
+        return self._documents.get((tenant.namespace, kb_ref, ref))
+
+    async def document_state(
+        self, tenant: Tenant, kb_ref: str, doc_ref: str
+    ) -> tuple[BaseRow | None, DocumentRow | None]:
+        """The base comes without its document count (0), as PostgreSQL's snapshot reads it."""
+        base = self._base(tenant, kb_ref, counted=False)
+        current = None if base is None else self._current(tenant, kb_ref, doc_ref)
+        return base, None if current is None else _copy(current.document)
+
+    async def list_documents(
+        self, tenant: Tenant, kb_ref: str, *, after: str | None, limit: int, filter_: Filter | None
+    ) -> list[DocumentRow] | None:
+        if self._base(tenant, kb_ref, counted=False) is None:
+            return None
+        documents = sorted(
+            (
+                version.document
+                for (ns, kb, ref), version in self._documents.items()
+                if (ns, kb) == (tenant.namespace, kb_ref) and ref > (after or "")
+            ),
+            key=lambda document: document.ref,
+        )
+        wanted = (d for d in documents if filter_ is None or matches(filter_, d.metadata))
+        return [_copy(d) for d in wanted][:limit]
+
+    async def replace_document(
+        self,
+        tenant: Tenant,
+        *,
+        kb_ref: str,
+        ref: str,
+        content_type: str,
+        content_sha256: bytes,
+        size_bytes: int,
+        metadata: dict[str, Any],
+        chunks: Sequence[ChunkRow] | None,
+    ) -> tuple[DocumentRow, bool] | None:
+        """Serialised with every other writer (the contract asks: writers of the same document)."""
+        _check_writable(tenant, tenant.namespace, kb_ref)
+        key = (tenant.namespace, kb_ref, ref)
+        async with self._lock:
+            stored = self._documents.get(key)
+            await _round_trip()
+            if stored is not None and stored.document.content_sha256 == content_sha256:
+                document = replace(stored.document, metadata=dict(metadata))
+                self._documents[key] = _Version(document, stored.chunks)
+                return _copy(document), False
+            if chunks is None:
+                return None  # the content changed meanwhile: the caller chunks the new one
+            if (tenant.namespace, kb_ref) not in self._bases:
+                raise LookupError("no such knowledge base")  # PostgreSQL: a foreign-key violation
+            document = DocumentRow(
+                namespace=tenant.namespace,
+                kb_ref=kb_ref,
+                ref=ref,
+                version=1 if stored is None else stored.document.version + 1,
+                content_type=content_type,
+                content_sha256=content_sha256,
+                size_bytes=size_bytes,
+                chunk_count=len(chunks),
+                metadata=dict(metadata),
+                # The document's creation: its first version's (an update keeps it).
+                created_at=self._clock.now() if stored is None else stored.document.created_at,
+            )
+            self._documents[key] = _Version(document, tuple(_chunk(document, c) for c in chunks))
+            return _copy(document), True
+
+    async def delete_document(self, tenant: Tenant, kb_ref: str, ref: str) -> int | None:
+        async with self._lock:
+            current = self._current(tenant, kb_ref, ref)
+            if current is None:
+                return None
+            del self._documents[(tenant.namespace, kb_ref, ref)]
+            return current.document.chunk_count
+
+    # --- search -----------------------------------------------------------------------------
+
+    async def search(
+        self,
+        tenant: Tenant,
+        kb_refs: Sequence[str],
+        plan: SearchPlan,
+        *,
+        row_count: int | None,
+        count_cap: int,
+        filter_: Filter | None,
+        expect: KnowledgePins | None = None,
+    ) -> SearchOutcome[PassageRow]:
+        """Counts the chunks of `kb_refs` up to `count_cap` (the filter not applied)."""
+        if expect is not None:
+            held = {
+                (b.ref, b.created_at) for ref in expect.roster if (b := self._base(tenant, ref)) is not None
+            }
+            if held != set(expect.created):
+                raise StaleKnowledgeBases()
+        refs = {ref for ref in kb_refs if _visible(tenant, tenant.namespace, ref)}
+        versions = [
+            version
+            for (ns, kb, _), version in self._documents.items()
+            if ns == tenant.namespace and kb in refs
+        ]
+        if row_count is None:
+            row_count = min(count_cap, sum(len(version.chunks) for version in versions))
+        query = plan(row_count)
+        wanted = [v for v in versions if filter_ is None or matches(filter_, v.document.metadata)]
+        return SearchOutcome(query.row_count, candidates(list(_indexed(wanted)), query))
+
+
+def _chunk(document: DocumentRow, chunk: ChunkRow) -> _Chunk:
+    embedding = np.array(chunk.embedding, dtype=np.float32)
+    embedding.setflags(write=False)
+    passage = PassageRow(
+        kb_ref=document.kb_ref,
+        doc_ref=document.ref,
+        version=document.version,
+        chunk_index=chunk.index,
+        text=chunk.text,
+        start=chunk.start,
+        end=chunk.end,
+        heading_path=tuple(chunk.heading_path),
+    )
+    return _Chunk(passage, embedding, terms_of(chunk.text))
+
+
+def _copy(document: DocumentRow) -> DocumentRow:
+    return replace(document, metadata=dict(document.metadata))
+
+
+def _indexed(versions: Iterable[_Version]) -> Iterable[Searchable[PassageRow]]:
+    # A chunk's neighbours are the chunks before and after it in the same document version.
+    for version in versions:
+        document = version.document
+        partition = (document.namespace, document.kb_ref, document.ref, document.version)
+        for chunk in version.chunks:
+            yield Searchable(
+                item=chunk.passage,
+                key=(*partition, chunk.passage.chunk_index),
+                partition=partition,
+                order=(chunk.passage.chunk_index,),
+                local=chunk.passage.chunk_index,
+                embedding=chunk.embedding,
+                terms=chunk.terms,
+            )

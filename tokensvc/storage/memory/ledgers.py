@@ -1,0 +1,82 @@
+"""Revocations and the audit trail in process memory (the contracts:
+`tokensvc.storage.ports.RevocationStore` and `AuditStore`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from tokensvc.storage.memory.clock import Clock, StoreClock
+from tokensvc.storage.records import AuditRecord, Revocation, RevocationKind
+
+__all__ = ["InMemoryAuditStore", "InMemoryRevocationStore"]
+
+_MAX_DETAIL = 2048
+
+
+class InMemoryRevocationStore:
+    """`RevocationStore` over a dictionary; a revocation is visible as soon as it is recorded."""
+
+    def __init__(self, clock: Clock | None = None):
+        self._clock = StoreClock(clock)
+        self._revocations: dict[tuple[RevocationKind, str], Revocation] = {}
+
+    async def revoke(self, kind: RevocationKind, value: str, *, reason: str, revoked_by: str) -> datetime:
+        key = (kind, value)
+        if key not in self._revocations:
+            self._revocations[key] = Revocation(kind, value, self._clock.now())
+        return self._revocations[key].revoked_at
+
+    async def since(self, moment: datetime) -> list[Revocation]:
+        return [r for r in self._revocations.values() if r.revoked_at >= moment]
+
+    async def all(self) -> list[Revocation]:
+        return list(self._revocations.values())
+
+
+class InMemoryAuditStore:
+    """`AuditStore` over a list; ids start at 1 and increase by one."""
+
+    def __init__(self, clock: Clock | None = None):
+        self._clock = StoreClock(clock)
+        self._events: list[AuditRecord] = []
+
+    async def append(
+        self, *, kind: str, actor: str, action: str, target: str, outcome: str, reason: str, detail: str
+    ) -> int:
+        event = AuditRecord(
+            id=len(self._events) + 1,
+            occurred_at=self._clock.now(),
+            kind=kind,
+            actor=actor,
+            action=action,
+            target=target,
+            outcome=outcome,
+            reason=reason,
+            detail=detail[:_MAX_DETAIL],
+        )
+        self._events.append(event)
+        return event.id
+
+    async def page(
+        self,
+        *,
+        before_id: int | None,
+        kinds: Sequence[str],
+        since: datetime | None,
+        until: datetime | None,
+        limit: int,
+    ) -> list[AuditRecord]:
+        wanted = set(kinds)
+        found: list[AuditRecord] = []
+        for event in reversed(self._events):
+            if len(found) >= limit:
+                break
+            if (
+                (before_id is None or event.id < before_id)
+                and (not wanted or event.kind in wanted)
+                and (since is None or event.occurred_at >= since)
+                and (until is None or event.occurred_at < until)
+            ):
+                found.append(event)
+        return found

@@ -1,0 +1,360 @@
+"""Long-term memories in process memory (the contract: `tokensvc.storage.ports.MemoryStore`).
+
+The same semantics as `tokensvc.storage.postgres.memories`, checked by the one conformance suite
+(`tests/storage/conformance/`): tenant isolation by bucket (a bucket the tenant did not declare
+is invisible, and writing into it raises `PermissionError`, where PostgreSQL's row-level security
+refuses), expiry, deduplication by content hash and idempotency key, newest-first paging, the
+search's candidates (`tokensvc.storage.memory.ranking`; always exact). Text terms are
+`tokensvc.storage.memory.text`'s `simple` words whatever the pinned configuration.
+
+Concurrency: every write holds the store's lock from its first read to its last write, across a
+scheduling point where PostgreSQL would take a round trip, so concurrent writers serialise as
+PostgreSQL's unique indexes make them; a read runs without yielding, so it sees one state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from typing import Any
+
+import numpy as np
+
+from tokensvc.errors import AlreadyExists
+from tokensvc.storage.filters import Filter, matches
+from tokensvc.storage.memory.clock import Clock, StoreClock
+from tokensvc.storage.memory.ranking import Searchable, candidates
+from tokensvc.storage.memory.text import Terms, terms_of
+from tokensvc.storage.records import (
+    MemoryRecord,
+    MemorySpace,
+    NewMemory,
+    SearchOutcome,
+    SearchPlan,
+    StoredRef,
+    Tenant,
+)
+
+__all__ = ["InMemoryMemoryStore"]
+
+_SWEEP_LIMITS = range(1, 10_001)  # what PostgreSQL's sweep function accepts
+
+
+@dataclass(frozen=True)
+class _Row:
+    bucket: str
+    id: str
+    content: str
+    sha: bytes
+    metadata: dict[str, Any]
+    key: str | None
+    embedding: np.ndarray
+    terms: Terms
+    created_at: datetime
+    updated_at: datetime
+    expires_at: datetime | None
+
+    def live(self, now: datetime) -> bool:
+        return self.expires_at is None or self.expires_at > now
+
+    def record(self, embedder: str) -> MemoryRecord:
+        return MemoryRecord(
+            id=self.id,
+            content=self.content,
+            metadata=dict(self.metadata),
+            created_at=self.created_at,
+            updated_at=self.updated_at,
+            expires_at=self.expires_at,
+            embedder=embedder,
+        )
+
+    def ref(self, *, inserted: bool) -> StoredRef:
+        return StoredRef(self.id, self.sha, self.key, inserted=inserted)
+
+
+def _uuid(value: str) -> str:
+    """The canonical form of a memory id (PostgreSQL's `uuid` type: any case in, lowercase out)."""
+    return str(uuid.UUID(value))
+
+
+def _vector(embedding: np.ndarray) -> np.ndarray:
+    """A private float32 copy (pgvector stores single precision)."""
+    stored = np.array(embedding, dtype=np.float32)
+    stored.setflags(write=False)
+    return stored
+
+
+async def _round_trip() -> None:
+    """Where PostgreSQL would wait for the database: other tasks may run here."""
+    await asyncio.sleep(0)
+
+
+class InMemoryMemoryStore:
+    """`MemoryStore` over dictionaries; `clock` is the wall clock (tests may move it forward)."""
+
+    def __init__(self, clock: Clock | None = None):
+        self._clock = StoreClock(clock)
+        self._lock = asyncio.Lock()
+        self._rows: dict[str, dict[str, _Row]] = {}  # bucket -> id -> row, in insertion order
+        self._spaces: dict[tuple[str, str], MemorySpace] = {}
+
+    def _bucket(self, tenant: Tenant, bucket: str) -> dict[str, _Row]:
+        """The bucket's rows, or nothing when the tenant did not declare it (row-level security)."""
+        return self._rows.get(bucket, {}) if bucket in tenant.buckets else {}
+
+    def _writable(self, tenant: Tenant, bucket: str) -> dict[str, _Row]:
+        if bucket not in tenant.buckets:
+            raise PermissionError("the bucket is outside the tenant's declared buckets")
+        return self._rows.setdefault(bucket, {})
+
+    # --- memory spaces ----------------------------------------------------------------------
+
+    async def get_space(self, tenant: Tenant) -> MemorySpace | None:
+        return self._spaces.get((tenant.namespace, tenant.agent))
+
+    async def pin_space(self, tenant: Tenant, space: MemorySpace) -> MemorySpace:
+        """Pin `space` unless one is pinned; every dimension can be searched (exactly) here."""
+        return self._spaces.setdefault((tenant.namespace, tenant.agent), space)
+
+    # --- writes -----------------------------------------------------------------------------
+
+    async def move_buckets(self, tenant: Tenant, target: str, sources: Sequence[str]) -> int:
+        async with self._lock:
+            now = self._clock.now()
+            buckets = [b for b in (target, *sources) if b in tenant.buckets]
+            if target not in buckets:
+                return 0
+            # Expired rows are dead: an expired target row must not make a live source row a
+            # duplicate, and expired source rows do not move.
+            for bucket in buckets:
+                table = self._rows.get(bucket, {})
+                for row in [r for r in table.values() if not r.live(now)]:
+                    del table[row.id]
+            into = self._rows.setdefault(target, {})
+            moved = 0
+            for source in dict.fromkeys(buckets[1:]):
+                if source == target:
+                    continue
+                shas = {row.sha for row in into.values()}
+                keys = {row.key for row in into.values() if row.key is not None}
+                leaving = list(self._rows.get(source, {}).values())
+                await _round_trip()
+                self._rows.pop(source, None)
+                for row in leaving:
+                    if row.sha in shas or (row.key is not None and row.key in keys):
+                        continue
+                    into[row.id] = replace(row, bucket=target)
+                    moved += 1
+            return moved
+
+    async def find_existing(
+        self, tenant: Tenant, bucket: str, hashes: Sequence[bytes], keys: Sequence[str]
+    ) -> list[StoredRef]:
+        now = self._clock.now()
+        wanted_hashes, wanted_keys = set(hashes), set(keys)
+        return [
+            row.ref(inserted=False)
+            for row in self._bucket(tenant, bucket).values()
+            if row.live(now)
+            and (row.sha in wanted_hashes or (row.key is not None and row.key in wanted_keys))
+        ]
+
+    async def insert(self, tenant: Tenant, bucket: str, rows: Sequence[NewMemory]) -> list[StoredRef]:
+        """All-or-nothing; a row whose content, key or id is already live in the bucket (or
+        earlier in the batch) is skipped and the live row matching it reported, like PostgreSQL's
+        `INSERT ... ON CONFLICT DO NOTHING`; a skipped row whose content no reported row has
+        (its key belongs to other content) fails the whole batch with `AlreadyExists`."""
+        if len({int(row.embedding.shape[0]) for row in rows}) > 1:
+            raise ValueError("every row of an insert has the dimension of the first")
+        async with self._lock:
+            table = self._writable(tenant, bucket)
+            now = self._clock.now()
+            live = [row for row in table.values() if row.live(now)]
+            ids = {row.id for row in live}
+            shas = {row.sha for row in live}
+            keys = {row.key for row in live if row.key is not None}
+            fresh: list[NewMemory] = []
+            for new in rows:
+                new_id = _uuid(new.id)
+                if new_id in ids or new.content_sha256 in shas or (new.idempotency_key or None) in keys:
+                    continue
+                fresh.append(new)
+                ids.add(new_id)
+                shas.add(new.content_sha256)
+                if new.idempotency_key:
+                    keys.add(new.idempotency_key)
+            done = {new.content_sha256 for new in fresh}
+            missing = [new for new in rows if new.content_sha256 not in done]
+            missing_shas = {new.content_sha256 for new in missing}
+            missing_keys = {new.idempotency_key for new in missing if new.idempotency_key}
+            existing = [
+                row.ref(inserted=False)
+                for row in live
+                if row.sha in missing_shas or (row.key is not None and row.key in missing_keys)
+            ]
+            if missing_shas - {ref.content_sha256 for ref in existing}:
+                raise AlreadyExists("an idempotency key of this request is used for different content")
+            await _round_trip()  # what was read above must still hold below: the lock sees to it
+            # Expired rows with these contents or keys would block a re-insert in PostgreSQL: gone.
+            for row in [r for r in table.values() if not r.live(now)]:
+                if any(
+                    row.sha == new.content_sha256 or (row.key and row.key == new.idempotency_key)
+                    for new in rows
+                ):
+                    del table[row.id]
+            refs = []
+            for new in fresh:
+                at = self._clock.now()
+                row = _Row(
+                    bucket=bucket,
+                    id=_uuid(new.id),
+                    content=new.content,
+                    sha=new.content_sha256,
+                    metadata=dict(new.metadata),
+                    key=new.idempotency_key or None,
+                    embedding=_vector(new.embedding),
+                    terms=terms_of(new.content),
+                    created_at=at,
+                    updated_at=at,
+                    expires_at=None if new.ttl_seconds is None else at + timedelta(seconds=new.ttl_seconds),
+                )
+                table[row.id] = row
+                refs.append(row.ref(inserted=True))
+            return refs + existing
+
+    async def update(
+        self,
+        tenant: Tenant,
+        bucket: str,
+        memory_id: str,
+        *,
+        content: tuple[str, bytes, np.ndarray] | None,
+        metadata: dict[str, Any] | None,
+        ttl_seconds: int | None,
+        embedder: str,
+    ) -> MemoryRecord | None:
+        async with self._lock:
+            now = self._clock.now()
+            table = self._bucket(tenant, bucket)
+            row = table.get(_uuid(memory_id))
+            if row is None or not row.live(now):
+                return None
+            changes: dict[str, Any] = {"updated_at": self._clock.now()}
+            if content is not None:
+                text, sha, vector = content
+                if any(
+                    other.sha == sha and other.id != row.id and other.live(now) for other in table.values()
+                ):
+                    raise AlreadyExists("another memory in this bucket has this content", field="content")
+                changes |= {
+                    "content": text,
+                    "sha": sha,
+                    "embedding": _vector(vector),
+                    "terms": terms_of(text),
+                }
+            if metadata is not None:
+                changes["metadata"] = dict(metadata)
+            if ttl_seconds is not None:
+                changes["expires_at"] = now + timedelta(seconds=ttl_seconds)
+            await _round_trip()
+            updated = replace(row, **changes)
+            table[row.id] = updated
+            return updated.record(embedder)
+
+    async def delete(self, tenant: Tenant, bucket: str, ids: Sequence[str]) -> int:
+        async with self._lock:
+            now = self._clock.now()
+            table = self._bucket(tenant, bucket)
+            doomed = {_uuid(i) for i in ids} & {row.id for row in table.values() if row.live(now)}
+            for memory_id in doomed:
+                del table[memory_id]
+            return len(doomed)
+
+    async def delete_all(self, tenant: Tenant, bucket: str) -> int:
+        """Every row of the bucket goes, expired ones too; the live ones are counted."""
+        async with self._lock:
+            now = self._clock.now()
+            live = sum(row.live(now) for row in self._bucket(tenant, bucket).values())
+            if bucket in tenant.buckets:
+                self._rows.pop(bucket, None)
+            return live
+
+    async def sweep_expired(self, limit: int = 1000) -> int:
+        if limit not in _SWEEP_LIMITS:
+            raise ValueError("sweep limit must be between 1 and 10000")
+        async with self._lock:
+            now = self._clock.now()
+            deleted = 0
+            for table in self._rows.values():
+                for row in [r for r in table.values() if not r.live(now)][: limit - deleted]:
+                    del table[row.id]
+                    deleted += 1
+            return deleted
+
+    # --- reads ------------------------------------------------------------------------------
+
+    async def get(self, tenant: Tenant, bucket: str, memory_id: str, embedder: str) -> MemoryRecord | None:
+        row = self._bucket(tenant, bucket).get(_uuid(memory_id))
+        return row.record(embedder) if row is not None and row.live(self._clock.now()) else None
+
+    async def list_page(
+        self,
+        tenant: Tenant,
+        bucket: str,
+        *,
+        limit: int,
+        after: tuple[datetime, str] | None,
+        filter_: Filter | None,
+        embedder: str,
+    ) -> list[MemoryRecord]:
+        rows = self._searchable(tenant, bucket, filter_)
+        if after is not None:
+            cursor = (after[0], _uuid(after[1]))
+            rows = [row for row in rows if (row.created_at, row.id) < cursor]
+        rows.sort(key=lambda row: (row.created_at, row.id), reverse=True)
+        return [row.record(embedder) for row in rows[:limit]]
+
+    def _searchable(self, tenant: Tenant, bucket: str, filter_: Filter | None) -> list[_Row]:
+        now = self._clock.now()
+        return [
+            row
+            for row in self._bucket(tenant, bucket).values()
+            if row.live(now) and (filter_ is None or matches(filter_, row.metadata))
+        ]
+
+    async def search(
+        self,
+        tenant: Tenant,
+        bucket: str,
+        plan: SearchPlan,
+        *,
+        row_count: int | None,
+        count_cap: int,
+        filter_: Filter | None,
+        embedder: str,
+    ) -> SearchOutcome[MemoryRecord]:
+        """Counts like PostgreSQL: the bucket's rows up to `count_cap`, expired rows not swept yet
+        included and the filter not applied (the count routes and weighs terms)."""
+        if row_count is None:
+            row_count = min(count_cap, len(self._bucket(tenant, bucket)))
+        query = plan(row_count)
+        rows = self._searchable(tenant, bucket, filter_)
+        found = candidates(list(_indexed(rows, embedder)), query)
+        return SearchOutcome(query.row_count, found)
+
+
+def _indexed(rows: Iterable[_Row], embedder: str) -> Iterable[Searchable[MemoryRecord]]:
+    # A memory's neighbours are the bucket's memories created just before and after it.
+    for row in rows:
+        yield Searchable(
+            item=row.record(embedder),
+            key=(row.bucket, row.id),
+            partition=(row.bucket,),
+            order=(row.created_at, row.id),
+            local=row.id,
+            embedding=row.embedding,
+            terms=row.terms,
+        )
