@@ -95,7 +95,7 @@ async def test_migration_0009_keeps_every_row_and_makes_it_searchable_stemmed(
             )
 
         applied = await apply_migrations(conn, app_role="tokensvc_app")
-        assert [m.version for m in applied][0] == 9  # and every later migration
+        assert applied[0].version == 9  # and every later migration
 
         async with conn.transaction():
             await conn.execute(TENANT)

@@ -28,7 +28,8 @@ from tests.storage.conformance.support import (
     vector_query,
 )
 from tokensvc.storage.filters import Condition, Operator
-from tokensvc.storage.ports import KnowledgeStore
+from tokensvc.storage.ports import KnowledgeStore, StaleKnowledgeBases
+from tokensvc.storage.records import CandidateQuery, KnowledgePins
 
 DOCS = {
     "kb-a": {
@@ -211,3 +212,51 @@ async def test_knowledge_bases_outside_the_roster_or_namespace_are_never_searche
         for query in (vector_query(vector, k=20), text_query("apple red", k=20, row_count=8, vector=vector)):
             found = await search_chunks(knowledge, tenant, refs, query)
             assert {c.item.kb_ref for c in found} == expected
+
+
+async def test_a_search_with_pins_that_still_hold_searches(knowledge: KnowledgeStore) -> None:
+    ns = new_namespace()
+    base = await create_base(knowledge, ns, "kb")
+    await upload(knowledge, ns, "kb", "doc", ["pinned text"])
+    pins = KnowledgePins(("kb", "absent"), (("kb", base.created_at),))
+    outcome = await knowledge.search(
+        launcher(ns, "kb", "absent"),
+        ["kb"],
+        lambda _rows: vector_query(axis(0), k=5),
+        row_count=1,
+        count_cap=1,
+        filter_=None,
+        expect=pins,
+    )
+    assert [c.item.text for c in outcome.candidates] == ["pinned text"]
+
+
+async def test_a_search_whose_pins_changed_refuses_and_searches_nothing(knowledge: KnowledgeStore) -> None:
+    ns = new_namespace()
+    old = await create_base(knowledge, ns, "kb")
+    tenant = launcher(ns, "kb", "later")
+    remembered = KnowledgePins(("kb", "later"), (("kb", old.created_at),))
+    searched: list[int] = []
+
+    async def search(pins: KnowledgePins) -> None:
+        def plan(rows: int) -> CandidateQuery:
+            searched.append(rows)
+            return vector_query(axis(0), k=5)
+
+        await knowledge.search(tenant, ["kb"], plan, row_count=None, count_cap=10, filter_=None, expect=pins)
+
+    # A base of the roster created since, the base re-created since, the base gone: each refuses.
+    await create_base(knowledge, ns, "later")
+    with pytest.raises(StaleKnowledgeBases):
+        await search(remembered)
+    later = (await knowledge.get_bases(management(ns), ["later"]))[0]
+    assert await knowledge.delete_base(management(ns), "kb") == 0
+    again = await create_base(knowledge, ns, "kb")
+    with pytest.raises(StaleKnowledgeBases):
+        await search(KnowledgePins(remembered.roster, (("kb", old.created_at), ("later", later.created_at))))
+    await knowledge.delete_base(management(ns), "kb")
+    with pytest.raises(StaleKnowledgeBases):
+        await search(
+            KnowledgePins(remembered.roster, (("kb", again.created_at), ("later", later.created_at)))
+        )
+    assert searched == [], "a refused search counts and ranks nothing"
