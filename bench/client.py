@@ -37,12 +37,12 @@ from bench.load import binary_vectors
 from bench.peer import PeerStore
 from bench.workers import serve
 from tokensvc.memory.filters import Condition, Filter, Operator
-from tokensvc.retrieval import SearchTuning
+from tokensvc.retrieval import SearchTuning, candidate_query
 from tokensvc.storage.postgres import database as tokensvc_database
 from tokensvc.storage.postgres.memories import search_statement
 from tokensvc.storage.postgres.ranking import hnsw_settings
 from tokensvc.storage.postgres.tenant import tenant_transaction
-from tokensvc.storage.records import CandidateQuery, Tenant
+from tokensvc.storage.records import Tenant
 from tokensvc.v1 import (
     capability_pb2,
     capability_pb2_grpc,
@@ -204,19 +204,8 @@ class Worker:
 
     def _statement(self, item: SearchItem, exact: bool) -> tuple[str, list[Any]]:
         vector = np.frombuffer(item.vector, dtype="<f4")
-        query = CandidateQuery(
-            vector=vector,
-            text=None,
-            or_text="",
-            text_config="simple",
-            k=K,
-            row_count=item.size,
-            exact=exact,
-            neighbours=False,
-            bm25_k1=0.0,
-            bm25_b=0.0,
-            ef_search=self._ef_search(),
-            max_scan_tuples=self.tuning.max_scan_tuples,
+        query = candidate_query(
+            vector=vector, text=None, k=K, rows=item.size, exact=exact, tuning=self.tuning
         )
         sql, params, _ = search_statement(item.bucket_id, query, domain_filter(item.filter))
         return sql, params

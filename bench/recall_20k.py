@@ -43,7 +43,7 @@ import numpy as np
 
 from tokensvc.memory.filters import Condition, Filter, Operator, matches
 from tokensvc.memory.models import NewMemory
-from tokensvc.retrieval import SearchTuning
+from tokensvc.retrieval import SearchTuning, candidate_query
 from tokensvc.settings import load_settings
 from tokensvc.storage.postgres import Database, apply_migrations, connect_once
 from tokensvc.storage.postgres.database import _init_connection
@@ -129,20 +129,8 @@ async def index_only_pool(database: Database) -> asyncpg.Pool:
 
 def vector_query(query: np.ndarray, exact: bool, ef_search: int) -> CandidateQuery:
     """A plain VECTOR search of K (the store's fast statement)."""
-    return CandidateQuery(
-        vector=query,
-        text=None,
-        or_text="",
-        text_config="simple",
-        k=K,
-        row_count=0,
-        exact=exact,
-        neighbours=False,
-        bm25_k1=0.0,
-        bm25_b=0.0,
-        ef_search=ef_search,
-        max_scan_tuples=SearchTuning().max_scan_tuples,
-    )
+    tuning = SearchTuning(ef_search=ef_search)
+    return candidate_query(vector=query, text=None, k=K, rows=0, exact=exact, tuning=tuning)
 
 
 async def plan_of(

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from tokensvc.retrieval import SearchTuning, candidate_query
 from tokensvc.storage.filters import Filter
 from tokensvc.storage.ports import MemoryStore
 from tokensvc.storage.postgres.memories import search_statement
@@ -25,20 +26,8 @@ def vector_query(
     query: np.ndarray, *, k: int, exact: bool, ef_search: int = 40, max_scan_tuples: int = 20_000
 ) -> CandidateQuery:
     """A plain VECTOR query (no text ranker, no neighbours)."""
-    return CandidateQuery(
-        vector=query,
-        text=None,
-        or_text="",
-        text_config="simple",
-        k=k,
-        row_count=0,
-        exact=exact,
-        neighbours=False,
-        bm25_k1=0.0,
-        bm25_b=0.0,
-        ef_search=ef_search,
-        max_scan_tuples=max_scan_tuples,
-    )
+    tuning = SearchTuning(ef_search=ef_search, max_scan_tuples=max_scan_tuples)
+    return candidate_query(vector=query, text=None, k=k, rows=0, exact=exact, tuning=tuning)
 
 
 async def search_candidates(
@@ -87,18 +76,7 @@ async def bucket_size(store: MemoryStore, tenant: Tenant, bucket: str, cap: int)
 
     def plan(rows: int) -> CandidateQuery:
         seen.append(rows)
-        return CandidateQuery(
-            vector=None,
-            text="count",
-            or_text="count",
-            text_config="simple",
-            k=1,
-            row_count=rows,
-            exact=True,
-            neighbours=False,
-            bm25_k1=0.6,
-            bm25_b=0.3,
-        )
+        return candidate_query(vector=None, text="count", k=1, rows=rows, exact=True)
 
     outcome = await store.search(
         tenant, bucket, plan, row_count=None, count_cap=cap, filter_=None, embedder=""

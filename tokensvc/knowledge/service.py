@@ -9,6 +9,7 @@ only knowledge bases in its capability's roster, and a refusal names no other co
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,8 +28,6 @@ from tokensvc.memory.filters import Filter
 from tokensvc.memory.metadata import MetadataScalar
 from tokensvc.observability.metrics import observe_embedding
 from tokensvc.retrieval import (
-    BM25_B,
-    BM25_K1,
     DEFAULT_TEXT_CONFIG,
     FusionWeights,
     Ranked,
@@ -37,8 +36,7 @@ from tokensvc.retrieval import (
     SearchMode,
     SearchTuning,
     apply_mode,
-    or_query,
-    query_words,
+    candidate_query,
     unit_rows,
     unit_vector,
     validate_text_config,
@@ -209,21 +207,22 @@ class KnowledgeBases:
             if base is None:
                 raise _no_base(namespace, kb_ref)
             digest = hashlib.sha256(content).digest()
+            replace = functools.partial(
+                self._store.replace_document,
+                tenant,
+                kb_ref=kb_ref,
+                ref=doc_ref,
+                content_type=content_type,
+                content_sha256=digest,
+                size_bytes=len(content),
+                metadata=metadata,
+            )
             if current is not None and current.content_sha256 == digest:
                 if current.metadata == metadata:
                     return UploadResult(current, unchanged=True)
                 # Same bytes, new metadata: no chunking or embedding. None: the content changed
                 # meanwhile (a concurrent upload), so this one is chunked after all.
-                replaced = await self._store.replace_document(
-                    tenant,
-                    kb_ref=kb_ref,
-                    ref=doc_ref,
-                    content_type=content_type,
-                    content_sha256=digest,
-                    size_bytes=len(content),
-                    metadata=metadata,
-                    chunks=None,
-                )
+                replaced = await replace(chunks=None)
                 if replaced is not None:
                     return UploadResult(replaced[0], unchanged=True)
             strategy = ChunkingStrategy.from_stored(base.chunking, base.chunk_size, base.chunk_overlap)
@@ -235,16 +234,7 @@ class KnowledgeBases:
                 ChunkRow(c.index, c.text, c.start, c.end, tuple(c.heading_path), vector)
                 for c, vector in zip(chunks, vectors, strict=True)
             ]
-            replaced = await self._store.replace_document(
-                tenant,
-                kb_ref=kb_ref,
-                ref=doc_ref,
-                content_type=content_type,
-                content_sha256=digest,
-                size_bytes=len(content),
-                metadata=metadata,
-                chunks=rows,
-            )
+            replaced = await replace(chunks=rows)
             assert replaced is not None  # with chunks, a version or the same content is stored
             document, written = replaced
             span.set_attribute("tokensvc.result_count", len(rows))
@@ -375,19 +365,15 @@ class KnowledgeBases:
         text = None if mode is SearchMode.VECTOR else query
 
         def plan(rows: int) -> CandidateQuery:
-            return CandidateQuery(
+            return candidate_query(
                 vector=vector,
-                text=None if text is None else " ".join(query_words(text)),
-                or_text=or_query(text or ""),
+                text=text,
                 text_config=text_config,
                 k=k,
-                row_count=rows,
+                rows=rows,
                 exact=tuning.exact(rows, filtered=filter_ is not None, dimension=spec.dimension),
                 neighbours=mode is SearchMode.HYBRID and self._fusion.neighbour > 0,
-                bm25_k1=BM25_K1,
-                bm25_b=BM25_B,
-                ef_search=tuning.ef_search_for(k),
-                max_scan_tuples=tuning.max_scan_tuples,
+                tuning=tuning,
             )
 
         key = f"{tenant.namespace}/{','.join(refs)}"

@@ -34,8 +34,6 @@ from tokensvc.memory.models import MemoryRecord, MemorySpace, NewMemory
 from tokensvc.memory.paging import PageCursor
 from tokensvc.observability.metrics import observe_embedding
 from tokensvc.retrieval import (
-    BM25_B,
-    BM25_K1,
     DEFAULT_TEXT_CONFIG,
     FusionWeights,
     Ranked,
@@ -43,8 +41,7 @@ from tokensvc.retrieval import (
     SearchMode,
     SearchTuning,
     apply_mode,
-    or_query,
-    query_words,
+    candidate_query,
     unit_vector,
 )
 from tokensvc.storage.filters import Filter
@@ -361,19 +358,15 @@ class LongTermMemory:
             def plan(rows: int) -> CandidateQuery:
                 exact = tuning.exact(rows, filtered=query.filter is not None, dimension=space.spec.dimension)
                 span.set_attribute("tokensvc.search.exact", exact)
-                return CandidateQuery(
+                return candidate_query(
                     vector=vector,
-                    text=None if text is None else " ".join(query_words(text)),
-                    or_text=or_query(text or ""),
+                    text=text,
                     text_config=space.text_config,
                     k=k,
-                    row_count=rows,
+                    rows=rows,
                     exact=exact,
                     neighbours=query.mode is SearchMode.HYBRID and self._fusion.neighbour > 0,
-                    bm25_k1=BM25_K1,
-                    bm25_b=BM25_B,
-                    ef_search=tuning.ef_search_for(k),
-                    max_scan_tuples=tuning.max_scan_tuples,
+                    tuning=tuning,
                 )
 
             cached = self._sizes.get(space.bucket)

@@ -3,6 +3,7 @@
 - `vectors`: unit-length normalisation of every stored and query vector (float64 maths);
 - `routing`: exact scan or HNSW by bucket/corpus size, the HNSW scan settings, row counts;
 - `text`: the text ranker's rules (OR over stemmed terms, BM25, pinned text-search configs);
+- `planning`: the `CandidateQuery` a search hands the store;
 - `fusion`: score fusion of the vector and text rankings with neighbour context, tie-breaks.
 
 The SQL that fetches candidates with both scores is `tokensvc.storage.postgres.ranking`.
@@ -20,6 +21,7 @@ from tokensvc.retrieval.fusion import (
     rank_by_text,
     rank_by_vector,
 )
+from tokensvc.retrieval.planning import candidate_query
 from tokensvc.retrieval.routing import HNSW_MAX_DIMENSION, Recent, RowCounts, SearchTuning
 from tokensvc.retrieval.text import (
     BM25_B,
@@ -46,6 +48,7 @@ __all__ = [
     "SearchMode",
     "SearchTuning",
     "apply_mode",
+    "candidate_query",
     "fuse",
     "or_query",
     "query_words",

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from tokensvc.retrieval import BM25_B, BM25_K1, or_query, query_words
+from tokensvc.retrieval import BM25_B, BM25_K1, SearchTuning, candidate_query, query_words
 from tokensvc.storage.filters import Filter
 from tokensvc.storage.ports import KnowledgeStore, MemoryStore
 from tokensvc.storage.records import (
@@ -148,23 +148,15 @@ def chunk_rows(texts: Sequence[str], vectors: Sequence[np.ndarray] | None = None
 # --- queries ----------------------------------------------------------------------------------
 
 
+SCAN = SearchTuning(ef_search=40)
+
+
 def vector_query(
     vector: np.ndarray, *, k: int, exact: bool = True, neighbours: bool = False, row_count: int = 0
 ) -> CandidateQuery:
     """A VECTOR query: the plain statement unless neighbours are asked for."""
-    return CandidateQuery(
-        vector=vector,
-        text=None,
-        or_text="",
-        text_config="simple",
-        k=k,
-        row_count=row_count,
-        exact=exact,
-        neighbours=neighbours,
-        bm25_k1=BM25_K1,
-        bm25_b=BM25_B,
-        ef_search=40,
-        max_scan_tuples=20_000,
+    return candidate_query(
+        vector=vector, text=None, k=k, rows=row_count, exact=exact, neighbours=neighbours, tuning=SCAN
     )
 
 
@@ -178,19 +170,8 @@ def text_query(
     neighbours: bool = False,
 ) -> CandidateQuery:
     """A TEXT query, or with a vector a HYBRID one, built the way the domain builds it."""
-    return CandidateQuery(
-        vector=vector,
-        text=" ".join(query_words(text)),
-        or_text=or_query(text),
-        text_config="simple",
-        k=k,
-        row_count=row_count,
-        exact=exact,
-        neighbours=neighbours,
-        bm25_k1=BM25_K1,
-        bm25_b=BM25_B,
-        ef_search=40,
-        max_scan_tuples=20_000,
+    return candidate_query(
+        vector=vector, text=text, k=k, rows=row_count, exact=exact, neighbours=neighbours, tuning=SCAN
     )
 
 
