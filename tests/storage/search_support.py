@@ -39,6 +39,7 @@ async def search_candidates(
     filter_: Filter | None,
     embedder: str,
 ) -> list[Candidate[MemoryRecord]]:
+    """The candidates of `query` with its row count given (no counting)."""
     outcome = await store.search(
         tenant,
         bucket,
@@ -48,6 +49,7 @@ async def search_candidates(
         filter_=filter_,
         embedder=embedder,
     )
+    assert outcome.row_count == query.row_count
     return outcome.candidates
 
 

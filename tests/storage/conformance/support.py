@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from tests.storage.search_support import search_candidates
 from tokensvc.retrieval import BM25_B, BM25_K1, SearchTuning, candidate_query, query_words
 from tokensvc.storage.filters import Filter
 from tokensvc.storage.ports import KnowledgeStore, MemoryStore
@@ -179,17 +180,7 @@ async def search(
     store: MemoryStore, tenant: Tenant, bucket: str, query: CandidateQuery, filter_: Filter | None = None
 ) -> list[Candidate[MemoryRecord]]:
     """The candidates of `query` with its row count given (no counting)."""
-    outcome = await store.search(
-        tenant,
-        bucket,
-        lambda _rows: query,
-        row_count=query.row_count,
-        count_cap=1,
-        filter_=filter_,
-        embedder=EMBEDDER,
-    )
-    assert outcome.row_count == query.row_count
-    return outcome.candidates
+    return await search_candidates(store, tenant, bucket, query, filter_=filter_, embedder=EMBEDDER)
 
 
 async def counted_rows(

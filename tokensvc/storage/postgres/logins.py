@@ -15,7 +15,7 @@ import asyncpg
 
 from tokensvc.errors import DatabaseRefused, DatabaseUnavailable, Reason, TokensvcError
 from tokensvc.names import is_sql_identifier
-from tokensvc.storage.postgres.database import DatabaseTarget
+from tokensvc.storage.postgres.database import DatabaseTarget, connect_once
 from tokensvc.storage.postgres.errors import database_errors, domain_error
 from tokensvc.storage.postgres.scram import scram_sha256_verifier
 from tokensvc.storage.records import DatabaseCredential
@@ -31,16 +31,8 @@ class PostgresLogins:
         self._target = target
 
     async def _connect(self, credential: DatabaseCredential) -> asyncpg.Connection:
-        target = self._target
         try:
-            return await asyncpg.connect(
-                host=target.host,
-                port=target.port,
-                database=target.database,
-                user=credential.username,
-                password=credential.password,
-                timeout=target.connect_timeout,
-            )
+            return await connect_once(self._target, credential)
         except (asyncpg.InvalidPasswordError, asyncpg.InvalidAuthorizationSpecificationError):
             raise TokensvcError(
                 f"the credential for role {credential.username!r} does not log in",
