@@ -17,6 +17,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from tests.fuzz.hostile import NUMBER_PAGE_TOKENS, forged_json_tokens, memory_token_values, text_page_tokens
 from tests.fuzz.strategies import (
     CONTENT_TYPES,
     DOCUMENTS,
@@ -28,21 +29,17 @@ from tests.fuzz.strategies import (
     INT32,
     KEYS,
     METADATA_MAPS,
-    NUMBER_PAGE_TOKENS,
     RANDOM_TEXT,
     SMALL_TEXT,
     TIMESTAMPS,
     UNICODE,
     VECTORS,
     enums,
-    forged_json_tokens,
     forged_memory_token,
-    memory_token_values,
     mostly,
     page_tokens,
     printable,
     sizes,
-    text_page_tokens,
     texts,
     with_filter,
 )

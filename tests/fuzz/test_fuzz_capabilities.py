@@ -21,14 +21,9 @@ from typing import Any
 import pytest
 from hypothesis import strategies as st
 
+from tests.fuzz.hostile import IDENTIFIERS, hostile_claim_values, hostile_tokens, hostile_variant
 from tests.fuzz.rpcs import RPCS, Rpc, call, rpc_named
-from tests.fuzz.strategies import (
-    IDENTIFIERS,
-    fuzzed,
-    hostile_claim_values,
-    hostile_tokens,
-    hostile_variant,
-)
+from tests.fuzz.strategies import fuzzed
 from tests.fuzz.target import AGENT, CANARY_USER, FUZZ_NS, KB_A, KB_B, Answer, Target, send
 from tests.support import Signer, bearer, launcher_claims
 from tokensvc.auth.devpki import DevPaths

@@ -20,16 +20,15 @@ import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from hypothesis import strategies as st
 
-from tests.fuzz.rpcs import RPCS, Rpc, call, memory_page_tokens, rpc_named
-from tests.fuzz.strategies import (
+from tests.fuzz.hostile import (
     NUMBER_PAGE_TOKENS,
     carries_surrogate_mark,
-    fuzzed,
-    page_tokens,
     poisoned,
     text_page_tokens,
     with_lone_surrogates,
 )
+from tests.fuzz.rpcs import RPCS, Rpc, call, memory_page_tokens, rpc_named
+from tests.fuzz.strategies import fuzzed, page_tokens
 from tests.fuzz.target import FUZZ_NS, KB_A, Target
 from tests.support import bearer
 from tokensvc.v1 import admin_pb2, capability_pb2, knowledge_pb2, memory_pb2
