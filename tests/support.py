@@ -1,19 +1,31 @@
-"""Shared helpers for tests: settings for a service on the shared database, mTLS channels."""
+"""Shared helpers for tests: settings for a service on the shared database, database connections
+beneath row-level security, capabilities signed with the dev key, mTLS channels, decoded statuses.
+
+Every test outside tests/storage takes these from here rather than keeping its own copy.
+"""
 
 from __future__ import annotations
 
+import base64
+import json
 import socket
 import time
-from collections.abc import Mapping
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import grpc
+import jwt
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from pgvector.asyncpg import register_vector
 
-from tokensvc.auth.capabilities import mint_capability
+from tokensvc.auth.capabilities import CAPABILITY_TYPE, mint_capability
 from tokensvc.auth.devpki import (
     ADMIN_SPIFFE_ID,
     CONTROL_PLANE_SPIFFE_ID,
@@ -21,8 +33,13 @@ from tokensvc.auth.devpki import (
     DevPaths,
     load_signing_key,
 )
+from tokensvc.credentials import FileCredentialSource
 from tokensvc.settings import Settings, load_settings
 from tokensvc.storage.postgres import EmbeddedPostgres
+
+# The `iss` and `aud` a service started by `service_settings` accepts (the settings' defaults).
+ISSUER = "ctxmesh-control-plane"
+AUDIENCE = "tokensvc"
 
 
 @dataclass(frozen=True)
@@ -86,14 +103,120 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# --- the database, beneath row-level security -------------------------------------------------
+
+
+@asynccontextmanager
+async def connect_as(
+    credential_dir: Path, dsn: str | None = None, **connect: Any
+) -> AsyncIterator[asyncpg.Connection]:
+    """A connection as the login role whose secret `credential_dir` holds, closed afterwards.
+
+    `search_path` is `tokensvc, public` and pgvector's codec is registered (an embedding reads as
+    a `Vector`). `dsn` or asyncpg's own keywords (`host`, `port`, `database`...) say where.
+    """
+    credential = FileCredentialSource(credential_dir).read()
+    conn = await asyncpg.connect(
+        dsn,
+        user=credential.username,
+        password=credential.password,
+        server_settings={"search_path": "tokensvc, public"},
+        **connect,
+    )
+    try:
+        await register_vector(conn, schema="public")
+        yield conn
+    finally:
+        await conn.close()
+
+
+def superuser(database: SharedDatabase) -> AbstractAsyncContextManager[asyncpg.Connection]:
+    """The database as its superuser: every tenant's rows, no row-level security."""
+    return connect_as(database.superuser_credential_dir, database.dsn)
+
+
+# --- capabilities signed with the dev key -----------------------------------------------------
+
+
 def dev_capability(dev: DevPaths, **claims: Any) -> str:
     """A capability signed with the dev key, for namespace `default` / agent `dev-agent` unless
     `claims` (mint_capability's keyword arguments) say otherwise."""
     kid, key = load_signing_key(dev.signing_key)
     values: dict[str, Any] = {"namespace": "default", "agent": "dev-agent", **claims}
-    return mint_capability(
-        key, kid, issuer="ctxmesh-control-plane", audience="tokensvc", now=time.time(), **values
-    )
+    return mint_capability(key, kid, issuer=ISSUER, audience=AUDIENCE, now=time.time(), **values)
+
+
+def b64url(data: bytes) -> str:
+    """Unpadded base64url, as JWS segments and tokensvc's page tokens are written."""
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def segment(value: Any) -> str:
+    """A JWS segment: base64url of `value` (bytes as they are, anything else as JSON)."""
+    return b64url(value if isinstance(value, bytes) else json.dumps(value).encode())
+
+
+def launcher_claims(**overrides: Any) -> dict[str, Any]:
+    """The documented claims of a capability for the dev launcher (`default` / `dev-agent`), valid
+    for ten minutes, with a fresh run id and jti each time; `overrides` replace or add claims."""
+    iat = int(time.time())
+    return {
+        "iss": ISSUER,
+        "aud": AUDIENCE,
+        "sub": f"run-{uuid.uuid4()}",
+        "jti": uuid.uuid4().hex,
+        "iat": iat,
+        "nbf": iat,
+        "exp": iat + 600,
+        "ns": "default",
+        "agent": "dev-agent",
+        "per_user": False,
+        "ltm": False,
+        "kbs": [],
+        **overrides,
+    }
+
+
+@dataclass(frozen=True)
+class Signer:
+    """Signs anything with an Ed25519 key: capabilities no minting helper would make, for attacks.
+
+    `mint_capability` refuses values the verifier would refuse; a Signer signs them anyway, so
+    the verifier's own checks are what a test sees.
+    """
+
+    kid: str
+    key: Ed25519PrivateKey
+
+    @classmethod
+    def dev(cls, dev: DevPaths) -> Signer:
+        """The dev control plane's key, which the test services trust."""
+        return cls(*load_signing_key(dev.signing_key))
+
+    def header(self, **extra: Any) -> dict[str, Any]:
+        return {"alg": "EdDSA", "typ": CAPABILITY_TYPE, "kid": self.kid, **extra}
+
+    def token(self, **overrides: Any) -> str:
+        """`launcher_claims(**overrides)` signed by plain PyJWT, as any control plane would."""
+        headers = {"typ": CAPABILITY_TYPE, "kid": self.kid}
+        return jwt.encode(launcher_claims(**overrides), self.key, algorithm="EdDSA", headers=headers)
+
+    def sign_segments(self, header_segment: str, payload_segment: str) -> str:
+        """A compact JWS over arbitrary segment text, with a genuine signature by this key."""
+        signing_input = f"{header_segment}.{payload_segment}"
+        return f"{signing_input}.{b64url(self.key.sign(signing_input.encode()))}"
+
+    def sign(self, header: Any, payload: Any) -> str:
+        """A compact JWS of any header and payload (JSON values or raw bytes)."""
+        return self.sign_segments(segment(header), segment(payload))
+
+
+def bearer(token: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata presenting `token` as the run capability."""
+    return (("authorization", f"Bearer {token}"),)
+
+
+# --- calls ------------------------------------------------------------------------------------
 
 
 def mtls_channel(

@@ -9,15 +9,13 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import time
 import uuid
 
 import pytest
 
-from tests.support import SharedDatabase, role_channel
+from tests.support import SharedDatabase, dev_capability, role_channel
 from tokensvc.app import Service
-from tokensvc.auth.capabilities import mint_capability
-from tokensvc.auth.devpki import DevPaths, load_signing_key
+from tokensvc.auth.devpki import DevPaths
 from tokensvc.credentials import FileCredentialSource
 from tokensvc.storage.postgres.embedded import _bin_dir
 from tokensvc.v1 import capability_pb2, capability_pb2_grpc
@@ -44,23 +42,8 @@ async def test_user_ids_and_tokens_appear_in_neither_the_database_nor_the_logs(
     service: Service, dev: DevPaths, database: SharedDatabase, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    kid, key = load_signing_key(dev.signing_key)
     users = [f"end-user-{uuid.uuid4().hex}" for _ in range(3)]
-    tokens = [
-        mint_capability(
-            key,
-            kid,
-            issuer="ctxmesh-control-plane",
-            audience="tokensvc",
-            namespace="default",
-            agent="dev-agent",
-            user=user,
-            per_user=True,
-            long_term_memory=True,
-            now=time.time(),
-        )
-        for user in users
-    ]
+    tokens = [dev_capability(dev, user=user, per_user=True, long_term_memory=True) for user in users]
     async with role_channel(service.port, dev, "launcher") as channel:
         stub = capability_pb2_grpc.CapabilityServiceStub(channel)
         for token in tokens:

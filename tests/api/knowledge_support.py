@@ -9,7 +9,6 @@ contents never matter.
 from __future__ import annotations
 
 import re
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -20,11 +19,17 @@ import asyncpg
 import grpc
 import pytest
 
-from tests.support import RpcFailure, SharedDatabase, failure_of, mtls_channel, role_channel
+from tests.support import (
+    RpcFailure,
+    SharedDatabase,
+    dev_capability,
+    failure_of,
+    mtls_channel,
+    role_channel,
+    superuser,
+)
 from tokensvc.app import Service
-from tokensvc.auth.capabilities import mint_capability
-from tokensvc.auth.devpki import DevPaths, load_signing_key
-from tokensvc.credentials import FileCredentialSource
+from tokensvc.auth.devpki import DevPaths
 from tokensvc.v1 import common_pb2, knowledge_pb2, knowledge_pb2_grpc
 
 NAMESPACE = "default"
@@ -88,17 +93,8 @@ async def failure(call: Awaitable[Any]) -> RpcFailure:
 
 
 def mint(dev: DevPaths, kbs: Sequence[str], *, namespace: str = NAMESPACE, agent: str = AGENT) -> str:
-    kid, key = load_signing_key(dev.signing_key)
-    return mint_capability(
-        key,
-        kid,
-        issuer="ctxmesh-control-plane",
-        audience="tokensvc",
-        namespace=namespace,
-        agent=agent,
-        knowledge_bases=list(kbs),
-        now=time.time(),
-    )
+    """A capability whose roster (`kbs`) is the given knowledge bases."""
+    return dev_capability(dev, namespace=namespace, agent=agent, knowledge_bases=list(kbs))
 
 
 class Manager:
@@ -318,17 +314,6 @@ def assert_cited(passage: knowledge_pb2.Passage, document: str) -> None:
 
 
 # --- the database, seen by the superuser (no row-level security) ------------------------------
-
-
-@asynccontextmanager
-async def superuser(database: SharedDatabase) -> AsyncIterator[asyncpg.Connection]:
-    credential = FileCredentialSource(database.superuser_credential_dir).read()
-    conn = await asyncpg.connect(database.dsn, user=credential.username, password=credential.password)
-    try:
-        await conn.execute("SET search_path = tokensvc, public")
-        yield conn
-    finally:
-        await conn.close()
 
 
 async def row_counts(

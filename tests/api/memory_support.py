@@ -7,10 +7,8 @@ database only through that agent's buckets, so tests never depend on what else i
 from __future__ import annotations
 
 import json
-import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,13 +18,10 @@ import grpc
 import numpy as np
 import pytest
 from google.protobuf import duration_pb2
-from pgvector.asyncpg import register_vector
 
-from tests.support import RpcFailure, SharedDatabase, failure_of, mtls_channel
+from tests.support import RpcFailure, SharedDatabase, dev_capability, failure_of, mtls_channel, superuser
 from tokensvc.app import Service
-from tokensvc.auth.capabilities import mint_capability
-from tokensvc.auth.devpki import DevPaths, issue_client_certificate, load_signing_key
-from tokensvc.credentials import FileCredentialSource
+from tokensvc.auth.devpki import DevPaths, issue_client_certificate
 from tokensvc.v1 import capability_pb2, capability_pb2_grpc, common_pb2, memory_pb2, memory_pb2_grpc
 
 __all__ = [
@@ -44,7 +39,6 @@ __all__ = [
     "pack",
     "remember_items",
     "snapshot",
-    "superuser",
     "ttl",
 ]
 
@@ -187,18 +181,8 @@ class Launchers:
         return agent
 
     def token(self, agent: str, *, user: str | None = None, per_user: bool = False, ltm: bool = True) -> str:
-        kid, key = load_signing_key(self._dev.signing_key)
-        return mint_capability(
-            key,
-            kid,
-            issuer="ctxmesh-control-plane",
-            audience="tokensvc",
-            namespace=NAMESPACE,
-            agent=agent,
-            user=user,
-            per_user=per_user,
-            long_term_memory=ltm,
-            now=time.time(),
+        return dev_capability(
+            self._dev, namespace=NAMESPACE, agent=agent, user=user, per_user=per_user, long_term_memory=ltm
         )
 
     def caller(
@@ -225,18 +209,6 @@ class Launchers:
 
 
 # --- the database, seen by the superuser (no row-level security) ------------------------------
-
-
-@asynccontextmanager
-async def superuser(database: SharedDatabase) -> AsyncIterator[asyncpg.Connection]:
-    credential = FileCredentialSource(database.superuser_credential_dir).read()
-    conn = await asyncpg.connect(database.dsn, user=credential.username, password=credential.password)
-    try:
-        await register_vector(conn, schema="public")
-        await conn.execute("SET search_path = tokensvc, public")
-        yield conn
-    finally:
-        await conn.close()
 
 
 async def bucket_rows(conn: asyncpg.Connection, bucket: str) -> list[asyncpg.Record]:

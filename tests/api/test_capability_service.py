@@ -17,7 +17,6 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +29,29 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf import duration_pb2
 
-from tests.support import RpcFailure, failure_of, mtls_channel, role_channel
+from tests.support import (
+    AUDIENCE,
+    ISSUER,
+    RpcFailure,
+    Signer,
+    b64url,
+    bearer,
+    failure_of,
+    launcher_claims,
+    mtls_channel,
+    role_channel,
+    segment,
+)
 from tokensvc.app import Service
-from tokensvc.auth.devpki import DevPaths, issue_client_certificate, load_signing_key, public_jwk
+from tokensvc.auth.capabilities import CAPABILITY_TYPE
+from tokensvc.auth.devpki import DevPaths, issue_client_certificate, public_jwk
 from tokensvc.errors import CapabilityInvalid
 from tokensvc.v1 import capability_pb2, capability_pb2_grpc
 
 Stub = capability_pb2_grpc.CapabilityServiceStub
 Metadata = tuple[tuple[str, str], ...]
 
-ISSUER, AUDIENCE, TYP = "ctxmesh-control-plane", "tokensvc", "run-cap+jwt"
+TYP = CAPABILITY_TYPE
 MAX_LIFETIME = 12 * 3600
 OTHER_AGENT_ID = "spiffe://dev.local/ns/default/sa/other-agent"
 # Every bad-token refusal carries this one message: it must not say which check failed.
@@ -52,67 +64,13 @@ SESSION, SHARED = capability_pb2.SESSION_SCOPE_SESSION, capability_pb2.SESSION_S
 # --- tokens -----------------------------------------------------------------------------------
 
 
-def b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
-
-
-def segment(value: Any) -> str:
-    return b64(value if isinstance(value, bytes) else json.dumps(value).encode())
-
-
 def now() -> int:
     return int(time.time())
 
 
-def claims(**overrides: Any) -> dict[str, Any]:
-    """The documented claims of a capability for the dev launcher; a fresh run id and jti each time."""
-    iat = now()
-    return {
-        "iss": ISSUER,
-        "aud": AUDIENCE,
-        "sub": f"run-{uuid.uuid4()}",
-        "jti": uuid.uuid4().hex,
-        "iat": iat,
-        "nbf": iat,
-        "exp": iat + 600,
-        "ns": "default",
-        "agent": "dev-agent",
-        "per_user": False,
-        "ltm": False,
-        "kbs": [],
-        **overrides,
-    }
-
-
-@dataclass(frozen=True)
-class Signer:
-    kid: str
-    key: Ed25519PrivateKey
-
-    def header(self, **extra: Any) -> dict[str, Any]:
-        return {"alg": "EdDSA", "typ": TYP, "kid": self.kid, **extra}
-
-    def token(self, **overrides: Any) -> str:
-        """Plain PyJWT, as any control plane would sign a capability."""
-        headers = {"typ": TYP, "kid": self.kid}
-        return jwt.encode(claims(**overrides), self.key, algorithm="EdDSA", headers=headers)
-
-    def sign_segments(self, header_segment: str, payload_segment: str) -> str:
-        """A compact JWS over arbitrary segment text, with a genuine signature by this key."""
-        signing_input = f"{header_segment}.{payload_segment}"
-        return f"{signing_input}.{b64(self.key.sign(signing_input.encode()))}"
-
-    def sign(self, header: Any, payload: Any) -> str:
-        return self.sign_segments(segment(header), segment(payload))
-
-
-def bearer(token: str) -> Metadata:
-    return (("authorization", f"Bearer {token}"),)
-
-
 def thumbprint(cert_pem: bytes) -> str:
     """RFC 8705 x5t#S256 of a PEM certificate: base64url (no padding) of its DER's SHA-256."""
-    return b64(certificate_sha256(cert_pem))
+    return b64url(certificate_sha256(cert_pem))
 
 
 def certificate_sha256(cert_pem: bytes) -> bytes:
@@ -171,7 +129,7 @@ def assert_invalid_argument(failure: RpcFailure, field: str) -> None:
 
 @pytest.fixture
 def signer(dev: DevPaths) -> Signer:
-    return Signer(*load_signing_key(dev.signing_key))
+    return Signer.dev(dev)
 
 
 @pytest.fixture
@@ -231,7 +189,7 @@ async def test_verify_returns_the_scope_and_never_the_raw_user_id(launcher: Stub
     assert (scope.run_id, scope.jti) == (run_id, jti)
     assert (scope.issued_at.seconds, scope.expires_at.seconds) == (iat, iat + 900)
     serialized = response.SerializeToString()
-    for spelling in (user, user.partition("@")[0], user.upper(), b64(user.encode())):
+    for spelling in (user, user.partition("@")[0], user.upper(), b64url(user.encode())):
         assert spelling.encode() not in serialized
 
 
@@ -247,7 +205,7 @@ async def test_per_user_buckets_differ_per_user_and_agent_wide_bucket_is_shared(
 
 
 async def test_token_minted_with_plain_pyjwt_is_accepted(launcher: Stub, signer: Signer) -> None:
-    payload = claims(user="someone", per_user=True, ltm=True, kbs=["handbook"])
+    payload = launcher_claims(user="someone", per_user=True, ltm=True, kbs=["handbook"])
     token = jwt.encode(payload, signer.key, algorithm="EdDSA", headers={"typ": TYP, "kid": signer.kid})
     scope = (await verify(launcher, token)).scope
     assert (scope.run_id, scope.jti, scope.per_user) == (payload["sub"], payload["jti"], True)
@@ -269,7 +227,7 @@ def with_claims(**overrides: Any) -> Callable[[Signer], str]:
 
 def with_header(**extra: Any) -> Callable[[Signer], str]:
     """Signed by the trusted key: only the header rule can refuse it."""
-    return lambda s: s.sign(s.header(**extra), claims())
+    return lambda s: s.sign(s.header(**extra), launcher_claims())
 
 
 def with_payload(payload: Any) -> Callable[[Signer], str]:
@@ -298,17 +256,17 @@ def hs256_signed_with_the_public_key(s: Signer) -> str:
     public_pem = s.key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
-    signing_input = f"{segment(s.header(alg='HS256'))}.{segment(claims())}"
-    return f"{signing_input}.{b64(hmac.new(public_pem, signing_input.encode(), hashlib.sha256).digest())}"
+    signing_input = f"{segment(s.header(alg='HS256'))}.{segment(launcher_claims())}"
+    return f"{signing_input}.{b64url(hmac.new(public_pem, signing_input.encode(), hashlib.sha256).digest())}"
 
 
 def rs256(s: Signer) -> str:
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    return jwt.encode(claims(), key, algorithm="RS256", headers={"typ": TYP, "kid": s.kid})
+    return jwt.encode(launcher_claims(), key, algorithm="RS256", headers={"typ": TYP, "kid": s.kid})
 
 
 def impossible_base64_length(s: Signer) -> str:
-    payload = segment(claims())
+    payload = segment(launcher_claims())
     while len(payload) % 4 != 1:
         payload += "A"
     return s.sign_segments(segment(s.header()), payload)
@@ -325,24 +283,32 @@ NO_TOKEN: list[tuple[str, Callable[[Signer], Metadata]]] = [
     ("two-authorization-headers", lambda s: bearer(s.token()) + bearer(s.token())),
 ]
 BAD_TOKENS: list[tuple[str, Callable[[Signer], str], str]] = [
-    ("alg-none-unsigned", lambda s: f"{segment(s.header(alg='none'))}.{segment(claims())}.", INVALID),
+    (
+        "alg-none-unsigned",
+        lambda s: f"{segment(s.header(alg='none'))}.{segment(launcher_claims())}.",
+        INVALID,
+    ),
     ("alg-none-signed", with_header(alg="none"), INVALID),
     ("alg-None", with_header(alg="None"), INVALID),
     ("hs256-signed-with-the-public-key", hs256_signed_with_the_public_key, INVALID),
     ("rs256", rs256, INVALID),
     ("typ-not-run-cap", with_header(typ="JWT"), INVALID),
-    ("kid-missing", lambda s: s.sign({"alg": "EdDSA", "typ": TYP}, claims()), INVALID),
+    ("kid-missing", lambda s: s.sign({"alg": "EdDSA", "typ": TYP}, launcher_claims()), INVALID),
     ("embedded-jwk", with_header(jwk=ATTACKER_JWK), INVALID),
     ("jku", with_header(jku="https://attacker.example/jwks"), INVALID),
     ("x5u", with_header(x5u="https://attacker.example/cert.pem"), INVALID),
     ("x5c", with_header(x5c=ATTACKER_X5C), INVALID),
-    ("x5t", with_header(x5t=b64(b"sha-1 thumbprint of a certificate")), INVALID),
-    ("x5t#S256", with_header(**{"x5t#S256": b64(hashlib.sha256(b"certificate").digest())}), INVALID),
+    ("x5t", with_header(x5t=b64url(b"sha-1 thumbprint of a certificate")), INVALID),
+    ("x5t#S256", with_header(**{"x5t#S256": b64url(hashlib.sha256(b"certificate").digest())}), INVALID),
     ("b64-false", with_header(b64=False, crit=["b64"]), INVALID),
     ("unknown-crit", with_header(crit=["urn:x"], **{"urn:x": 1}), INVALID),
     ("two-segments", lambda s: s.token().rsplit(".", 1)[0], INVALID),
-    ("four-segments", lambda s: f"{s.token()}.{b64(b'extra')}", INVALID),
-    ("padded-base64", lambda s: s.sign_segments(segment(s.header()) + "=", segment(claims())), INVALID),
+    ("four-segments", lambda s: f"{s.token()}.{b64url(b'extra')}", INVALID),
+    (
+        "padded-base64",
+        lambda s: s.sign_segments(segment(s.header()) + "=", segment(launcher_claims())),
+        INVALID,
+    ),
     ("impossible-base64-length", impossible_base64_length, INVALID),
     ("payload-not-json", with_payload(b"not json at all"), INVALID),
     ("payload-json-array", with_payload([{"iss": ISSUER}]), INVALID),

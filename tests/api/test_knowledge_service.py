@@ -33,11 +33,10 @@ from tests.api.knowledge_support import (
     new_ref,
     open_clients,
     row_counts,
-    superuser,
     upload_stream,
 )
 from tests.conftest import ServiceFactory
-from tests.support import SharedDatabase
+from tests.support import SharedDatabase, superuser
 from tokensvc.app import Service
 from tokensvc.auth.devpki import CONTROL_PLANE_SPIFFE_ID, DevPaths
 from tokensvc.knowledge.extract import extract_text

@@ -16,9 +16,8 @@ import grpc
 import pytest
 
 from tests.api.memory_support import Caller, Launchers
-from tests.support import SharedDatabase
+from tests.support import SharedDatabase, connect_as
 from tokensvc.auth.devpki import DevPaths
-from tokensvc.credentials import FileCredentialSource
 from tokensvc.v1 import common_pb2
 
 TEXT = common_pb2.SEARCH_MODE_TEXT
@@ -143,10 +142,8 @@ async def test_a_text_search_config_is_pinned_per_memory_space(
     assert len(await on_simple.search("deployment rolling release shipping", mode=TEXT)) == 2
 
     # The serving role cannot re-pin it, nor re-index a row with another configuration.
-    credential = FileCredentialSource(database.app_credential_dir).read()
-    conn = await asyncpg.connect(database.dsn, user=credential.username, password=credential.password)
     try:
-        async with conn.transaction():
+        async with connect_as(database.app_credential_dir, database.dsn) as conn, conn.transaction():
             await conn.execute(
                 "SELECT set_config('tokensvc.namespace', 'default', true), set_config('tokensvc.agent', $1, true)",
                 agent,
@@ -154,7 +151,6 @@ async def test_a_text_search_config_is_pinned_per_memory_space(
             with pytest.raises(asyncpg.InsufficientPrivilegeError):
                 await conn.execute("UPDATE tokensvc.memory_spaces SET text_config = 'simple'")
     finally:
-        await conn.close()
         await simple.aclose()
 
 

@@ -24,10 +24,9 @@ from tests.api.memory_support import (
     pack,
     remember_items,
     snapshot,
-    superuser,
     ttl,
 )
-from tests.support import SharedDatabase
+from tests.support import SharedDatabase, superuser
 from tokensvc.app import Service
 from tokensvc.embedders import HashEmbedder
 from tokensvc.v1 import common_pb2, memory_pb2

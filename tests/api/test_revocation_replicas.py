@@ -10,9 +10,9 @@ from typing import Any
 import grpc
 import pytest
 
-from tests.api.test_capability_service import Signer, assert_bad_token, refusal, revoke, stub_for, verify
-from tests.support import failure_of
-from tokensvc.auth.devpki import DevPaths, load_signing_key
+from tests.api.test_capability_service import assert_bad_token, refusal, revoke, stub_for, verify
+from tests.support import Signer, failure_of
+from tokensvc.auth.devpki import DevPaths
 
 # The documented bound (RevokeCapability in capability.proto): every replica within 5 seconds.
 REPLICA_BOUND_SECONDS = 5.0
@@ -37,7 +37,7 @@ async def test_revocation_on_one_replica_is_honoured_by_another_within_five_seco
     start_service: Any, dev: DevPaths, target: str
 ) -> None:
     replica_a, replica_b = await start_service(), await start_service()
-    signer = Signer(*load_signing_key(dev.signing_key))
+    signer = Signer.dev(dev)
     run_id, jti = f"run-{uuid.uuid4()}", uuid.uuid4().hex
     token = signer.token(sub=run_id, jti=jti)
     for replica in (replica_a, replica_b):

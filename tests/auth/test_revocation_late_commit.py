@@ -8,15 +8,10 @@ import uuid
 
 import asyncpg
 
-from tests.support import SharedDatabase
+from tests.support import SharedDatabase, superuser
 from tokensvc.auth.revocation import RevocationList
 from tokensvc.credentials import FileCredentialSource
 from tokensvc.storage.postgres.revocations import PostgresRevocationStore
-
-
-async def connect(database: SharedDatabase, directory: object) -> asyncpg.Connection:
-    credential = FileCredentialSource(directory).read()  # type: ignore[arg-type]
-    return await asyncpg.connect(database.dsn, user=credential.username, password=credential.password)
 
 
 async def test_a_revocation_visible_after_the_poll_window_is_picked_up_by_the_full_resync(
@@ -30,7 +25,6 @@ async def test_a_revocation_visible_after_the_poll_window_is_picked_up_by_the_fu
         max_size=2,
         server_settings={"search_path": "tokensvc, public"},
     )
-    owner = await connect(database, database.superuser_credential_dir)
     now = [1000.0]
     revocations = RevocationList(
         PostgresRevocationStore(pool), poll_seconds=1.0, full_sync_seconds=10.0, clock=lambda: now[0]
@@ -47,11 +41,12 @@ async def test_a_revocation_visible_after_the_poll_window_is_picked_up_by_the_fu
         # A revocation whose row becomes visible with a revoked_at 36 s in the past (a commit that
         # waited, a restore): outside the incremental window.
         late = f"jti-{uuid.uuid4()}"
-        await owner.execute(
-            "INSERT INTO tokensvc.capability_revocations (kind, value, revoked_by, revoked_at) "
-            "VALUES ('jti', $1, 'test', clock_timestamp() - interval '36 seconds')",
-            late,
-        )
+        async with superuser(database) as owner:
+            await owner.execute(
+                "INSERT INTO tokensvc.capability_revocations (kind, value, revoked_by, revoked_at) "
+                "VALUES ('jti', $1, 'test', clock_timestamp() - interval '36 seconds')",
+                late,
+            )
         now[0] += 1
         await revocations.poll_once()
         assert not revocations.is_revoked(late, "-"), "the incremental poll was expected to miss it"
@@ -59,5 +54,4 @@ async def test_a_revocation_visible_after_the_poll_window_is_picked_up_by_the_fu
         await revocations.poll_once()
         assert revocations.is_revoked(late, "-")
     finally:
-        await owner.close()
         await pool.close()

@@ -24,10 +24,18 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.api.memory_support import Caller
-from tests.support import RpcFailure, SharedDatabase, failure_of, role_channel, service_settings
+from tests.support import (
+    RpcFailure,
+    SharedDatabase,
+    connect_as,
+    failure_of,
+    role_channel,
+    service_settings,
+    superuser,
+)
 from tokensvc.app import migrate
 from tokensvc.auth.devpki import DevPaths
-from tokensvc.credentials import DatabaseCredential, FileCredentialSource
+from tokensvc.credentials import DatabaseCredential
 from tokensvc.settings import Settings
 from tokensvc.storage.postgres import Database, EmbeddedPostgres
 from tokensvc.storage.postgres.scram import scram_sha256_verifier
@@ -44,7 +52,6 @@ __all__ = [
     "private_database",
     "rotator_set_password",
     "settings_json",
-    "superuser_conn",
     "wait_until_serving",
 ]
 
@@ -82,17 +89,6 @@ async def private_database(dev: DevPaths) -> AsyncIterator[SharedDatabase]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-@asynccontextmanager
-async def superuser_conn(database: SharedDatabase) -> AsyncIterator[asyncpg.Connection]:
-    credential = FileCredentialSource(database.superuser_credential_dir).read()
-    conn = await asyncpg.connect(database.dsn, user=credential.username, password=credential.password)
-    try:
-        await conn.execute("SET search_path = tokensvc, public")
-        yield conn
-    finally:
-        await conn.close()
-
-
 async def login_error(database: SharedDatabase, credential: DatabaseCredential) -> type[Exception] | None:
     """None when `credential` logs in to the tokensvc database, else the error class it got."""
     try:
@@ -108,24 +104,20 @@ async def login_error(database: SharedDatabase, credential: DatabaseCredential) 
 async def rotator_set_password(database: SharedDatabase, role: str, password: str | None) -> None:
     """Act as an external rotator: set (or remove) a login role's password, as a SCRAM verifier."""
     assert role in LOGIN_ROLES
-    rotator = FileCredentialSource(database.rotator_credential_dir).read()
-    conn = await asyncpg.connect(database.dsn, user=rotator.username, password=rotator.password)
-    try:
+    async with connect_as(database.rotator_credential_dir, database.dsn) as conn:
         value = "NULL" if password is None else f"'{scram_sha256_verifier(password)}'"
         await conn.execute(f"ALTER ROLE {role} PASSWORD {value}")
-    finally:
-        await conn.close()
 
 
 async def has_password(database: SharedDatabase, role: str) -> bool:
-    async with superuser_conn(database) as conn:
+    async with superuser(database) as conn:
         return bool(
             await conn.fetchval("SELECT rolpassword IS NOT NULL FROM pg_authid WHERE rolname = $1", role)
         )
 
 
 async def journal_rows(database: SharedDatabase, after_id: int = 0) -> list[asyncpg.Record]:
-    async with superuser_conn(database) as conn:
+    async with superuser(database) as conn:
         return list(
             await conn.fetch("SELECT * FROM credential_rotations WHERE id > $1 ORDER BY id", after_id)
         )
@@ -139,7 +131,7 @@ _LAST_ID = {
 
 async def last_id(database: SharedDatabase, table: str) -> int:
     """The newest row id of `credential_rotations` or `audit_events` (0 when empty)."""
-    async with superuser_conn(database) as conn:
+    async with superuser(database) as conn:
         return int(await conn.fetchval(_LAST_ID[table]))
 
 

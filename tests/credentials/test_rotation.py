@@ -32,9 +32,8 @@ from tests.credentials.rotation_support import (
     other_role,
     private_database,
     rotator_set_password,
-    superuser_conn,
 )
-from tests.support import RpcFailure, SharedDatabase, failure_of, service_settings
+from tests.support import RpcFailure, SharedDatabase, failure_of, service_settings, superuser
 from tokensvc.app import Service
 from tokensvc.audit import SYSTEM_ACTOR
 from tokensvc.auth.devpki import ADMIN_SPIFFE_ID, DevPaths
@@ -202,7 +201,7 @@ async def test_five_rotations_and_two_reloads_under_load_fail_no_rpc_and_lose_no
     # Every acknowledged memory is stored.
     acknowledged = set(traffic.acknowledged)
     assert len(acknowledged) == len(traffic.acknowledged) > 0
-    async with superuser_conn(own) as conn:
+    async with superuser(own) as conn:
         stored = await conn.fetchval(
             "SELECT count(*) FROM memories WHERE id = ANY($1::uuid[])", list(acknowledged)
         )
@@ -289,7 +288,7 @@ async def test_reload_with_a_wrong_password_is_refused_and_serving_continues_on_
         await running.database.pool.expire_connections()
         for word in ("after", "the", "bad", "file"):
             await serves(caller, word)
-        async with superuser_conn(own) as conn:
+        async with superuser(own) as conn:
             fresh = await conn.fetch(
                 "SELECT usename FROM pg_stat_activity WHERE application_name = 'tokensvc' "
                 "AND backend_start > $1",

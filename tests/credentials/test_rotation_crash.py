@@ -32,10 +32,9 @@ from tests.credentials.rotation_support import (
     other_role,
     private_database,
     settings_json,
-    superuser_conn,
     wait_until_serving,
 )
-from tests.support import SharedDatabase, free_port, service_settings
+from tests.support import SharedDatabase, free_port, service_settings, superuser
 from tokensvc.app import Service
 from tokensvc.audit import SYSTEM_ACTOR
 from tokensvc.auth.devpki import ADMIN_SPIFFE_ID, DevPaths
@@ -62,7 +61,7 @@ CASES = [
 async def wait_for_rotation_lock_release(database: SharedDatabase, within: float = 10) -> None:
     """Until the dead process's database session (holding the rotation lock) has ended."""
     deadline = time.monotonic() + within
-    async with superuser_conn(database) as conn:
+    async with superuser(database) as conn:
         while not await conn.fetchval("SELECT pg_try_advisory_lock($1)", ROTATION_LOCK):
             assert time.monotonic() < deadline, "the killed process's session kept the rotation lock"
             await asyncio.sleep(0.05)

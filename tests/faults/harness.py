@@ -20,8 +20,8 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,18 +30,15 @@ import asyncpg
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.support import RpcFailure, failure_of, mtls_channel
+from tests.support import RpcFailure, connect_as, dev_capability, failure_of, mtls_channel
 from tokensvc.auth.buckets import PepperKeyring, bucket_id
-from tokensvc.auth.capabilities import mint_capability
 from tokensvc.auth.devpki import (
     ADMIN_SPIFFE_ID,
     CONTROL_PLANE_SPIFFE_ID,
     DEV_TRUST_DOMAIN,
     DevPaths,
     issue_client_certificate,
-    load_signing_key,
 )
-from tokensvc.credentials import FileCredentialSource
 from tokensvc.settings import Settings, load_settings
 from tokensvc.storage.postgres.embedded import DATABASE_NAME, process_alive
 from tokensvc.v1 import memory_pb2, memory_pb2_grpc
@@ -159,23 +156,15 @@ async def wait_until(condition: Any, within: float, what: str, interval: float =
     return time.monotonic() - started
 
 
-@asynccontextmanager
-async def superuser(state: Path) -> AsyncIterator[asyncpg.Connection]:
+def superuser(state: Path) -> AbstractAsyncContextManager[asyncpg.Connection]:
     """The embedded database of `state` as its superuser (no row-level security)."""
-    credential = FileCredentialSource(state / "secrets" / "db" / "superuser").read()
-    conn = await asyncpg.connect(
+    return connect_as(
+        state / "secrets" / "db" / "superuser",
         host="127.0.0.1",
         port=postmaster_port(state),
-        user=credential.username,
-        password=credential.password,
         database=DATABASE_NAME,
         timeout=10,
     )
-    try:
-        await conn.execute("SET search_path = tokensvc, public")
-        yield conn
-    finally:
-        await conn.close()
 
 
 # --- integrity ----------------------------------------------------------------------------------
@@ -281,19 +270,14 @@ class Tenants:
         knowledge_bases: Sequence[str] = (),
     ) -> Tenant:
         agent = agent or self.agent()
-        kid, key = load_signing_key(self.dev.signing_key)
-        token = mint_capability(
-            key,
-            kid,
-            issuer="ctxmesh-control-plane",
-            audience="tokensvc",
+        token = dev_capability(
+            self.dev,
             namespace=NAMESPACE,
             agent=agent,
             user=user,
             per_user=per_user,
             long_term_memory=True,
             knowledge_bases=list(knowledge_bases),
-            now=time.time(),
         )
         bucket = bucket_id(self._keyring, NAMESPACE, agent, user if per_user else None)
         return Tenant(agent, user, per_user, self._certificates[agent], token, bucket)

@@ -15,10 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support import SharedDatabase
+from tests.support import SharedDatabase, superuser
 from tokensvc.api.filter_codec import filter_from_proto
 from tokensvc.api.metadata_codec import scalar_to_proto
-from tokensvc.credentials import FileCredentialSource
 from tokensvc.errors import InvalidArgument, PayloadTooLarge
 from tokensvc.memory.filters import (
     AllOf,
@@ -208,13 +207,13 @@ def test_thousand_node_filter_is_invalid_argument() -> None:
 
 @pytest.fixture(scope="module")
 async def conn(database: SharedDatabase) -> AsyncIterator[asyncpg.Connection]:
-    credential = FileCredentialSource(database.superuser_credential_dir).read()
-    connection = await asyncpg.connect(database.dsn, user=credential.username, password=credential.password)
-    # The serving pool's jsonb codec: compiled filters must not depend on it.
-    await connection.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
-    await connection.execute("CREATE TEMP TABLE filter_rows (id int PRIMARY KEY, metadata jsonb NOT NULL)")
-    yield connection
-    await connection.close()
+    async with superuser(database) as connection:
+        # The serving pool's jsonb codec: compiled filters must not depend on it.
+        await connection.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+        await connection.execute(
+            "CREATE TEMP TABLE filter_rows (id int PRIMARY KEY, metadata jsonb NOT NULL)"
+        )
+        yield connection
 
 
 async def selected(conn: asyncpg.Connection, rows: Sequence[Row], node: Filter) -> list[int]:

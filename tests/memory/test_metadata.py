@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import math
 
-import asyncpg
 import grpc
 import pytest
 
-from tests.support import SharedDatabase
+from tests.support import SharedDatabase, superuser
 from tokensvc.api.metadata_codec import metadata_from_proto, metadata_to_proto, scalar_to_proto
 from tokensvc.api.status import status_for
-from tokensvc.credentials import FileCredentialSource
 from tokensvc.errors import InvalidArgument, PayloadTooLarge, Reason
 from tokensvc.memory.metadata import MetadataScalar, metadata_from_json
 from tokensvc.v1 import common_pb2 as pb
@@ -135,17 +133,13 @@ async def test_metadata_round_trips_through_jsonb(database: SharedDatabase) -> N
         "empty": "",
     }
     stored = metadata_from_proto(metadata_to_proto(original), FIELD)
-    credential = FileCredentialSource(database.superuser_credential_dir).read()
-    conn = await asyncpg.connect(database.dsn, user=credential.username, password=credential.password)
-    try:
+    async with superuser(database) as conn:
         await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
         row = await conn.fetchrow(
             "SELECT $1::jsonb AS m, jsonb_typeof($1::jsonb -> 'flag') AS flag_type, "
             "jsonb_typeof($1::jsonb -> 'int_valued') AS int_type",
             stored,
         )
-    finally:
-        await conn.close()
     assert row is not None
     assert (row["flag_type"], row["int_type"]) == ("boolean", "number")
     read_back = metadata_from_json(row["m"])

@@ -14,9 +14,9 @@ import pytest
 from prometheus_client import REGISTRY
 
 from tests.api.knowledge_support import open_clients
-from tests.api.memory_support import Launchers, superuser
+from tests.api.memory_support import Launchers
 from tests.conftest import ServiceFactory
-from tests.support import SharedDatabase, failure_of, role_channel, service_settings
+from tests.support import SharedDatabase, failure_of, role_channel, service_settings, superuser
 from tokensvc.api.policy import ANY_ROLE, RpcPolicy
 from tokensvc.app import Service
 from tokensvc.auth.devpki import DevPaths
