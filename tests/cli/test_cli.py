@@ -57,12 +57,21 @@ def settings_env(database: SharedDatabase, dev: DevPaths, state: Path, port: int
 
 
 def wait_for_health(
-    state_dir: Path, port: int, server: subprocess.Popen[str], deadline_s: float = 60
+    state_dir: Path,
+    port: int,
+    server: subprocess.Popen[str],
+    deadline_s: float = 60,
+    stderr: Path | None = None,
 ) -> float:
     started = time.monotonic()
     while time.monotonic() - started < deadline_s:
         if server.poll() is not None:
-            raise AssertionError(f"tokensvc exited with {server.returncode}")
+            said = (
+                ""
+                if stderr is None
+                else "; its stderr ends:\n" + "\n".join(stderr.read_text().splitlines()[-15:])
+            )
+            raise AssertionError(f"tokensvc exited with {server.returncode}{said}")
         result = run(
             "health", "--state-dir", str(state_dir), "--target", f"127.0.0.1:{port}", "--timeout", "2"
         )
@@ -150,7 +159,7 @@ def test_sigterm_drains_an_in_flight_rpc_before_exit(
         text=True,
     )
     process_cleanup.append(server)
-    wait_for_health(dev.state_dir, port, server)
+    wait_for_health(dev.state_dir, port, server, stderr=tmp_path / "stderr.log")
 
     async def call_then_terminate() -> bytes:
         async with role_channel(port, dev, "launcher") as channel:
@@ -187,7 +196,7 @@ def test_dev_brings_the_service_up_on_embedded_defaults(
         text=True,
     )
     process_cleanup.append(server)
-    waited = wait_for_health(state, port, server)
+    waited = wait_for_health(state, port, server, stderr=tmp_path / "stderr.log")
     assert waited < 60
     for expected in ("pki/ca.crt", "pki/launcher.crt", "keys/trust-bundle.jwks", "secrets/peppers/v1"):
         assert (state / expected).is_file(), expected
