@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 
 import numpy as np
-import pytest
 
 from tests.storage.conformance.support import (
     NAMESPACE,
@@ -24,12 +23,6 @@ from tests.storage.conformance.support import (
 )
 from tokensvc.storage.ports import MemoryStatistics, MemoryStore
 from tokensvc.storage.records import NewMemory, Tenant
-
-
-def counts_expired_by_version_on_postgres(request: pytest.FixtureRequest) -> None:
-    """PostgreSQL's `memory_rows_by_pepper_version()` (migration 0006) counts expired rows too."""
-    if request.node.callspec.params.get("backend") == "postgres":
-        request.applymarker(pytest.mark.xfail(strict=True, reason="expired rows counted by version"))
 
 
 def fresh_version() -> int:
@@ -89,12 +82,8 @@ async def test_live_memories_are_counted_by_the_space_that_wrote_them(
 
 
 async def test_expired_memories_are_not_counted(
-    memories: MemoryStore,
-    statistics: MemoryStatistics,
-    rng: np.random.Generator,
-    request: pytest.FixtureRequest,
+    memories: MemoryStore, statistics: MemoryStatistics, rng: np.random.Generator
 ) -> None:
-    counts_expired_by_version_on_postgres(request)
     version = fresh_version()
     bucket = new_bucket(version)
     tenant = new_tenant(bucket)
@@ -113,12 +102,8 @@ async def test_expired_memories_are_not_counted(
 
 
 async def test_a_version_or_space_whose_memories_are_gone_is_absent(
-    memories: MemoryStore,
-    statistics: MemoryStatistics,
-    rng: np.random.Generator,
-    request: pytest.FixtureRequest,
+    memories: MemoryStore, statistics: MemoryStatistics, rng: np.random.Generator
 ) -> None:
-    counts_expired_by_version_on_postgres(request)
     version = fresh_version()
     bucket = new_bucket(version)
     tenant = new_tenant(bucket)
