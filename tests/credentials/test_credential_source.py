@@ -7,6 +7,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -229,3 +230,35 @@ def test_fingerprint_tells_credentials_apart_without_containing_the_password() -
         assert credential.password not in fingerprint
         assert fingerprint not in credential.password
         assert fingerprint == DatabaseCredential(credential.username, credential.password).fingerprint
+
+
+def test_a_read_overtaken_by_the_first_write_into_plain_files_is_never_torn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader that found plain files (no `..data` yet) reads them through the links the first
+    write puts in their place: the writer adopting the layout and swapping in a new version between
+    the reader's two files must not pair the old username with the new password."""
+    directory = tmp_path / "plain"
+    directory.mkdir()
+    (directory / "username").write_text("tokensvc_app_a\n")
+    (directory / "password").write_text("plain-old-password\n")
+    before = DatabaseCredential("tokensvc_app_a", "plain-old-password")
+    new = DatabaseCredential("tokensvc_app_b", "brand-new-password")
+    reader = FileCredentialSource(directory)
+    read_text = Path.read_text
+    overtaken: list[bool] = []
+
+    def read_then_let_the_writer_run(path: Path, *args: Any, **kwargs: Any) -> str:
+        text = read_text(path, *args, **kwargs)
+        if path.name == "username" and not overtaken:
+            overtaken.append(True)
+            FileCredentialSource(directory).write(new)  # between the reader's username and password
+        return text
+
+    monkeypatch.setattr(Path, "read_text", read_then_let_the_writer_run)
+    seen = reader.read()
+    monkeypatch.undo()
+
+    assert overtaken == [True]
+    assert seen in (before, new)
+    assert reader.read() == new

@@ -3,6 +3,9 @@
 Every implementation (`tokensvc.storage.postgres`, `tokensvc.storage.memory`) passes the one
 conformance suite in `tests/storage/conformance/`, which checks the contracts written here.
 Domain services take these Protocols, never a concrete store.
+`DatabaseLogins`, `ConnectionPool`, `DatabaseHealth` and `DatabaseServer` are not stores but
+adapters to the database server itself (its login roles, connections, liveness and process), so
+they have a PostgreSQL implementation only and no in-memory stand-in.
 
 Common to every tenant-scoped method: it runs in one transaction bound to `tenant` and sees
 nothing outside it (the bucket or namespace predicate, and row-level security in PostgreSQL);
@@ -279,8 +282,10 @@ class CredentialSource(Protocol):
     """Where a database credential comes from (a mounted secret) and where ROTATE writes one."""
 
     def read(self) -> DatabaseCredential:
-        """The credential as it is now, both fields from the same version of the secret;
-        `TokensvcError` (reason CREDENTIAL_INVALID) when it cannot be read or is empty."""
+        """The credential as it is now, both fields from the same version of the secret (the
+        username without surrounding whitespace, the password without the line breaks ending it,
+        as a secret file often ends); `TokensvcError` (reason CREDENTIAL_INVALID) when it cannot
+        be read or either field is empty."""
 
     def stamp(self) -> tuple[int, ...]:
         """A cheap change detector that reads no secret: equal stamps mean nothing changed."""

@@ -59,7 +59,6 @@ class FileCredentialSource:
             try:
                 username = (base / "username").read_text(encoding="utf-8").strip()
                 password = (base / "password").read_text(encoding="utf-8").rstrip("\r\n")
-                break
             except OSError as exc:
                 # A writer swapped `..data` and removed the version resolved above: read the new one.
                 if attempt + 1 < _READ_ATTEMPTS and base != self.directory and base != self._version_dir():
@@ -68,6 +67,11 @@ class FileCredentialSource:
                     f"database credential files in {self.directory} cannot be read ({exc.strerror})",
                     reason=Reason.CREDENTIAL_INVALID,
                 ) from None
+            # Plain files (no `..data` when resolved) may have become links into a `..data` that a
+            # first write created meanwhile, each followed at its own moment: read that version.
+            if base == self.directory and self._version_dir() != base and attempt + 1 < _READ_ATTEMPTS:
+                continue
+            break
         if not username or not password:
             raise TokensvcError(
                 f"database credential in {self.directory} has an empty username or password",

@@ -4,13 +4,17 @@
 pool of the serving role, opened the way the service opens it) and the in-memory stores (fresh
 per test, no database: `pytest tests/storage/conformance -k inmemory` starts none). PostgreSQL's
 database is shared by the whole session, so a test works in fresh buckets, agents and namespaces
-and never assumes an empty table.
+and never assumes an empty table. Two exceptions: the rotation journal (one global table, no
+tenant) runs on a database of its own, emptied before each test; the credential source runs over
+files in a temporary directory (`file`) and in memory (`inmemory`), no database either way.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import asyncpg
 import numpy as np
@@ -21,19 +25,33 @@ from tests.support import SharedDatabase, service_settings
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.storage.memory import (
     InMemoryAuditStore,
+    InMemoryCredentialJournal,
+    InMemoryCredentialSource,
     InMemoryKnowledgeStore,
+    InMemoryMemoryStatistics,
     InMemoryMemoryStore,
     InMemoryRevocationStore,
 )
-from tokensvc.storage.ports import AuditStore, KnowledgeStore, MemoryStore, RevocationStore
+from tokensvc.storage.ports import (
+    AuditStore,
+    CredentialJournal,
+    CredentialSource,
+    KnowledgeStore,
+    MemoryStatistics,
+    MemoryStore,
+    RevocationStore,
+)
 from tokensvc.storage.postgres import (
     Database,
     PostgresAuditStore,
     PostgresKnowledgeStore,
     PostgresMemoryStore,
     PostgresRevocationStore,
+    PostgresRotationJournal,
+    PostgresStatistics,
 )
 from tokensvc.storage.records import Tenant
+from tokensvc.storage.secrets import FileCredentialSource
 
 BACKENDS = ("postgres", "inmemory")
 
@@ -47,6 +65,7 @@ class Backend:
     knowledge: KnowledgeStore
     revocations: RevocationStore
     audit: AuditStore
+    statistics: MemoryStatistics  # counts over `memories`' rows
 
 
 @pytest.fixture(scope="session")
@@ -71,13 +90,16 @@ def backend(request: pytest.FixtureRequest) -> Backend:
             PostgresKnowledgeStore(pool),
             PostgresRevocationStore(pool),
             PostgresAuditStore(pool),
+            PostgresStatistics(pool),
         )
+    memories = InMemoryMemoryStore()
     return Backend(
         "inmemory",
-        InMemoryMemoryStore(),
+        memories,
         InMemoryKnowledgeStore(),
         InMemoryRevocationStore(),
         InMemoryAuditStore(),
+        InMemoryMemoryStatistics(memories),
     )
 
 
@@ -89,6 +111,88 @@ def memories(backend: Backend) -> MemoryStore:
 @pytest.fixture
 def knowledge(backend: Backend) -> KnowledgeStore:
     return backend.knowledge
+
+
+@pytest.fixture
+def statistics(backend: Backend) -> MemoryStatistics:
+    return backend.statistics
+
+
+@dataclass(frozen=True)
+class JournalDatabase:
+    """A migrated database of the shared server for the rotation journal alone."""
+
+    pool: asyncpg.Pool  # the serving role's, opened the way the service opens it
+    owner: asyncpg.Connection  # the schema owner's, to empty the journal between tests
+
+
+async def _connect(dsn: str, directory: Path) -> asyncpg.Connection:
+    credential = FileCredentialSource(directory).read()
+    return await asyncpg.connect(dsn, user=credential.username, password=credential.password)
+
+
+@pytest.fixture(scope="session")
+async def journal_database(
+    database: SharedDatabase, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[JournalDatabase]:
+    """The journal's table has no tenant: in the shared database it holds every other test's
+    rotations (and its current version is theirs). Here each test starts from an empty journal."""
+    server, name = database.dsn.rsplit("/", 1)[0], f"journal_{uuid.uuid4().hex[:10]}"
+    owner_name = FileCredentialSource(database.owner_credential_dir).read().username
+    admin = await _connect(f"{server}/postgres", database.superuser_credential_dir)
+    await admin.execute(f"CREATE DATABASE {name} OWNER {owner_name}")
+    try:
+        extension = await _connect(f"{server}/{name}", database.superuser_credential_dir)
+        await extension.execute("CREATE EXTENSION vector")
+        await extension.close()
+        settings = service_settings(
+            database, dev, tmp_path_factory.mktemp("journal"), database_dsn=f"{server}/{name}"
+        )
+        db = await Database.locate(settings)
+        await db.migrate(settings.database_app_role)
+        owner = await _connect(f"{server}/{name}", database.owner_credential_dir)
+        try:
+            yield JournalDatabase(await db.open_pool(), owner)
+        finally:
+            await owner.close()
+            await db.close()
+    finally:
+        await admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+        await admin.close()
+
+
+@pytest.fixture
+async def empty_journal_database(journal_database: JournalDatabase) -> JournalDatabase:
+    await journal_database.owner.execute("TRUNCATE tokensvc.credential_rotations RESTART IDENTITY")
+    return journal_database
+
+
+@pytest.fixture(params=BACKENDS)
+def journal(request: pytest.FixtureRequest) -> CredentialJournal:
+    """An empty rotation journal."""
+    if request.param == "postgres":
+        journal_db: JournalDatabase = request.getfixturevalue("empty_journal_database")
+        return PostgresRotationJournal(journal_db.pool)
+    return InMemoryCredentialJournal()
+
+
+class Secret:
+    """One secret, and handles on it: `open()` gives another reader and writer of the same secret
+    (for files, another `FileCredentialSource` over the directory; in memory, the one source)."""
+
+    def __init__(self, name: str, tmp_path: Path):
+        self.name = name
+        self._directory = tmp_path / "secret"
+        self._memory = InMemoryCredentialSource()
+
+    def open(self) -> CredentialSource:
+        return FileCredentialSource(self._directory) if self.name == "file" else self._memory
+
+
+@pytest.fixture(params=("file", "inmemory"))
+def secret(request: pytest.FixtureRequest, tmp_path: Path) -> Secret:
+    """A secret nothing has been written to yet."""
+    return Secret(request.param, tmp_path)
 
 
 @pytest.fixture

@@ -1,5 +1,9 @@
 """In-process implementations of every store port: no database, the same contracts.
 
+The store ports are the memories and their statistics, the knowledge bases, revocations, the
+audit trail, the credential journal and the credential source; the ports that adapt the database
+server itself (`DatabaseLogins`, `ConnectionPool`, `DatabaseHealth`, `DatabaseServer`) have none.
+
 Each passes the conformance suite (`tests/storage/conformance/`) that the PostgreSQL stores pass;
 domain unit tests run on them. Differences that the contracts leave open, and that are documented
 in the modules: searches are always exact (`CandidateQuery.exact` is ignored), text is split into
@@ -9,14 +13,18 @@ roster raises `PermissionError` where PostgreSQL's row-level security refuses it
 """
 
 from tokensvc.storage.memory.clock import Clock
+from tokensvc.storage.memory.credentials import InMemoryCredentialJournal, InMemoryCredentialSource
 from tokensvc.storage.memory.knowledge import InMemoryKnowledgeStore
 from tokensvc.storage.memory.ledgers import InMemoryAuditStore, InMemoryRevocationStore
-from tokensvc.storage.memory.memories import InMemoryMemoryStore
+from tokensvc.storage.memory.memories import InMemoryMemoryStatistics, InMemoryMemoryStore
 
 __all__ = [
     "Clock",
     "InMemoryAuditStore",
+    "InMemoryCredentialJournal",
+    "InMemoryCredentialSource",
     "InMemoryKnowledgeStore",
+    "InMemoryMemoryStatistics",
     "InMemoryMemoryStore",
     "InMemoryRevocationStore",
 ]

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -38,7 +39,7 @@ from tokensvc.storage.records import (
     Tenant,
 )
 
-__all__ = ["InMemoryMemoryStore"]
+__all__ = ["InMemoryMemoryStatistics", "InMemoryMemoryStore"]
 
 _SWEEP_LIMITS = range(1, 10_001)  # what PostgreSQL's sweep function accepts
 
@@ -46,6 +47,8 @@ _SWEEP_LIMITS = range(1, 10_001)  # what PostgreSQL's sweep function accepts
 @dataclass(frozen=True)
 class _Row:
     bucket: str
+    namespace: str  # the space that wrote the row (what `InMemoryMemoryStatistics` counts by)
+    agent: str
     id: str
     content: str
     sha: bytes
@@ -210,6 +213,8 @@ class InMemoryMemoryStore:
                 at = self._clock.now()
                 row = _Row(
                     bucket=bucket,
+                    namespace=tenant.namespace,
+                    agent=tenant.agent,
                     id=_uuid(new.id),
                     content=new.content,
                     sha=new.content_sha256,
@@ -358,3 +363,26 @@ def _indexed(rows: Iterable[_Row], embedder: str) -> Iterable[Searchable[MemoryR
             embedding=row.embedding,
             terms=row.terms,
         )
+
+
+class InMemoryMemoryStatistics:
+    """`MemoryStatistics` over the rows of one `InMemoryMemoryStore`: every bucket of every tenant
+    (counts only), live rows alone. A row counts for the pepper version of the bucket it is in now
+    (`v<N>.<...>`) and for the space (namespace, agent) that wrote it, as PostgreSQL's columns say."""
+
+    def __init__(self, store: InMemoryMemoryStore):
+        self._store = store
+
+    def _live(self) -> Iterator[_Row]:
+        store = self._store  # the same module: its rows are ours to count
+        now = store._clock.now()
+        for table in store._rows.values():
+            yield from (row for row in table.values() if row.live(now))
+
+    async def rows_by_pepper_version(self) -> dict[int, int]:
+        counts = Counter(int(row.bucket[1:].split(".", 1)[0]) for row in self._live())
+        return dict(sorted(counts.items()))
+
+    async def rows_by_space(self) -> dict[tuple[str, str], int]:
+        counts = Counter((row.namespace, row.agent) for row in self._live())
+        return dict(sorted(counts.items()))
