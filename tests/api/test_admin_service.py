@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from tests.api.memory_support import Launchers
-from tests.support import RpcFailure, SharedDatabase, failure_of, role_channel
+from tests.support import RpcFailure, SharedDatabase, failure_of, role_channel, superuser
 from tokensvc.app import Service
 from tokensvc.auth.devpki import ADMIN_SPIFFE_ID, DevPaths
 from tokensvc.credentials import FileCredentialSource
@@ -319,3 +319,29 @@ async def test_non_admin_callers_are_refused_every_admin_rpc(
                 grpc.StatusCode.PERMISSION_DENIED,
                 "ROLE_NOT_ALLOWED",
             ), method
+
+
+async def test_an_event_of_a_kind_this_version_does_not_know_is_listed_as_unspecified(
+    admin: AdminCalls, database: SharedDatabase
+) -> None:
+    # A newer replica may record kinds this one does not know (a rolling upgrade): the listing
+    # shows them as UNSPECIFIED instead of failing. (Outcomes have a CHECK constraint; a newer
+    # migration widening it would be read the same way.)
+    since = datetime.now(UTC) - timedelta(milliseconds=10)
+    async with superuser(database) as conn:
+        await conn.execute(
+            "INSERT INTO audit_events (kind, actor, action, target, outcome, reason, detail) "
+            "VALUES ('kind_from_the_future', 'spiffe://dev.local/x', 'a future action', '', "
+            "'succeeded', 'REASON_FROM_THE_FUTURE', '')"
+        )
+    await bundle_reloads(admin, 1)
+    listed = await admin.events(since=since)
+    future = [event for event in listed if event.action == "a future action"]
+    assert [(e.kind, e.outcome, e.reason) for e in future] == [
+        (
+            admin_pb2.AUDIT_EVENT_KIND_UNSPECIFIED,
+            admin_pb2.AUDIT_OUTCOME_SUCCEEDED,
+            common_pb2.ERROR_REASON_UNSPECIFIED,
+        )
+    ]
+    assert any(event.kind == admin_pb2.AUDIT_EVENT_KIND_TRUST_BUNDLE_RELOAD for event in listed)

@@ -43,7 +43,9 @@ _KINDS = {
     admin_pb2.AUDIT_EVENT_KIND_KNOWLEDGE_BASE_DELETION: AuditKind.KNOWLEDGE_BASE_DELETION,
     admin_pb2.AUDIT_EVENT_KIND_ADMIN_QUERY: AuditKind.ADMIN_QUERY,
 }
-_KIND_TO_PROTO = {kind: value for value, kind in _KINDS.items()}
+# By stored value: a kind or outcome this version does not know (written by a newer replica during
+# a rolling upgrade) is UNSPECIFIED, never an error.
+_KIND_TO_PROTO = {kind.value: value for value, kind in _KINDS.items()}
 _PAGE_TOKEN = re.compile(r"[0-9]{1,19}")
 _MAX_EVENT_ID = 2**63 - 1
 
@@ -57,10 +59,10 @@ def _datetime(value: timestamp_pb2.Timestamp, field: str) -> datetime:
 
 
 _AUDIT_OUTCOMES = {
-    AuditOutcome.STARTED: admin_pb2.AUDIT_OUTCOME_STARTED,
-    AuditOutcome.SUCCEEDED: admin_pb2.AUDIT_OUTCOME_SUCCEEDED,
-    AuditOutcome.FAILED: admin_pb2.AUDIT_OUTCOME_FAILED,
-    AuditOutcome.DENIED: admin_pb2.AUDIT_OUTCOME_DENIED,
+    AuditOutcome.STARTED.value: admin_pb2.AUDIT_OUTCOME_STARTED,
+    AuditOutcome.SUCCEEDED.value: admin_pb2.AUDIT_OUTCOME_SUCCEEDED,
+    AuditOutcome.FAILED.value: admin_pb2.AUDIT_OUTCOME_FAILED,
+    AuditOutcome.DENIED.value: admin_pb2.AUDIT_OUTCOME_DENIED,
 }
 
 
@@ -94,11 +96,11 @@ def _event(record: AuditRecord) -> admin_pb2.AuditEvent:
     )
     return admin_pb2.AuditEvent(
         id=str(record.id),
-        kind=_KIND_TO_PROTO.get(AuditKind(record.kind), admin_pb2.AUDIT_EVENT_KIND_UNSPECIFIED),
+        kind=_KIND_TO_PROTO.get(record.kind, admin_pb2.AUDIT_EVENT_KIND_UNSPECIFIED),
         actor=record.actor,
         action=record.action,
         target=record.target,
-        outcome=_AUDIT_OUTCOMES[AuditOutcome(record.outcome)],
+        outcome=_AUDIT_OUTCOMES.get(record.outcome, admin_pb2.AUDIT_OUTCOME_UNSPECIFIED),
         reason=reason,
         detail=record.detail,
         occurred_at=timestamp(record.occurred_at),
