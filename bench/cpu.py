@@ -1,23 +1,29 @@
 """CPU per call: the server's CPU seconds per RPC under a fixed concurrent load, and `--workers`.
 
-    .venv/bin/python -m bench.cpu [--calls 3000] [--concurrency 16] [--workers 1 2] [--profile DIR]
+    .venv/bin/python -m bench.cpu [--calls 3000] [--concurrency 16] [--workers 1 2] [--rounds 3]
+                                  [--baseline OTHER_TREE] [--profile DIR] [--out FILE]
 
 One run starts a throwaway embedded PostgreSQL (migrated) and the dev PKI (bench/env.py), then
-runs `tokensvc serve` as a child process (logging at INFO, as in production, to a file), the way
-an operator would. For each `--workers` value it starts the server, remembers `--rows` memories in
-one bucket (hash embedder), warms up, then sends `--calls` SearchMemories (query text, VECTOR mode,
-so the embedder runs) at `--concurrency` in flight over `--channels` mTLS connections, and then the
-same number of grpc.health Check calls, the transport's floor on the same connections. It reads
-the CPU time (user + system, /proc) of the server's whole process tree before and after each phase:
+runs `tokensvc serve [--workers N]` as a child process (logging at INFO to a file, as in
+production), the way an operator would. For each configuration it starts the server, remembers
+`--rows` memories in one bucket (hash embedder), warms up, then sends `--calls` SearchMemories
+(query text, VECTOR mode, so the embedder runs) at `--concurrency` in flight over `--channels` mTLS
+connections, then as many grpc.health Check calls (the transport and the edge, nothing behind
+them) on the same connections. It reads the CPU time (user + system, /proc) of the server's whole
+process tree (every worker and the parent) before and after each phase:
 
-- `cpu_us_per_call`: server CPU microseconds per RPC (what this script is for; robust to a noisy
-  machine, unlike latency);
-- `calls_per_s`, `p50_ms`: throughput and latency at that concurrency (the load generator shares
-  the machine, so compare workers = 1 and 2 of the same run as a ratio, never across runs).
+- `cpu_us_per_call`: server CPU microseconds per RPC (what this script is for: robust to a noisy
+  machine, unlike latency), and `threads_cpu_us_per_call` by thread name (`python`: the event
+  loop; `event_engine`: gRPC core's I/O threads);
+- `calls_per_s`, `p50_ms`, `mean_ms`, `p99_ms`: throughput and latency at that concurrency; the load
+  generator and PostgreSQL share the machine, so compare configurations of the same run;
+- `rpcs_per_worker`: how the kernel spread the connections (RPC log lines per process).
 
-With `--profile DIR`, py-spy (`pip install py-spy`; not a tokensvc dependency) samples the server
-during a separate search phase and the top frames (inclusive and self, % of samples) are printed
-and written to DIR as raw collapsed stacks and speedscope JSON.
+`--baseline DIR` runs the server from another source tree too (e.g. `git archive main | tar -x -C
+DIR`), alternating the order every round, and the summary gives medians over `--rounds` and ratios
+against this tree with one worker. `--profile DIR` also records a py-spy profile of each phase
+(`pip install py-spy`: a profiling tool, not a tokensvc dependency) as collapsed stacks and prints
+the top frames of the event-loop thread.
 """
 
 from __future__ import annotations
@@ -275,29 +281,47 @@ def stop_profiler(spy: subprocess.Popen[bytes]) -> None:
 
 
 def top_frames(raw: Path, limit: int = 30) -> list[dict[str, Any]]:
-    """Inclusive and self share of samples per function (py-spy --format raw collapsed stacks)."""
+    """Self and inclusive share of the event-loop thread's samples per function: the `limit`
+    largest by self first, then the largest by inclusive share not already listed.
+
+    From py-spy's collapsed stacks. Other threads are left out: py-spy counts gRPC's poller thread
+    as busy while it waits for the GIL, yet /proc gives it a few per cent of the process's CPU.
+    """
     inclusive: collections.Counter[str] = collections.Counter()
     own: collections.Counter[str] = collections.Counter()
     total = 0
     for line in raw.read_text().splitlines():
         stack, _, count_text = line.rpartition(" ")
-        if not stack:
+        frames = [_frame_name(frame) for frame in stack.split(";")]
+        if not stack or any(frame.startswith("Thread._bootstrap") for frame in frames):
             continue
         count = int(count_text)
         total += count
-        frames = [frame.split(" (")[0] + " (" + frame.split(" (")[1].split(":")[0] + ")"
-                  if " (" in frame else frame for frame in stack.split(";")]  # fmt: skip
         for frame in set(frames):
             inclusive[frame] += count
         own[frames[-1]] += count
-    return [
-        {
+
+    def row(frame: str) -> dict[str, Any]:
+        return {
             "frame": frame,
-            "inclusive_pct": round(100 * n / total, 1),
+            "inclusive_pct": round(100 * inclusive[frame] / total, 1),
             "self_pct": round(100 * own[frame] / total, 1),
         }
-        for frame, n in inclusive.most_common(limit)
-    ]
+
+    by_self = [row(frame) for frame, _ in own.most_common(limit)]
+    by_inclusive = [row(frame) for frame, _ in inclusive.most_common(limit)]
+    return by_self + [r for r in by_inclusive if r["frame"] not in {s["frame"] for s in by_self}]
+
+
+def _frame_name(frame: str) -> str:
+    """`function (path:line)` -> `function (path)`, site-packages and tree prefixes dropped."""
+    name, _, where = frame.partition(" (")
+    if not where:
+        return frame
+    path = where.rsplit(":", 1)[0].rstrip(")")
+    path = path.split("site-packages/")[-1]
+    path = path.split("/tokensvc/", 1)[-1] if "/tokensvc/" in path else path
+    return f"{name} ({path})"
 
 
 # --- one configuration ---------------------------------------------------------------------------
@@ -366,12 +390,14 @@ async def run_workers(
                 profiled = await measure(server, phase, args.calls, args.concurrency, profile=raw)
                 result[f"profiled_{name}"] = profiled
                 result[f"top_frames_{name}"] = top_frames(raw)
-        pids = {
+        per_pid: collections.Counter[int] = collections.Counter(
             json.loads(line).get("pid")
             for line in log_file.read_text().splitlines()
             if line.startswith("{") and '"msg": "rpc"' in line
-        }
-        result["serving_pids"] = len(pids - {None})
+        )
+        result["serving_pids"] = len(per_pid)
+        # How the kernel spread the connections: RPCs logged by each worker, most first.
+        result["rpcs_per_worker"] = sorted(per_pid.values(), reverse=True)
         return result
     finally:
         for channel in chans:
@@ -402,9 +428,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     log(
                         f"  search {search['cpu_us_per_call']} us CPU/call, {search['calls_per_s']} calls/s, "
                         f"p50 {search['p50_ms']} ms; health {health['cpu_us_per_call']} us CPU/call, "
-                        f"{health['calls_per_s']} calls/s; {run_result['serving_pids']} serving pids"
+                        f"{health['calls_per_s']} calls/s; RPCs per worker {run_result['rpcs_per_worker']}"
                     )
-                    for frame in run_result.get("top_frames_search", [])[:25]:
+                    for frame in run_result.get("top_frames_search", [])[:20]:
                         log(
                             f"  {frame['inclusive_pct']:5.1f}% incl {frame['self_pct']:5.1f}% self  {frame['frame']}"
                         )
@@ -424,7 +450,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         table[f"{tree}/workers={workers}"] = {
             f"{phase}_{metric}": statistics.median(m[phase][metric] for m in members)
             for phase in ("search", "health")
-            for metric in ("cpu_us_per_call", "calls_per_s", "p50_ms")
+            for metric in ("cpu_us_per_call", "calls_per_s", "p50_ms", "mean_ms", "p99_ms")
         }
     lines = []
     base = dict(table.get("current/workers=1") or next(iter(table.values())))
@@ -434,7 +460,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         lines.append(
             f"{name}: search {row['search_cpu_us_per_call']} us CPU/call (x{ratios['search_cpu_us_per_call']}), "
             f"{row['search_calls_per_s']} calls/s (x{ratios['search_calls_per_s']}), "
-            f"p50 {row['search_p50_ms']} ms; health {row['health_cpu_us_per_call']} us CPU/call "
+            f"p50/mean/p99 {row['search_p50_ms']}/{row['search_mean_ms']}/{row['search_p99_ms']} ms; "
+            f"health {row['health_cpu_us_per_call']} us CPU/call "
             f"(x{ratios['health_cpu_us_per_call']}), {row['health_calls_per_s']} calls/s "
             f"(x{ratios['health_calls_per_s']})"
         )
@@ -458,15 +485,14 @@ def main() -> None:
         help="another source tree (e.g. `git archive main | tar -x -C DIR`) measured alternately in the same run",
     )
     parser.add_argument("--profile", type=Path, help="also record a py-spy profile into this directory")
-    parser.add_argument("--out", type=Path, help="write the results as JSON here (default: print only)")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS / "cpu.json", help="results JSON (default bench/results/cpu.json)"
+    )
     args = parser.parse_args()
     results = asyncio.run(run(args))
-    text = json.dumps(results, indent=1)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-        log(f"wrote {args.out}")
-    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    log(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
