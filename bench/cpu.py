@@ -45,13 +45,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.env import BenchEnv, bench_env, service_settings
+from bench.env import ROOT, BenchEnv, ServerProcess, bench_env
 from bench.stats import latency_summary
 from tokensvc.v1 import common_pb2, memory_pb2, memory_pb2_grpc
 
 __all__ = ["main"]
 
-ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 TIMEOUT = 60.0
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -106,87 +105,6 @@ def cpu_seconds(pid: int) -> float:
 # --- the server process --------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def write_config(env: BenchEnv, port: int, path: Path) -> None:
-    """The bench settings (bench/env.py) as a TOML file for `tokensvc serve --config`."""
-    settings = service_settings(
-        env.root,
-        env.dev,
-        env.postgres,
-        listen_address=f"127.0.0.1:{port}",
-        memory_embedder="hash",
-        log_level="INFO",
-    )
-    lines = []
-    for name in (
-        "listen_address",
-        "state_dir",
-        "database_dsn",
-        "database_credential_dir",
-        "database_owner_credential_dir",
-        "database_rotator_credential_dir",
-        "tls_cert_file",
-        "tls_key_file",
-        "tls_client_ca_file",
-        "trust_domain",
-        "admin_spiffe_ids",
-        "control_plane_spiffe_ids",
-        "trust_bundle_file",
-        "pepper_dir",
-        "signing_key_file",
-        "shutdown_grace_seconds",
-        "memory_embedder",
-        "log_level",
-    ):
-        value = getattr(settings, name)
-        if isinstance(value, tuple):
-            lines.append(f"{name} = {json.dumps(list(value))}")
-        elif isinstance(value, float | int):
-            lines.append(f"{name} = {value}")
-        else:
-            lines.append(f"{name} = {json.dumps(str(value))}")
-    path.write_text("\n".join(lines) + "\n")
-
-
-class Server:
-    """`tokensvc serve --config FILE [--workers N]` as a child process."""
-
-    def __init__(self, env: BenchEnv, workers: int, log_file: Path, tree: Path = ROOT) -> None:
-        self.port = free_port()
-        config = log_file.with_suffix(".toml")
-        write_config(env, self.port, config)
-        command = [sys.executable, "-m", "tokensvc", "serve", "--config", str(config)]
-        if workers != 1:
-            command += ["--workers", str(workers)]
-        clean = {k: v for k, v in os.environ.items() if not k.startswith("TOKENSVC_")}
-        clean["PYTHONPATH"] = str(tree)
-        self.log_file = log_file
-        with log_file.open("w") as stderr:
-            self.process = subprocess.Popen(
-                command, cwd=tree, env=clean, stdout=subprocess.DEVNULL, stderr=stderr
-            )
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        return self.process.wait()
-
-
 # --- the load ------------------------------------------------------------------------------------
 
 
@@ -202,7 +120,8 @@ def channels(env: BenchEnv, port: int, count: int) -> list[grpc.aio.Channel]:
     return [grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials, options=options) for _ in range(count)]
 
 
-async def wait_ready(server: Server, chans: list[grpc.aio.Channel], deadline_s: float = 90) -> None:
+async def wait_ready(server: ServerProcess, chans: list[grpc.aio.Channel], deadline_s: float = 90) -> None:
+    """Until a Health Check on every connection answers SERVING."""
     began = time.monotonic()
     for channel in chans:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -239,7 +158,7 @@ async def drive(calls: list[Any], total: int, concurrency: int) -> dict[str, Any
 
 
 async def measure(
-    server: Server, phase: Any, total: int, concurrency: int, profile: Path | None = None
+    server: ServerProcess, phase: Any, total: int, concurrency: int, profile: Path | None = None
 ) -> dict[str, Any]:
     spy = None
     if profile is not None:
@@ -330,8 +249,10 @@ def _frame_name(frame: str) -> str:
 async def run_workers(
     env: BenchEnv, workers: int, args: argparse.Namespace, tree: Path = ROOT, label: str = "current"
 ) -> dict[str, Any]:
-    log_file = env.root / f"server-{label}-{workers}-{time.monotonic_ns()}.log"
-    server = Server(env, workers, log_file, tree)
+    server = await env.start_server_process(
+        workers, tree=tree, log_name=f"server-{label}-{workers}-{time.monotonic_ns()}", memory_embedder="hash"
+    )
+    log_file = server.log_file
     chans = channels(env, server.port, args.channels)
     try:
         await wait_ready(server, chans)
@@ -403,6 +324,7 @@ async def run_workers(
         for channel in chans:
             await channel.close(grace=None)
         result_code = server.stop()
+        env.process = None
         if result_code != 0:
             log(f"tokensvc (workers={workers}) exited with {result_code}; see {log_file}")
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +21,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.cli.test_cli import ROOT, TOKENSVC, clean_env, settings_env, wait_for_health
 from tests.support import SharedDatabase, free_port
-from tokensvc.auth.devpki import DevPaths
+from tokensvc.auth.devpki import DevPaths, ensure_dev_material
 from tokensvc.settings import SettingsError, load_settings
 from tokensvc.workers import worker_settings
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[Path]]:
+    """Directories to remove after the test."""
+    paths: list[Path] = []
+    yield paths
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def log_entries(path: Path) -> list[dict[str, Any]]:
@@ -166,6 +178,41 @@ def test_workers_stop_by_themselves_when_their_parent_is_killed(
         time.sleep(0.2)
     assert not alive, f"workers {alive} outlived their parent"
     assert sum(e["msg"] == "stopped" for e in log_entries(log)) == 2
+
+
+@pytest.mark.slow
+def test_workers_on_the_embedded_database_share_one_postgres_the_parent_starts_and_stops(
+    tmp_path: Path, process_cleanup: list[subprocess.Popen[str]], cleanup: list[Path]
+) -> None:
+    # Outside pytest's basetemp, as tests/conftest.py's database (PostgreSQL runs unprivileged).
+    state = Path(tempfile.mkdtemp(prefix="tokensvc-test-workers-"))
+    cleanup.append(state)
+    dev = ensure_dev_material(state)
+    port = free_port()
+    env = {
+        **clean_env(),
+        "TOKENSVC_STATE_DIR": str(state),
+        "TOKENSVC_LISTEN_ADDRESS": f"127.0.0.1:{port}",
+        "TOKENSVC_TLS_CERT_FILE": str(dev.server_cert),
+        "TOKENSVC_TLS_KEY_FILE": str(dev.server_key),
+        "TOKENSVC_TLS_CLIENT_CA_FILE": str(dev.ca_cert),
+        "TOKENSVC_TRUST_BUNDLE_FILE": str(dev.trust_bundle),
+        "TOKENSVC_PEPPER_DIR": str(dev.pepper_dir),
+        "TOKENSVC_MIGRATE_ON_START": "true",
+        "TOKENSVC_WORKERS": "2",
+    }
+    log = tmp_path / "stderr.log"
+    with log.open("w") as stderr:
+        server = subprocess.Popen(
+            [*TOKENSVC, "serve"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr
+        )
+    process_cleanup.append(server)
+    serving_worker_pids(log, server, 2)
+    wait_for_health(state, port, server)
+    assert (state / "postgres/data/postmaster.pid").exists()
+    server.send_signal(signal.SIGTERM)
+    assert server.wait(60) == 0
+    assert not (state / "postgres/data/postmaster.pid").exists()  # the parent stopped PostgreSQL
 
 
 def test_workers_need_a_fixed_port_and_a_sane_count(tmp_path: Path) -> None:
