@@ -120,6 +120,9 @@ class _Supervisor:
         self._stop = asyncio.Event()
 
     async def run(self) -> int:
+        # The files every worker needs, checked once here: a readable error, no worker started.
+        self.settings.require_tls_files()
+        self.settings.require_capability_files()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)

@@ -250,3 +250,18 @@ def test_serve_rejects_a_bad_worker_count_readably() -> None:
     assert result.returncode == 2
     assert "workers" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_serve_with_workers_without_tls_files_refuses_before_starting_any() -> None:
+    result = subprocess.run(
+        [*TOKENSVC, "serve", "--workers", "2"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**clean_env(), "TOKENSVC_LISTEN_ADDRESS": f"127.0.0.1:{free_port()}"},
+    )
+    assert result.returncode == 2
+    assert "mTLS only" in result.stderr
+    assert "starting workers" not in result.stderr
