@@ -55,6 +55,7 @@ proto: install  ## Regenerate tokensvc/v1 from protos/ (never edit the stubs by 
 bench: install  ## Benchmarks (bench/, docs/benchmarks.md); BENCH_ARGS=--quick / QUALITY_ARGS=--quick for smaller runs.
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m bench.run $(BENCH_ARGS)
+	$(PY) -m bench.cpu --workers 1 2 --rounds 3 $(CPU_ARGS)
 	$(PY) -m bench.quality $(QUALITY_ARGS)
 
 bench-quality: install  ## Retrieval quality alone: LoCoMo recall, the knowledge-base question set (bench/quality.py).

@@ -6,7 +6,7 @@ way a launcher is a separate process in production. Each path is driven from her
 the comparison is what putting tokensvc between the caller and PostgreSQL costs:
 
 - `service`: SearchMemories over mTLS gRPC with a per-user capability (a query vector, so no
-  embedder runs), through one channel as a launcher would;
+  embedder runs), through one channel as a launcher would (or N connections, `--connections`);
 - `raw_tenant`: the SQL tokensvc's store runs for that search, issued directly with asyncpg on a pool
   of the serving role: the same tenant transaction (BEGIN, the set_config statement row-level
   security reads, the search statement, COMMIT), the same routing (exact or HNSW by bucket size)
@@ -91,9 +91,14 @@ def proto_filter(name: str) -> common_pb2.Filter | None:
     )
 
 
-def mtls_channel(port: int, ca: bytes, cert: bytes, key: bytes) -> grpc.aio.Channel:
+def mtls_channel(
+    port: int, ca: bytes, cert: bytes, key: bytes, *, own_connection: bool = False
+) -> grpc.aio.Channel:
+    """An mTLS channel; `own_connection`: a subchannel pool of its own, so its TCP connection is
+    not shared with another channel to the same target (gRPC shares them by default)."""
     credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-    return grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials)
+    options = [("grpc.use_local_subchannel_pool", 1)] if own_connection else []
+    return grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials, options=options)
 
 
 async def run_concurrently(
@@ -117,6 +122,8 @@ async def run_concurrently(
 class Worker:
     def __init__(self) -> None:
         self.channels: dict[str, grpc.aio.Channel] = {}
+        # The service path's connections: the launcher channel, plus more with `connections` > 1.
+        self.search_channels: list[grpc.aio.Channel] = []
         self.tenant_pool: asyncpg.Pool | None = None
         self.bare_pool: asyncpg.Pool | None = None
         self.peer: PeerStore | None = None
@@ -137,10 +144,16 @@ class Worker:
         tuning: dict[str, int],
         namespace: str,
         agent: str,
+        connections: int = 1,
     ) -> None:
         await self.close_channels()
         for role, files in pki.items():
             self.channels[role] = mtls_channel(port, files["ca"], files["cert"], files["key"])
+        launcher = pki["launcher"]
+        self.search_channels = [self.channels["launcher"]] + [
+            mtls_channel(port, launcher["ca"], launcher["cert"], launcher["key"], own_connection=True)
+            for _ in range(connections - 1)
+        ]
         self.conninfo = conninfo
         self.tuning = SearchTuning(**tuning)
         self.namespace, self.agent = namespace, agent
@@ -176,9 +189,10 @@ class Worker:
         await self.peer.open()
 
     async def close_channels(self) -> None:
-        for channel in self.channels.values():
+        for channel in [*self.channels.values(), *self.search_channels[1:]]:
             await channel.close(grace=None)
         self.channels.clear()
+        self.search_channels = []
 
     async def close_pools(self) -> None:
         for pool in (self.tenant_pool, self.bare_pool):
@@ -220,7 +234,8 @@ class Worker:
         self, path: str, queries: list[SearchItem]
     ) -> Callable[[int], Awaitable[list[str]]]:
         if path == "service":
-            stub = memory_pb2_grpc.MemoryServiceStub(self.channels["launcher"])
+            # Query i goes over connection i mod N (one connection unless `connections` > 1).
+            stubs = [memory_pb2_grpc.MemoryServiceStub(channel) for channel in self.search_channels]
             requests = []
             for item in queries:
                 request = memory_pb2.SearchMemoriesRequest(query_vector=item.vector, top_k=K)
@@ -230,6 +245,7 @@ class Worker:
 
             async def service(i: int) -> list[str]:
                 request, metadata = requests[i]
+                stub = stubs[i % len(stubs)]
                 response = await stub.SearchMemories(request, metadata=metadata, timeout=TIMEOUT)
                 return [result.memory.id for result in response.results]
 

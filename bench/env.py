@@ -3,13 +3,21 @@
 Everything lives in temporary directories that are removed at the end. The PostgreSQL server is the
 same embedded PostgreSQL 18 + pgvector the tests use, migrated by the schema owner; the service is
 `tokensvc.app.Service` configured the production way (DSN + credential directories), serving mTLS
-gRPC on a free port of 127.0.0.1.
+gRPC on a free port of 127.0.0.1 — or, from `start_server_process`, `tokensvc serve [--workers N]`
+as a child process with the same settings in a TOML file.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -36,7 +44,9 @@ from tokensvc.credentials import FileCredentialSource
 from tokensvc.settings import Settings, load_settings
 from tokensvc.storage.postgres import Database, EmbeddedPostgres
 
-__all__ = ["BenchEnv", "bench_env", "connect_as"]
+__all__ = ["BenchEnv", "ServerProcess", "bench_env", "config_toml", "connect_as", "free_port"]
+
+ROOT = Path(__file__).resolve().parent.parent
 
 NAMESPACE = "default"
 AGENT = "dev-agent"  # the dev launcher certificate's workload: spiffe://dev.local/ns/default/sa/dev-agent
@@ -49,6 +59,7 @@ class BenchEnv:
     postgres: EmbeddedPostgres
     settings: Settings
     service: Service | None = None
+    process: ServerProcess | None = None
     keyring: PepperKeyring = field(init=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +107,97 @@ class BenchEnv:
         if self.service is not None:
             await self.service.stop(grace=0)
             self.service = None
+        if self.process is not None:
+            self.process.stop()
+            self.process = None
+
+    async def start_server_process(
+        self, workers: int = 1, *, tree: Path = ROOT, log_name: str = "server", **overrides: Any
+    ) -> ServerProcess:
+        """(Re)start tokensvc as `tokensvc serve --workers N` from source `tree`, logging at INFO
+        to `<root>/<log_name>.log`, serving when this returns (every worker, when N > 1)."""
+        await self.stop_service()
+        values = {"listen_address": f"127.0.0.1:{free_port()}", "log_level": "INFO", **overrides}
+        self.settings = service_settings(self.root, self.dev, self.postgres, **values)
+        self.process = ServerProcess(self.settings, workers, self.root / f"{log_name}.log", tree)
+        await self.process.wait_serving()
+        return self.process
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def config_toml(settings: Settings) -> str:
+    """`settings` as a TOML config file for `tokensvc serve --config`: the values that differ
+    from the defaults (so an older tree, without a newer setting, reads it too)."""
+    lines = []
+    for item in dataclasses.fields(settings):
+        value = getattr(settings, item.name)
+        factory = item.default_factory
+        default = factory() if factory is not dataclasses.MISSING else item.default
+        if value is None or value == default:
+            continue
+        if isinstance(value, tuple):
+            text = json.dumps([str(v) for v in value])
+        elif isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, int | float):
+            text = repr(value)
+        else:
+            text = json.dumps(str(value))
+        lines.append(f"{item.name} = {text}")
+    return "\n".join(lines) + "\n"
+
+
+class ServerProcess:
+    """`tokensvc serve --config FILE [--workers N]` as a child process, its stderr in a file."""
+
+    def __init__(self, settings: Settings, workers: int, log_file: Path, tree: Path = ROOT) -> None:
+        self.port = int(settings.listen_address.rpartition(":")[2])
+        self.workers = workers
+        self.log_file = log_file
+        config = log_file.with_suffix(".toml")
+        config.write_text(config_toml(settings))
+        command = [sys.executable, "-m", "tokensvc", "serve", "--config", str(config)]
+        if workers != 1:
+            command += ["--workers", str(workers)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENSVC_")}
+        env["PYTHONPATH"] = str(tree)
+        with log_file.open("w") as stderr:
+            self.process = subprocess.Popen(
+                command, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=stderr
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    async def wait_serving(self, deadline_s: float = 120) -> None:
+        """Until the log says every process serves (a single server's or the parent's "serving")."""
+        began = time.monotonic()
+        while time.monotonic() - began < deadline_s:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tokensvc exited with {self.process.returncode}; see {self.log_file}")
+            for line in self.log_file.read_text().splitlines():
+                if line.startswith("{") and '"msg": "serving"' in line:
+                    entry = json.loads(line)
+                    if entry.get("pid") == self.pid:
+                        return
+            await asyncio.sleep(0.2)
+        raise RuntimeError(f"tokensvc did not serve within {deadline_s} s; see {self.log_file}")
+
+    def stop(self) -> int:
+        """SIGTERM, then wait (SIGKILL after 60 s); the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait()
 
 
 def service_settings(root: Path, dev: DevPaths, postgres: EmbeddedPostgres, **overrides: Any) -> Settings:

@@ -17,7 +17,8 @@ caller (bench/client.py). In order:
    write throughput), the rest of the same rows COPYed into its tables, its index built after;
 6. searches per bucket-size class, at concurrency 1 and 16, through the service, the raw SQL
    (tenant transaction and bare) and the peer, interleaved in two rounds; recall@10 against numpy's
-   exact top-10 and completeness (min(k, matching) results) from the concurrency-1 runs.
+   exact top-10 and completeness (min(k, matching) results) from the concurrency-1 runs. With
+   `--workers N` the service of this step is `tokensvc serve --workers N` in child processes.
 
 Results go to bench/results/<name>.json and the summary to docs/benchmarks.md (between the
 generated-results markers) with the plot docs/benchmarks-latency.png.
@@ -125,13 +126,26 @@ class Tokens:
 
 def search_tuning(env: BenchEnv) -> SearchTuning:
     """The running service's search tuning (its routing is what the raw SQL paths replay)."""
-    assert env.service is not None
+    if env.service is None:  # a server process (--workers): its settings, as app.py builds it
+        settings = env.settings
+        return SearchTuning(
+            exact_threshold=settings.memory_exact_search_threshold,
+            ef_search=settings.memory_hnsw_ef_search,
+            max_scan_tuples=settings.memory_hnsw_max_scan_tuples,
+            candidates=settings.search_candidates,
+        )
     assert env.service.memory is not None
     return env.service.memory._tuning
 
 
-async def setup_worker(worker: WorkerHandle, env: BenchEnv) -> None:
-    assert env.service is not None
+def service_port(env: BenchEnv) -> int:
+    if env.service is not None:
+        return env.service.port
+    assert env.process is not None
+    return env.process.port
+
+
+async def setup_worker(worker: WorkerHandle, env: BenchEnv, connections: int = 1) -> None:
     settings = env.settings
     pki = {}
     for role in ("launcher", "control-plane"):
@@ -139,13 +153,14 @@ async def setup_worker(worker: WorkerHandle, env: BenchEnv) -> None:
         pki[role] = {"ca": env.dev.ca_cert.read_bytes(), "cert": cert.read_bytes(), "key": key.read_bytes()}
     await worker.call(
         "setup",
-        port=env.service.port,
+        port=service_port(env),
         pki=pki,
         conninfo={"app": env.conninfo("app"), "superuser": env.conninfo("superuser")},
         pool_size=settings.pool_max_size,
         tuning=asdict(search_tuning(env)),
         namespace=NAMESPACE,
         agent=AGENT,
+        connections=connections,
     )
 
 
@@ -509,8 +524,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 results["peer_load"] = await load_peer(env, worker, data, plan)
                 mark = lap("peer_load_s", mark)
             # A fresh tokensvc, as a deployment would be after a bulk load: no cache carries over.
-            await env.start_service(**overrides)
-            await setup_worker(worker, env)
+            await restart_for_search(env, args.workers, overrides)
+            await setup_worker(worker, env, args.connections)
             settings = env.settings
             results["search"] = await measure_searches(
                 worker, data, ids, tokens, plan, settings.memory_exact_search_threshold, paths
@@ -529,6 +544,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "memory_hnsw_ef_search": settings.memory_hnsw_ef_search,
                 "memory_hnsw_max_scan_tuples": settings.memory_hnsw_max_scan_tuples,
                 "overrides": overrides,
+                "search_server": "in process" if args.workers is None else f"serve --workers {args.workers}",
+                "search_connections": args.connections,
             }
             results["versions"] = await versions(env)
     finally:
@@ -542,6 +559,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     results["targets"] = report.targets(results)
     return results
+
+
+async def restart_for_search(env: BenchEnv, workers: int | None, overrides: dict[str, Any]) -> None:
+    """The in-process service, or `tokensvc serve --workers N` in child processes (--workers)."""
+    if workers is None:
+        await env.start_service(**overrides)
+        return
+    log(f"search phase: `tokensvc serve --workers {workers}` as a child process")
+    await env.start_server_process(workers, log_name="search-server", **overrides)
 
 
 @asynccontextmanager
@@ -600,6 +626,22 @@ def main() -> None:
     parser.add_argument("--docs", action="store_true", help="rewrite the docs from a --quick run too")
     parser.add_argument("--no-peer", action="store_true", help="skip the LangGraph peer")
     parser.add_argument("--search-only", action="store_true", help="skip writes, upload and verification")
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the service path's searches over N mTLS connections, round robin (default 1: one launcher)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help=(
+            "serve the search phase from `tokensvc serve --workers N`, a child process logging at INFO "
+            "(default: the in-process service)"
+        ),
+    )
     args = parser.parse_args()
     results = asyncio.run(run(args))
     name = args.name or ("quick" if args.quick else "full")

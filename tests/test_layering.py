@@ -29,6 +29,9 @@ PACKAGE = ROOT / "tokensvc"
 GENERATED = "tokensvc.v1"
 
 # Bottom to top. A module belongs to the layer of its longest matching prefix.
+# The composition root: the service (app) and the processes that run it (workers: the parent
+# starts the embedded database the workers share).
+COMPOSITION_ROOT = ("tokensvc.app", "tokensvc.workers")
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "shared",
@@ -57,7 +60,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("api", ("tokensvc.api", "tokensvc.tls", GENERATED)),
-    ("app", ("tokensvc.app",)),
+    ("app", COMPOSITION_ROOT),
     ("cli", ("tokensvc.cli", "tokensvc.client", "tokensvc.__main__")),
 )
 RANK = {name: rank for rank, (name, _) in enumerate(LAYERS)}
@@ -243,7 +246,7 @@ def test_storage_implementations_are_named_only_by_the_composition_root() -> Non
         imp
         for imp in OWN
         if within(imp.target, *IMPLEMENTATIONS)
-        and not within(imp.module, *IMPLEMENTATIONS, "tokensvc.app", "tokensvc.cli")
+        and not within(imp.module, *IMPLEMENTATIONS, *COMPOSITION_ROOT, "tokensvc.cli")
     ]
     assert not bad, offences(bad, "only app and cli construct storage implementations; the rest take ports")
 

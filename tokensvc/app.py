@@ -243,8 +243,10 @@ class Service:
                 # together) would shed such calls with RESOURCE_EXHAUSTED.
                 ("grpc.max_metadata_size", 32 * 1024),
                 ("grpc.absolute_max_metadata_size", 64 * 1024),
-                # One process per port unless scaling on one host is asked for explicitly.
-                ("grpc.so_reuseport", 0),
+                # One process per port unless scaling on one host is asked for (`workers` > 1,
+                # tokensvc/workers.py): then every worker binds the same port and the kernel
+                # spreads connections over them.
+                ("grpc.so_reuseport", 1 if settings.workers > 1 else 0),
                 # Connections older than this are closed (after a grace period for in-flight RPCs),
                 # so a reloaded certificate reaches every client in bounded time.
                 ("grpc.max_connection_age_ms", int(settings.max_connection_age_seconds * 1000)),
@@ -367,8 +369,14 @@ async def run_service(
     *,
     extra_handlers: Sequence[grpc.GenericRpcHandler[Any, Any]] = (),
     extra_policies: Mapping[str, RpcPolicy] | None = None,
+    on_started: Callable[[Service], None] | None = None,
+    worker: int | None = None,
 ) -> None:
-    """Serve until SIGTERM or SIGINT, then drain and exit."""
+    """Serve until SIGTERM or SIGINT, then drain and exit.
+
+    `on_started` is called once the server answers; `worker` is this process's index when it is
+    one of `settings.workers` processes sharing the port (tokensvc/workers.py), for the logs.
+    """
     service = Service(settings, extra_handlers=extra_handlers, extra_policies=extra_policies or {})
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -376,6 +384,10 @@ async def run_service(
         loop.add_signal_handler(sig, stop_requested.set)
     try:
         await service.start()
+        if worker is not None:
+            _log.info("worker started", extra={"worker": worker, "workers": settings.workers})
+        if on_started is not None:
+            on_started(service)
         await stop_requested.wait()
         _log.info("shutdown requested; draining", extra={"grace_seconds": settings.shutdown_grace_seconds})
     finally:

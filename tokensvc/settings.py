@@ -58,6 +58,15 @@ class Settings:
         metadata=_doc("Connections are recycled after this long (bounds certificate rotation)."),
     )
     max_message_bytes: int = field(default=16 * 1024 * 1024, metadata=_doc("Largest gRPC message."))
+    workers: int = field(
+        default=1,
+        metadata=_doc(
+            "Server processes sharing listen_address (SO_REUSEPORT) on one large host; each is a full "
+            "server with its own database pool (up to pool_max_size connections each) and, with "
+            "metrics_address host:P, its own metrics port P + worker index. 1: this process serves. "
+            "Under Kubernetes, scale with replicas instead."
+        ),
+    )
 
     # --- roles -----------------------------------------------------------------------------
     admin_spiffe_ids: tuple[str, ...] = field(default=(), metadata=_doc("SPIFFE IDs of admins."))
@@ -305,10 +314,27 @@ class Settings:
             raise SettingsError("max_concurrent_rpcs_per_caller: must be at least 1")
         if self.health_check_interval_seconds <= 0:
             raise SettingsError("health_check_interval_seconds: must be greater than 0")
+        self._validate_workers()
         if self.max_message_bytes < 64 * 1024:
             raise SettingsError("max_message_bytes: must be at least 65536")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise SettingsError(f"log_level: {self.log_level!r} is not DEBUG, INFO, WARNING or ERROR")
+
+    def _validate_workers(self) -> None:
+        if not 1 <= self.workers <= 256:
+            raise SettingsError("workers: must be between 1 and 256")
+        if self.workers == 1:
+            return
+        if self.listen_address.rpartition(":")[2] == "0":
+            raise SettingsError(
+                "listen_address: workers > 1 share one port, so it cannot be 0 (any free port)"
+            )
+        if self.metrics_address is not None:
+            port = int(self.metrics_address.rpartition(":")[2])
+            if port != 0 and port + self.workers - 1 > 65535:
+                raise SettingsError(
+                    f"metrics_address: worker metrics ports {port}..{port + self.workers - 1} pass 65535"
+                )
 
     def _validate_database(self) -> Settings:
         if self.database_dsn is not None:

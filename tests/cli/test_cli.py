@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -79,19 +78,6 @@ def wait_for_health(
             return time.monotonic() - started
         time.sleep(0.3)
     raise AssertionError(f"tokensvc did not become healthy in {deadline_s} s")
-
-
-@pytest.fixture
-def process_cleanup() -> Iterator[list[subprocess.Popen[str]]]:
-    processes: list[subprocess.Popen[str]] = []
-    yield processes
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
 
 
 def all_commands() -> list[list[str]]:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -285,3 +287,16 @@ async def test_a_full_run_logs_every_rpc_and_no_secret(
     ids = [entry["request_id"] for entry in rpc_lines]
     assert len(ids) == len(set(ids))
     assert time.monotonic() - started < 120
+
+
+def test_log_lines_carry_utc_millisecond_times_and_the_process() -> None:
+    formatter = JsonFormatter()
+    for created in (0.0, 1_764_588_215.1239996, 1_764_588_215.9999996, 1_764_588_216.0005, 951_782_400.5):
+        record = logging.LogRecord("tokensvc.rpc", logging.INFO, __file__, 1, "rpc", (), None)
+        record.created = created
+        record.request_id = "r-1"
+        entry = json.loads(formatter.format(record))
+        assert entry["ts"] == datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds")
+        assert entry["pid"] == os.getpid()
+        assert entry["request_id"] == "r-1"
+        assert (entry["level"], entry["logger"], entry["msg"]) == ("INFO", "tokensvc.rpc", "rpc")

@@ -142,3 +142,20 @@ async def test_unknown_methods_share_one_label(metered: tuple[Service, int], dev
     text, samples = await scrape(port)
     assert value(samples, "tokensvc_rpcs_total", method="unknown", code="UNIMPLEMENTED") >= 2
     assert "/x.Y/Z1" not in text
+
+
+async def test_label_children_are_reused_and_scraped(metered: tuple[Service, int]) -> None:
+    """labels() answers from a cache after the first call; the child is prometheus_client's own."""
+    _, port = metered
+    child = METRICS.rpcs.labels("/test.Cached/Labels", "OK")
+    assert METRICS.rpcs.labels("/test.Cached/Labels", "OK") is child
+    assert METRICS.rpcs.labels(method="/test.Cached/Labels", code="OK") is child
+    child.inc()
+    METRICS.rpcs.labels("/test.Cached/Labels", "OK").inc(2)
+    _, samples = await scrape(port)
+    assert value(samples, "tokensvc_rpcs_total", method="/test.Cached/Labels", code="OK") == 3
+    METRICS.rpcs.remove("/test.Cached/Labels", "OK")
+    fresh = METRICS.rpcs.labels("/test.Cached/Labels", "OK")
+    assert fresh is not child  # a removed series starts again from zero
+    _, samples = await scrape(port)
+    assert value(samples, "tokensvc_rpcs_total", method="/test.Cached/Labels", code="OK") == 0

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -266,3 +269,27 @@ async def test_a_call_without_traceparent_starts_its_own_trace(
         await asyncio.sleep(0.05)
     (server,) = servers
     assert server.parent is None
+
+
+def test_tracing_is_inactive_until_a_provider_is_installed() -> None:
+    """Without a provider the edge makes no server span (a fresh interpreter: the provider of
+    this test process cannot be removed once the fixtures above installed it)."""
+    script = (
+        "from opentelemetry.sdk.trace.export import SimpleSpanProcessor\n"
+        "from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter\n"
+        "from tokensvc.observability import configure_tracing, tracing_active\n"
+        "configure_tracing(None)\n"
+        "assert not tracing_active(), 'active with nothing to export'\n"
+        "configure_tracing(None, extra_processor=SimpleSpanProcessor(InMemorySpanExporter()))\n"
+        "assert tracing_active(), 'inactive with a processor installed'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+        env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+    )
+    assert result.returncode == 0, result.stderr

@@ -31,13 +31,21 @@ def current_scope() -> TenantScope:
     return scope
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_Timestamp = timestamp_pb2.Timestamp
+
+
 def timestamp(value: datetime | int | float) -> timestamp_pb2.Timestamp:
-    stamp = timestamp_pb2.Timestamp()
+    """A Timestamp from an aware datetime (a naive one is local time) or epoch seconds.
+
+    Built from whole seconds and nanoseconds since the epoch in one constructor call: a search
+    answer carries two or three per hit, and `Timestamp.FromDatetime` (time tuples, `timegm`)
+    cost ~4x as much.
+    """
     if isinstance(value, datetime):
-        stamp.FromDatetime(value.astimezone(UTC))
-    else:
-        stamp.FromSeconds(int(value))
-    return stamp
+        since = (value if value.tzinfo is not None else value.astimezone(UTC)) - _EPOCH
+        return _Timestamp(seconds=since.days * 86_400 + since.seconds, nanos=since.microseconds * 1000)
+    return _Timestamp(seconds=int(value))
 
 
 def duration_seconds(value: duration_pb2.Duration, field: str) -> int:

@@ -37,6 +37,16 @@ def add_server_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
         description="Serve mTLS gRPC with everything taken from TOKENSVC_* variables and --config.",
     )
     serve.add_argument("--config", type=Path, help="TOML config file (or $TOKENSVC_CONFIG)")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help=(
+            "server processes sharing the port (SO_REUSEPORT) on one large host, each with its own "
+            "database pool and metrics port P + index (setting `workers`, default 1; "
+            "docs/scaling.md)"
+        ),
+    )
     serve.set_defaults(handler=_serve)
 
     migrate = commands.add_parser(
@@ -89,8 +99,10 @@ def dev_settings(state_dir: Path, port: int, config: Path | None = None) -> Sett
 
 def _dev(args: argparse.Namespace) -> int:
     from tokensvc.app import run_service
+    from tokensvc.logs import configure_logging
 
     settings = dev_settings(args.state_dir, args.port, args.config)
+    configure_logging(settings.log_level)
     state = args.state_dir
     print(
         f"tokensvc dev: serving mTLS gRPC on {settings.listen_address} (state in {state})\n"
@@ -106,8 +118,14 @@ def _dev(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from tokensvc.app import run_service
+    from tokensvc.logs import configure_logging
 
-    settings = load_settings(config_file=args.config)
+    settings = load_settings(config_file=args.config, overrides={"workers": args.workers})
+    configure_logging(settings.log_level)
+    if settings.workers > 1:
+        from tokensvc.workers import run_workers
+
+        return run_workers(settings)
     asyncio.run(run_service(settings))
     return 0
 

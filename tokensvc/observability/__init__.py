@@ -2,7 +2,7 @@
 
 from tokensvc.observability.deadlines import current_deadline, use_deadline
 from tokensvc.observability.metrics import METRICS, Metrics, start_metrics_server
-from tokensvc.observability.tracing import configure_tracing, tracer
+from tokensvc.observability.tracing import configure_tracing, tracer, tracing_active
 
 __all__ = [
     "METRICS",
@@ -11,5 +11,6 @@ __all__ = [
     "current_deadline",
     "start_metrics_server",
     "tracer",
+    "tracing_active",
     "use_deadline",
 ]

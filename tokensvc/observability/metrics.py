@@ -2,6 +2,9 @@
 
 One set of metrics per process (Prometheus registries reject duplicates); live values such as
 pool sizes are read at scrape time from the components registered with `METRICS.watch_pool`.
+The labelled metrics hand out their per-label children from a plain dict after the first
+`labels(...)` call for a label tuple: prometheus_client's own lookup (validation, str conversion,
+a lock) ran several times per RPC.
 """
 
 from __future__ import annotations
@@ -13,11 +16,55 @@ from typing import Any, TypeVar
 
 from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 __all__ = ["METRICS", "Metrics", "observe_embedding", "start_metrics_server"]
 
 _T = TypeVar("_T")
+_M = TypeVar("_M", bound="_CachedLabels")
+
+
+class _CachedLabels(MetricWrapperBase):
+    """`labels(*values)` answered from a dict once a label tuple has been seen.
+
+    The children are prometheus_client's own (the cache only skips its per-call validation, str
+    conversion and lock); the label sets are bounded by what the callers pass (methods, codes,
+    outcomes, embedder names), as prometheus_client's own child table is.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def labels(self: _M, *values: object, **by_name: object) -> _M:
+        if by_name:
+            return super().labels(*values, **by_name)
+        child: _M | None = self._children.get(values)
+        if child is None:
+            child = self._children[values] = super().labels(*values)
+        return child
+
+    def remove(self, *values: Any) -> None:
+        super().remove(*values)
+        self._children = {}
+
+    def remove_by_labels(self, labels: dict[str, str]) -> None:
+        super().remove_by_labels(labels)
+        self._children = {}
+
+    def clear(self) -> None:
+        super().clear()
+        self._children = {}
+
+
+class _Counter(_CachedLabels, Counter):
+    pass
+
+
+class _Histogram(_CachedLabels, Histogram):
+    pass
+
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -64,24 +111,24 @@ class _LiveGauges(Collector):
 
 class Metrics:
     def __init__(self) -> None:
-        self.rpcs = Counter("tokensvc_rpcs", "RPCs by method and status code.", ["method", "code"])
-        self.rpc_seconds = Histogram(
+        self.rpcs = _Counter("tokensvc_rpcs", "RPCs by method and status code.", ["method", "code"])
+        self.rpc_seconds = _Histogram(
             "tokensvc_rpc_duration_seconds", "RPC latency by method.", ["method"], buckets=_LATENCY_BUCKETS
         )
-        self.verifications = Counter(
+        self.verifications = _Counter(
             "tokensvc_capability_verifications", "Capability checks by outcome.", ["outcome"]
         )
-        self.verification_cache = Counter(
+        self.verification_cache = _Counter(
             "tokensvc_capability_cache", "Verified-capability cache lookups.", ["result"]
         )
-        self.embed_seconds = Histogram(
+        self.embed_seconds = _Histogram(
             "tokensvc_embed_duration_seconds",
             "Embedding latency by embedder.",
             ["embedder"],
             buckets=_LATENCY_BUCKETS,
         )
-        self.embed_errors = Counter("tokensvc_embed_errors", "Embedding failures by embedder.", ["embedder"])
-        self.rotations = Counter(
+        self.embed_errors = _Counter("tokensvc_embed_errors", "Embedding failures by embedder.", ["embedder"])
+        self.rotations = _Counter(
             "tokensvc_credential_rotations", "Credential rotations by mode and outcome.", ["mode", "outcome"]
         )
         self.live = _LiveGauges()

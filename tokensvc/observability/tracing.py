@@ -14,14 +14,26 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-__all__ = ["configure_tracing", "tracer"]
+__all__ = ["configure_tracing", "tracer", "tracing_active"]
 
 _log = logging.getLogger(__name__)
-_state = {"configured": False}
+_state = {"configured": False, "active": False}
 
 
 def tracer(name: str = "tokensvc") -> trace.Tracer:
     return trace.get_tracer(name)
+
+
+def tracing_active() -> bool:
+    """Whether a tracer provider is installed, so spans would be recorded and exported.
+
+    Until one is, every tracer is OpenTelemetry's proxy to a no-op and a span is pure cost: the
+    edge then skips its server span, trace-context extraction and span attributes. A provider
+    can be installed once and never removed, so the answer is cached once it is True.
+    """
+    if not _state["active"]:
+        _state["active"] = not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    return _state["active"]
 
 
 def configure_tracing(otlp_endpoint: str | None, *, extra_processor: SpanProcessor | None = None) -> None:
