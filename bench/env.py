@@ -184,7 +184,8 @@ class ServerProcess:
             for line in self.log_file.read_text().splitlines():
                 if line.startswith("{") and '"msg": "serving"' in line:
                     entry = json.loads(line)
-                    if entry.get("pid") == self.pid:
+                    # An older tree logs no pid: its one process's line is the one.
+                    if entry.get("pid", self.pid) == self.pid:
                         return
             await asyncio.sleep(0.2)
         raise RuntimeError(f"tokensvc did not serve within {deadline_s} s; see {self.log_file}")

@@ -20,6 +20,7 @@ __all__ = [
     "scope_to_proto",
     "session_scope_from_proto",
     "session_scope_to_proto",
+    "set_timestamp",
     "timestamp",
 ]
 
@@ -46,6 +47,13 @@ def timestamp(value: datetime | int | float) -> timestamp_pb2.Timestamp:
         since = (value if value.tzinfo is not None else value.astimezone(UTC)) - _EPOCH
         return _Timestamp(seconds=since.days * 86_400 + since.seconds, nanos=since.microseconds * 1000)
     return _Timestamp(seconds=int(value))
+
+
+def set_timestamp(target: timestamp_pb2.Timestamp, value: datetime) -> None:
+    """Write an aware datetime into a message's Timestamp field in place (no message copied)."""
+    since = value - _EPOCH
+    target.seconds = since.days * 86_400 + since.seconds
+    target.nanos = since.microseconds * 1000
 
 
 def duration_seconds(value: duration_pb2.Duration, field: str) -> int:

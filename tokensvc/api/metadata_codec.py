@@ -6,13 +6,19 @@ finite numbers) and names the offending entry, `<field>["<key>"]`, in every erro
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 from tokensvc.errors import InvalidArgument
 from tokensvc.memory.metadata import MetadataScalar, check_entry_count, check_key, check_scalar
 from tokensvc.v1 import common_pb2
 
-__all__ = ["metadata_from_proto", "metadata_to_proto", "scalar_from_proto", "scalar_to_proto"]
+__all__ = [
+    "metadata_from_proto",
+    "metadata_to_proto",
+    "scalar_from_proto",
+    "scalar_to_proto",
+    "set_metadata",
+]
 
 
 def scalar_from_proto(value: common_pb2.MetadataValue, field: str) -> MetadataScalar:
@@ -48,6 +54,20 @@ def metadata_from_proto(
     for key in sorted(values):
         result[key] = scalar_from_proto(values[key], check_key(key, field))
     return result
+
+
+def set_metadata(
+    target: MutableMapping[str, common_pb2.MetadataValue], values: Mapping[str, MetadataScalar]
+) -> None:
+    """Write `values` into a message's metadata map in place (no message copied per entry)."""
+    for key, value in values.items():
+        entry = target[key]
+        if isinstance(value, bool):
+            entry.bool_value = value
+        elif isinstance(value, str):
+            entry.string_value = value
+        else:
+            entry.number_value = float(value)
 
 
 def metadata_to_proto(values: Mapping[str, MetadataScalar]) -> dict[str, common_pb2.MetadataValue]:

@@ -17,7 +17,7 @@ from tokensvc.api.memory_codec import (
     decode_remove_keys,
     decode_search,
     decode_ttl,
-    encode_hit,
+    encode_hits,
     encode_memory,
 )
 from tokensvc.api.metadata_codec import metadata_from_proto
@@ -47,7 +47,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         self, request: memory_pb2.SearchMemoriesRequest, context: _Context
     ) -> memory_pb2.SearchMemoriesResponse:
         hits = await self._memory.search(current_scope(), decode_search(request))
-        return memory_pb2.SearchMemoriesResponse(results=[encode_hit(hit) for hit in hits])
+        return encode_hits(hits)
 
     async def GetMemory(
         self, request: memory_pb2.GetMemoryRequest, context: _Context
