@@ -315,6 +315,24 @@ async def test_concurrent_identical_uploads_create_one_version(
     assert {row["version"] for row in await chunk_rows(database, kb, "same.txt")} == {1}
 
 
+async def test_document_refs_with_quotes_backslashes_and_non_ascii_upload_and_replace(
+    clients: Clients,
+) -> None:
+    # The writer's advisory lock is keyed by the ref's text: no character of it may break that.
+    kb, manager = new_ref(), clients.manager()
+    await manager.create(kb, FIXED)
+    refs = ["it's\\here", 'quote"d', "semi;colon--", "ünï/cödé", "dollar$$tag$$"]
+    for ref in refs:
+        first = await manager.upload(kb, ref, "First version.", content_type="text/plain")
+        again = await manager.upload(
+            kb, ref, "First version.", content_type="text/plain", metadata={"m": 1.0}
+        )
+        second = await manager.upload(kb, ref, "Second version.", content_type="text/plain")
+        assert (first.document.version, again.unchanged, second.document.version) == (1, True, 2)
+        assert (await manager.get_document(kb, ref)).ref == ref
+    assert sorted(d.ref for page in await manager.list_documents(kb, 10) for d in page) == sorted(refs)
+
+
 async def test_get_list_and_delete_documents(clients: Clients, database: SharedDatabase) -> None:
     kb, manager = new_ref(), clients.manager()
     await manager.create(kb, FIXED, 16)

@@ -64,7 +64,10 @@ def _begin(
         values["statement_timeout"] = str(max(1, timeout_ms))
     begin = f"BEGIN ISOLATION LEVEL {_ISOLATION[isolation]}; {declare_settings(values)}"
     if lock is not None:
-        begin += f"; SELECT pg_advisory_xact_lock(hashtextextended({literal(lock)}, 0))"
+        # The key's text travels hex-encoded: any characters (a document ref may hold quotes and
+        # backslashes) become a literal of [0-9a-f] only, and the lock id is the text's hash.
+        key = f"convert_from(decode('{lock.encode('utf-8').hex()}', 'hex'), 'UTF8')"
+        begin += f"; SELECT pg_advisory_xact_lock(hashtextextended({key}, 0))"
     return "; ".join([begin, *checks])
 
 
