@@ -21,3 +21,13 @@ def test_every_top_level_command_is_in_the_readme() -> None:
     commands = next(a for a in parser._actions if isinstance(getattr(a, "choices", None), dict)).choices
     missing = [name for name in commands if f"tokensvc {name}" not in README]
     assert not missing, f"document these commands in README.md: {missing}"
+
+
+def test_every_knowledge_base_question_quotes_its_document_exactly_once() -> None:
+    # bench/kb_questions.toml quotes the docs: an edit that drops or repeats an answer would only
+    # show when the quality benchmark runs; here it fails with the list of questions to fix.
+    from bench.knowledge_quality import load_documents, load_questions, locate_all
+
+    questions = load_questions()
+    spans = locate_all(questions, load_documents(sorted({q.doc for q in questions})))
+    assert len(spans) == len(questions) > 50
