@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from datetime import UTC, datetime
 from typing import Any
@@ -86,3 +87,14 @@ def test_a_memory_token_is_not_a_document_token() -> None:
     cursor = PageCursor(datetime(2026, 1, 1, tzinfo=UTC), "6f1c0f4e-3c1a-4a57-9f1e-6d2c8f1b2a3c")
     with pytest.raises(InvalidArgument):
         decode_ref_position(encode_memory_cursor(cursor, binding), binding)
+
+
+@pytest.mark.parametrize("ref", ["\ud800", "a\udfffb", "\x00"])
+def test_a_ref_token_with_the_right_tag_but_a_lone_surrogate_or_nul_is_invalid_argument(ref: str) -> None:
+    # The tag is computable from public inputs, so a forger can pass the binding check.
+    binding = listing_binding("default")
+    body = json.dumps({"r": ref, "f": hashlib.sha256(binding).hexdigest()[:16]})
+    token = base64.urlsafe_b64encode(body.encode()).decode().rstrip("=")
+    with pytest.raises(InvalidArgument) as refused:
+        decode_ref_position(token, binding)
+    assert refused.value.field == "page_token"

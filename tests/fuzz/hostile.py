@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import string
@@ -23,7 +22,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from hypothesis import strategies as st
 
-from tests.fuzz.strategies import FORGED_TIMES
+from tests.fuzz.strategies import FORGED_TIMES, listing_tag
 from tests.support import AUDIENCE, ISSUER, b64url
 
 # --- hostile strings ------------------------------------------------------------------------------
@@ -237,10 +236,25 @@ def forged_json_tokens(draw: st.DrawFn, good: dict[str, st.SearchStrategy[Any]])
 
 def memory_token_values(filter_bytes: bytes) -> dict[str, st.SearchStrategy[Any]]:
     """The right value of each key of a ListMemories token bound to `filter_bytes`."""
-    tag = hashlib.sha256(filter_bytes).hexdigest()[:16]
+    tag = listing_tag(filter_bytes)
     return {
         "c": FORGED_TIMES | st.datetimes().map(lambda d: d.isoformat() + "+00:00"),
         "i": st.uuids().map(str),
+        "f": st.just(tag) | st.text(st.sampled_from("0123456789abcdef"), min_size=16, max_size=16),
+    }
+
+
+def ref_token_values(*listing: bytes | str) -> dict[str, st.SearchStrategy[Any]]:
+    """The keys of a ListKnowledgeBases / ListDocuments token for this listing: `r` a hostile ref
+    (a lone surrogate or NUL among them, which JSON escapes carry), `f` the listing's right tag."""
+    refs = st.one_of(
+        st.sampled_from(["handbook.md", "kb-fuzz-a", "a"]).flatmap(hostile_variant).map(_surrogates),
+        st.sampled_from(["\ud800", "a\udfff", "\x00", "", "x" * 513]),
+        st.text(max_size=40),
+    )
+    tag = listing_tag(*listing)
+    return {
+        "r": refs,
         "f": st.just(tag) | st.text(st.sampled_from("0123456789abcdef"), min_size=16, max_size=16),
     }
 
@@ -250,8 +264,9 @@ def _surrogates(text: str) -> str:
 
 
 def text_page_tokens() -> st.SearchStrategy[str]:
-    """base64url of text, as a "the last ref of the previous page" token is: hostile refs (a real
-    lone surrogate among them), random text, bytes that are no UTF-8, a ref past every limit."""
+    """base64url of text, as a ref token was before tokens became JSON bound to their listing:
+    hostile refs (a real lone surrogate among them), random text, bytes that are no UTF-8, a ref
+    past every limit."""
     refs = st.one_of(
         st.sampled_from(["handbook.md", "kb-fuzz-a", "a"]).flatmap(hostile_variant).map(_surrogates),
         st.text(max_size=40),

@@ -17,7 +17,13 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from tests.fuzz.hostile import NUMBER_PAGE_TOKENS, forged_json_tokens, memory_token_values, text_page_tokens
+from tests.fuzz.hostile import (
+    NUMBER_PAGE_TOKENS,
+    forged_json_tokens,
+    memory_token_values,
+    ref_token_values,
+    text_page_tokens,
+)
 from tests.fuzz.strategies import (
     CONTENT_TYPES,
     DOCUMENTS,
@@ -245,10 +251,12 @@ def get_knowledge_base(draw: st.DrawFn, target: Target) -> knowledge_pb2.GetKnow
 
 
 def list_knowledge_bases(draw: st.DrawFn, target: Target) -> knowledge_pb2.ListKnowledgeBasesRequest:
+    namespace = draw(namespaces())
+    forged = text_page_tokens() | forged_json_tokens(ref_token_values(namespace))
     return knowledge_pb2.ListKnowledgeBasesRequest(
-        namespace=draw(namespaces()),
+        namespace=namespace,
         page_size=draw(sizes()),
-        page_token=draw(mostly(page_tokens(target.known.kb_page_token), text_page_tokens())),
+        page_token=draw(mostly(page_tokens(target.known.kb_page_token), forged)),
     )
 
 
@@ -293,12 +301,14 @@ def get_document(draw: st.DrawFn, target: Target) -> knowledge_pb2.GetDocumentRe
 
 def list_documents(draw: st.DrawFn, target: Target) -> knowledge_pb2.ListDocumentsRequest:
     request = knowledge_pb2.ListDocumentsRequest(
-        namespace=draw(namespaces()),
-        knowledge_base_ref=draw(kb_refs()),
-        page_size=draw(sizes()),
-        page_token=draw(mostly(page_tokens(target.known.doc_page_token), text_page_tokens())),
+        namespace=draw(namespaces()), knowledge_base_ref=draw(kb_refs()), page_size=draw(sizes())
     )
-    return with_filter(request, draw)
+    request = with_filter(request, draw)
+    filter_bytes = request.filter.SerializeToString(deterministic=True) if request.HasField("filter") else b""
+    listing = (request.namespace, request.knowledge_base_ref, filter_bytes)
+    forged = text_page_tokens() | forged_json_tokens(ref_token_values(*listing))
+    request.page_token = draw(mostly(page_tokens(target.known.doc_page_token), forged))
+    return request
 
 
 def delete_document(draw: st.DrawFn, target: Target) -> knowledge_pb2.DeleteDocumentRequest:

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from tests.fuzz.target import DIMENSION, MAX_UPLOAD
 from tests.support import b64url
+from tokensvc.api.page_tokens import listing_binding
 from tokensvc.v1 import common_pb2
 
 
@@ -314,10 +315,16 @@ def with_filter(request: Any, draw: st.DrawFn) -> Any:
 # --- page tokens --------------------------------------------------------------------------------
 
 
+def listing_tag(*parts: bytes | str) -> str:
+    """The `f` of a page token of the listing these request fields select (the filter's
+    deterministic bytes; for documents the namespace and knowledge base first): public inputs, so
+    a forger can compute it too."""
+    return hashlib.sha256(listing_binding(*parts)).hexdigest()[:16]
+
+
 def forged_memory_token(filter_bytes: bytes, created: str, memory_id: str) -> str:
     """A ListMemories token as the service builds it (base64url JSON bound to the filter)."""
-    tag = hashlib.sha256(filter_bytes).hexdigest()[:16]
-    return b64url(json.dumps({"c": created, "i": memory_id, "f": tag}).encode())
+    return b64url(json.dumps({"c": created, "i": memory_id, "f": listing_tag(filter_bytes)}).encode())
 
 
 FORGED_TIMES = st.sampled_from(

@@ -71,6 +71,11 @@ def _decode(token: str, binding: bytes, keys: tuple[str, ...]) -> dict[str, str]
         raise _refused()
     if body["f"] != _tag(binding):
         raise _refused("was issued for a different filter or listing")
+    try:  # a JSON `\ud800` escape decodes to a lone surrogate, which no database text can hold
+        for key in keys:
+            body[key].encode("utf-8")
+    except UnicodeEncodeError:
+        raise _refused() from None
     return {key: body[key] for key in keys}
 
 
