@@ -33,6 +33,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -113,6 +114,19 @@ class _Worker:
         return self.process.pid
 
 
+def _require_free_port(address: str) -> None:
+    """Refuse to start when anything already holds the port: the workers bind it with
+    SO_REUSEPORT, which would otherwise quietly share its connections with a process of the same
+    user that bound it the same way (an old instance, another tokensvc)."""
+    host, _, port = address.rpartition(":")
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host.strip("[]") or "0.0.0.0", int(port)))  # noqa: S104 - the configured address
+        except OSError as exc:
+            raise SettingsError(f"listen_address: {address} is already in use ({exc.strerror})") from None
+
+
 class _Supervisor:
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -123,6 +137,7 @@ class _Supervisor:
         # The files every worker needs, checked once here: a readable error, no worker started.
         self.settings.require_tls_files()
         self.settings.require_capability_files()
+        _require_free_port(self.settings.listen_address)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)

@@ -265,3 +265,28 @@ def test_serve_with_workers_without_tls_files_refuses_before_starting_any() -> N
     assert result.returncode == 2
     assert "mTLS only" in result.stderr
     assert "starting workers" not in result.stderr
+
+
+def test_serve_with_workers_refuses_a_port_someone_already_holds(
+    database: SharedDatabase, dev: DevPaths, tmp_path: Path
+) -> None:
+    # The workers bind with SO_REUSEPORT; a holder that did the same would share the connections.
+    import socket
+
+    port = free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        result = subprocess.run(
+            [*TOKENSVC, "serve", "--workers", "2"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env={**clean_env(), **settings_env(database, dev, tmp_path, port)},
+        )
+    assert result.returncode == 2, result.stderr
+    assert "already in use" in result.stderr
+    assert "starting workers" not in result.stderr

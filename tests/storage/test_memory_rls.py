@@ -340,3 +340,19 @@ async def test_the_sweeper_deletes_expired_rows_of_every_bucket_and_no_live_row(
     assert sorted((row[0], row[1]) for row in remaining) == sorted(
         (bucket, row.id) for bucket, bucket_rows in live.items() for row in bucket_rows
     )
+
+
+async def test_extra_transaction_settings_cannot_override_the_declared_tenant(
+    database: SharedDatabase,
+    dev: DevPaths,
+    tmp_path_factory: pytest.TempPathFactory,
+    two_buckets: tuple[Tenant, Tenant],
+) -> None:
+    a, b = two_buckets
+    db, pool = await open_pool(database, dev, tmp_path_factory)
+    try:
+        with pytest.raises(ValueError):
+            async with tenant_transaction(pool, a, settings={"tokensvc.buckets": b.buckets[0]}):
+                pass
+    finally:
+        await db.close()

@@ -52,6 +52,8 @@ def _begin(
     lock: str | None,
     checks: Sequence[str],
 ) -> str:
+    if any(name.startswith("tokensvc.") for name in settings):
+        raise ValueError("the tenant settings come from the Tenant only")
     values = {
         "tokensvc.buckets": ",".join(tenant.buckets),
         "tokensvc.namespace": tenant.namespace,
