@@ -351,7 +351,7 @@ async def test_extra_transaction_settings_cannot_override_the_declared_tenant(
     a, b = two_buckets
     db, pool = await open_pool(database, dev, tmp_path_factory)
     try:
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="from the Tenant only"):
             async with tenant_transaction(pool, a, settings={"tokensvc.buckets": b.buckets[0]}):
                 pass
     finally:
