@@ -35,6 +35,19 @@ def cleanup() -> Iterator[list[Path]]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`tokensvc serve ARGS` to completion (a refusal: it must not start)."""
+    return subprocess.run(
+        [*TOKENSVC, "serve", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env or clean_env(),
+    )
+
+
 def log_entries(path: Path) -> list[dict[str, Any]]:
     entries = []
     for line in path.read_text().splitlines():
@@ -238,29 +251,15 @@ def test_each_worker_serves_metrics_on_its_own_port() -> None:
 
 
 def test_serve_rejects_a_bad_worker_count_readably() -> None:
-    result = subprocess.run(
-        [*TOKENSVC, "serve", "--workers", "0"],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        env=clean_env(),
-    )
+    result = serve("--workers", "0")
     assert result.returncode == 2
     assert "workers" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_serve_with_workers_without_tls_files_refuses_before_starting_any() -> None:
-    result = subprocess.run(
-        [*TOKENSVC, "serve", "--workers", "2"],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        env={**clean_env(), "TOKENSVC_LISTEN_ADDRESS": f"127.0.0.1:{free_port()}"},
+    result = serve(
+        "--workers", "2", env={**clean_env(), "TOKENSVC_LISTEN_ADDRESS": f"127.0.0.1:{free_port()}"}
     )
     assert result.returncode == 2
     assert "mTLS only" in result.stderr
@@ -278,15 +277,7 @@ def test_serve_with_workers_refuses_a_port_someone_already_holds(
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         holder.bind(("127.0.0.1", port))
         holder.listen()
-        result = subprocess.run(
-            [*TOKENSVC, "serve", "--workers", "2"],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=ROOT,
-            env={**clean_env(), **settings_env(database, dev, tmp_path, port)},
-        )
+        result = serve("--workers", "2", env={**clean_env(), **settings_env(database, dev, tmp_path, port)})
     assert result.returncode == 2, result.stderr
     assert "already in use" in result.stderr
     assert "starting workers" not in result.stderr
