@@ -37,7 +37,6 @@ import re
 import statistics
 import sys
 import time
-import tomllib
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -48,18 +47,24 @@ import grpc
 
 from bench.client import mtls_channel
 from bench.env import NAMESPACE, BenchEnv, bench_env
+from bench.questions import (
+    CONTENT_TYPE,
+    QUESTIONS,
+    Question,
+    Span,
+    load_documents,
+    load_questions,
+    locate_all,
+)
 from tokensvc.knowledge.chunking import Chunk, ChunkingKind, ChunkingStrategy, chunk_document
-from tokensvc.knowledge.extract import extract_text
 from tokensvc.v1 import common_pb2, knowledge_pb2, knowledge_pb2_grpc
 
 __all__ = ["Question", "load_questions", "main", "run_knowledge_quality"]
 
 ROOT = Path(__file__).resolve().parent.parent
-QUESTIONS = ROOT / "bench" / "kb_questions.toml"
 RESULTS = ROOT / "bench" / "results"
 OUTPUT = RESULTS / "knowledge-quality.json"
 
-CONTENT_TYPE = "text/markdown"
 TOP_K = 5
 CONCURRENCY = 8
 TIMEOUT = 60.0
@@ -85,67 +90,6 @@ def log(message: str) -> None:
 
 
 # --- questions and where their answers are ----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Question:
-    """One hand-written question; `answer` is an exact passage of `doc` (whitespace collapsed)."""
-
-    number: int  # 1-based, in file order
-    doc: str
-    question: str
-    answer: str
-    style: str  # "paraphrase" or "keyword"
-
-
-@dataclass(frozen=True)
-class Span:
-    """Where an answer is in its document's extracted text (code points, end exclusive)."""
-
-    start: int
-    end: int
-
-
-def load_questions(path: Path = QUESTIONS) -> list[Question]:
-    """The `[[question]]` tables of `path`, checked for the required fields."""
-    tables = tomllib.loads(path.read_text(encoding="utf-8")).get("question", [])
-    questions = []
-    for number, table in enumerate(tables, start=1):
-        missing = {"doc", "question", "answer"} - table.keys()
-        if missing:
-            raise ValueError(f"{path.name}: question {number} lacks {', '.join(sorted(missing))}")
-        answer = " ".join(str(table["answer"]).split())
-        style = str(table.get("style", "paraphrase"))
-        questions.append(Question(number, str(table["doc"]), str(table["question"]), answer, style))
-    return questions
-
-
-def load_documents(names: Sequence[str]) -> dict[str, str]:
-    """Each document's extracted text, read once: the answers are located, the chunks resolved and
-    the uploads made from this snapshot, so a document edited during a run cannot skew it."""
-    return {name: extract_text((ROOT / name).read_bytes(), CONTENT_TYPE) for name in names}
-
-
-def locate(text: str, answer: str) -> Span:
-    """The one occurrence of `answer` in `text`, any run of whitespace matching any other."""
-    pattern = r"\s+".join(re.escape(word) for word in answer.split())
-    found = [match.span() for match in re.finditer(pattern, text)]
-    if len(found) != 1:
-        raise ValueError(f"answer occurs {len(found)} times, expected exactly once: {answer!r}")
-    return Span(*found[0])
-
-
-def locate_all(questions: Sequence[Question], documents: dict[str, str]) -> dict[int, Span]:
-    """Every question's answer span, by question number; all problems reported at once."""
-    spans, problems = {}, []
-    for q in questions:
-        try:
-            spans[q.number] = locate(documents[q.doc], q.answer)
-        except ValueError as error:
-            problems.append(f"question {q.number} ({q.doc}): {error}")
-    if problems:
-        raise ValueError("bad answers in the questions file:\n  " + "\n  ".join(problems))
-    return spans
 
 
 def doc_ref(name: str) -> str:

@@ -26,7 +26,7 @@ def test_every_top_level_command_is_in_the_readme() -> None:
 def test_every_knowledge_base_question_quotes_its_document_exactly_once() -> None:
     # bench/kb_questions.toml quotes the docs: an edit that drops or repeats an answer would only
     # show when the quality benchmark runs; here it fails with the list of questions to fix.
-    from bench.knowledge_quality import load_documents, load_questions, locate_all
+    from bench.questions import load_documents, load_questions, locate_all
 
     questions = load_questions()
     spans = locate_all(questions, load_documents(sorted({q.doc for q in questions})))
