@@ -601,6 +601,10 @@ def test_malformed_scope_claim_is_refused(
         # Whitespace-only ids cannot be revoked (RevokeCapability refuses them): never accepted.
         {"jti": " "},
         {"sub": "\t\n"},
+        # Only invisible characters (format, separators, controls): nothing to read in a log line.
+        {"jti": "\u200b"},
+        {"jti": "\u202e\u200d"},
+        {"sub": "\u2028\u00a0"},
         # PostgreSQL text cannot hold NUL; UTF-8 (protobuf, the bucket HMAC) cannot hold a lone surrogate.
         {"jti": "id\x00"},
         {"sub": "run\x00"},
@@ -615,6 +619,14 @@ def test_an_identifier_the_service_could_not_store_or_revoke_is_refused(
     verifier: CapabilityVerifier, signing_key: Ed25519PrivateKey, overrides: dict[str, Any]
 ) -> None:
     assert_invalid(verifier, sign_raw(header(), claims(**overrides), signing_key))
+
+
+@pytest.mark.parametrize("value", ["a\u200b", "\u202eid", "é", "😀", "x y"])
+def test_an_identifier_with_a_visible_character_is_accepted(
+    verifier: CapabilityVerifier, signing_key: Ed25519PrivateKey, value: str
+) -> None:
+    verified = verifier.verify(sign_raw(header(), claims(jti=value, sub=value), signing_key))
+    assert (verified.jti, verified.run_id) == (value, value)
 
 
 def test_a_payload_in_utf16_is_refused_though_signed(

@@ -21,6 +21,7 @@ import json
 import logging
 import re
 import time
+import unicodedata
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -287,14 +288,18 @@ def _text(max_chars: int) -> Callable[[object], str]:
     return check
 
 
+_INVISIBLE = frozenset({"Zs", "Zl", "Zp", "Cc", "Cf"})
+
+
 def _identifier(max_chars: int) -> Callable[[object], str]:
-    """`_text` that is not only whitespace: what RevokeCapability accepts, so every accepted
-    capability can be revoked by its `jti` and its run id."""
+    """`_text` with at least one visible character: RevokeCapability accepts it (so every
+    accepted capability can be revoked by its `jti` and its run id), and an operator can read it
+    in a log line or an audit event (an id of only U+200B or U+202E would show as nothing)."""
     text = _text(max_chars)
 
     def check(value: object) -> str:
         checked = text(value)
-        if not checked.strip():
+        if all(unicodedata.category(ch) in _INVISIBLE for ch in checked):
             _fail()
         return checked
 
