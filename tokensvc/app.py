@@ -100,7 +100,8 @@ class Service:
 
         database = await self._open_database()
         self.revocations = RevocationList(
-            PostgresRevocationStore(database.pool), poll_seconds=self.settings.revocation_poll_seconds
+            PostgresRevocationStore(database.pool, database.connect),
+            poll_seconds=self.settings.revocation_poll_seconds,
         )
         await self.revocations.start()
         identities = self._identities()

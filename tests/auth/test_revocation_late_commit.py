@@ -1,9 +1,12 @@
 """A revocation that becomes visible long after its `revoked_at` (a slow commit, a restored or
-operator-inserted row) is still honoured: the poller's periodic full resync picks it up, on the real
-database, within `full_sync_seconds + poll_seconds`."""
+operator-inserted row) is still honoured, on the real database: announced at its commit
+(LISTEN/NOTIFY) and applied at once; without announcements, the poller's periodic full resync picks
+it up within `full_sync_seconds + poll_seconds`."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 
 import asyncpg
@@ -54,4 +57,102 @@ async def test_a_revocation_visible_after_the_poll_window_is_picked_up_by_the_fu
         await revocations.poll_once()
         assert revocations.is_revoked(late, "-")
     finally:
+        await pool.close()
+
+
+async def test_a_revocation_is_announced_when_it_commits_however_late_and_applies_without_a_poll(
+    database: SharedDatabase,
+) -> None:
+    credential = FileCredentialSource(database.app_credential_dir).read()
+    login = {
+        "user": credential.username,
+        "password": credential.password,
+        "server_settings": {"search_path": "tokensvc, public"},
+    }
+    pool = await asyncpg.create_pool(database.dsn, **login, min_size=1, max_size=2)
+
+    async def own_connection() -> asyncpg.Connection:
+        return await asyncpg.connect(database.dsn, **login)
+
+    now = [1000.0]
+    revocations = RevocationList(
+        PostgresRevocationStore(pool, own_connection),
+        poll_seconds=5.0,
+        full_sync_seconds=3600.0,
+        clock=lambda: now[0],
+    )
+    try:
+        await revocations.start()
+        assert revocations.is_listening
+        late = f"jti-{uuid.uuid4()}"
+        async with superuser(database) as operator:
+            # An operator's INSERT whose commit waits: the row says it was revoked 36 s ago.
+            async with operator.transaction():
+                await operator.execute(
+                    "INSERT INTO tokensvc.capability_revocations (kind, value, revoked_by, revoked_at) "
+                    "VALUES ('jti', $1, 'test', clock_timestamp() - interval '36 seconds')",
+                    late,
+                )
+                await asyncio.sleep(0.5)
+                assert not revocations.is_revoked(late, "-"), "nothing is announced before the commit"
+            committed = time.monotonic()
+            while not revocations.is_revoked(late, "-"):
+                assert time.monotonic() - committed < 2, "the announcement did not arrive"
+                await asyncio.sleep(0.01)
+        # No poll ran (the fake clock never moved, the poller sleeps 5 s): the announcement did it.
+        assert now[0] == 1000.0
+    finally:
+        await revocations.stop()
+        await pool.close()
+
+
+async def test_a_lost_announcement_connection_is_reopened_at_the_next_full_resync(
+    database: SharedDatabase,
+) -> None:
+    credential = FileCredentialSource(database.app_credential_dir).read()
+    login = {
+        "user": credential.username,
+        "password": credential.password,
+        "server_settings": {"search_path": "tokensvc, public", "application_name": "revocation-feed-test"},
+    }
+    pool = await asyncpg.create_pool(database.dsn, **login, min_size=1, max_size=2)
+
+    async def own_connection() -> asyncpg.Connection:
+        return await asyncpg.connect(database.dsn, **login)
+
+    now = [1000.0]
+    revocations = RevocationList(
+        PostgresRevocationStore(pool, own_connection),
+        poll_seconds=1.0,
+        full_sync_seconds=10.0,
+        clock=lambda: now[0],
+    )
+    try:
+        await revocations.start()
+        assert revocations.is_listening
+        async with superuser(database) as operator:
+            await operator.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'LISTEN%'"
+                " AND application_name = 'revocation-feed-test'"
+            )
+        for _ in range(100):
+            if not revocations.is_listening:
+                break
+            await asyncio.sleep(0.02)
+        assert not revocations.is_listening
+        now[0] += 10  # the next poll is a full resync: it listens again first
+        await revocations.poll_once()
+        assert revocations.is_listening
+        again = f"jti-{uuid.uuid4()}"
+        async with superuser(database) as operator:
+            await operator.execute(
+                "INSERT INTO tokensvc.capability_revocations (kind, value, revoked_by) VALUES ('jti', $1, 'test')",
+                again,
+            )
+        began = time.monotonic()
+        while not revocations.is_revoked(again, "-"):
+            assert time.monotonic() - began < 2, "the reopened feed announced nothing"
+            await asyncio.sleep(0.01)
+    finally:
+        await revocations.stop()
         await pool.close()

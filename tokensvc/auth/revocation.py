@@ -1,17 +1,20 @@
-"""The revocation list every replica holds in memory, kept current by polling PostgreSQL.
+"""The revocation list every replica holds in memory, kept current by announcements and polling.
 
-Checking a capability against it costs two set look-ups on the request path; the database is
-read only by the poller. A revocation made on this replica applies at once; one made on another
-replica applies within `poll_seconds`: every poll asks for the rows revoked since the newest one
-seen, minus an overlap of 30 s, so a row committed up to 30 s after its `revoked_at` is still
-seen.
+Checking a capability against it costs two set look-ups on the request path. A revocation made
+on this replica applies at once. One made anywhere else (another replica, an operator's INSERT)
+is announced by PostgreSQL when its transaction commits (`RevocationStore.listen`: LISTEN/NOTIFY,
+migration 0012), and applies as soon as the announcement arrives: milliseconds after the commit.
+When the announcements' connection is down (it is re-opened at every full resync), polling
+carries it: every poll asks for the rows revoked since the newest one seen, minus an overlap of
+30 s, so a row committed up to 30 s after its `revoked_at` is still seen.
 
 A row can become visible later than that: a commit held up by synchronous replication or an I/O
 stall, a restored backup, a row an operator inserted with an old time. `revoked_at` is the insert
 time, not the commit time, so no window on it is safe. Every `full_sync_seconds` (10 s) the poll
 therefore reads every revocation (they are few: a row per revoked token or run), which bounds the
-worst case: a revocation applies on every replica at most `full_sync_seconds + poll_seconds` after
-its commit becomes visible.
+worst case without announcements: a revocation applies on every replica at most
+`full_sync_seconds + poll_seconds` after its commit becomes visible. (Announcements do not cover
+a restored backup; the resync does.)
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from tokensvc.storage.ports import RevocationStore
+from tokensvc.storage.ports import RevocationFeed, RevocationStore
 from tokensvc.storage.records import Revocation, RevocationKind
 
 __all__ = ["FULL_SYNC_SECONDS", "RevocationList"]
@@ -48,6 +51,7 @@ class RevocationList:
         self._runs: set[str] = set()
         self._newest: datetime | None = None
         self._task: asyncio.Task[None] | None = None
+        self._feed: RevocationFeed | None = None
         self._listeners: list[Callable[[RevocationKind, str], None]] = []
         self._clock = clock
         self._last_sync = clock()
@@ -68,7 +72,13 @@ class RevocationList:
         """Whether the last successful sync is recent enough to honour every replica's revocations."""
         return self._clock() - self._last_sync <= self.max_staleness
 
+    @property
+    def is_listening(self) -> bool:
+        """Whether revocations made elsewhere are announced to this list as they commit."""
+        return self._feed is not None and self._feed.is_open
+
     async def start(self) -> None:
+        await self._listen()  # first, so nothing committed between the load and the feed is missed
         self._apply(await self._store.all())
         self._last_sync = self._last_full_sync = self._clock()
         self._task = asyncio.create_task(self._poll_forever(), name="revocation-poller")
@@ -79,6 +89,16 @@ class RevocationList:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._feed is not None:
+            await self._feed.close()
+            self._feed = None
+
+    async def _listen(self) -> None:
+        try:
+            self._feed = await self._store.listen(lambda revocation: self._apply([revocation]))
+        except Exception as exc:
+            self._feed = None
+            _log.warning("revocation announcements unavailable; polling", extra={"error": type(exc).__name__})
 
     async def revoke(self, kind: RevocationKind, value: str, *, reason: str, revoked_by: str) -> datetime:
         revoked_at = await self._store.revoke(kind, value, reason=reason, revoked_by=revoked_by)
@@ -88,6 +108,10 @@ class RevocationList:
     async def poll_once(self) -> None:
         synced_at = self._clock()
         if self._newest is None or synced_at - self._last_full_sync >= self._full_sync_seconds:
+            if not self.is_listening:
+                if self._feed is not None:
+                    await self._feed.close()
+                await self._listen()  # before the resync, which then covers the gap
             self._apply(await self._store.all())
             self._last_full_sync = synced_at
         else:

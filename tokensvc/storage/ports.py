@@ -14,7 +14,7 @@ storage trusts its input (validation happened at the API edge and in the domain)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from typing import Any, Protocol
@@ -53,6 +53,7 @@ __all__ = [
     "KnowledgeStore",
     "MemoryStatistics",
     "MemoryStore",
+    "RevocationFeed",
     "RevocationStore",
     "StaleKnowledgeBases",
 ]
@@ -242,6 +243,23 @@ class RevocationStore(Protocol):
 
     async def all(self) -> list[Revocation]:
         """Every revocation."""
+
+    async def listen(self, on_revocation: Callable[[Revocation], None]) -> RevocationFeed:
+        """Call `on_revocation` for every revocation recorded from now on, when it becomes
+        visible (at commit), by any writer; a value may be announced more than once. The feed may
+        end (a lost connection: `RevocationFeed.is_open` turns False); the caller polls anyway.
+        Raises when it cannot start listening."""
+
+
+class RevocationFeed(Protocol):
+    """A running `RevocationStore.listen`."""
+
+    @property
+    def is_open(self) -> bool:
+        """Whether announcements still arrive."""
+
+    async def close(self) -> None:
+        """Stop listening."""
 
 
 class AuditStore(Protocol):

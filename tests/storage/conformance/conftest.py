@@ -69,26 +69,34 @@ class Backend:
 
 
 @pytest.fixture(scope="session")
-async def conformance_pool(
+async def conformance_database(
     database: SharedDatabase, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[asyncpg.Pool]:
+) -> AsyncIterator[Database]:
+    """The shared database as the service reaches it: the serving pool, and connections of their own."""
     db = await Database.locate(service_settings(database, dev, tmp_path_factory.mktemp("conformance")))
     try:
-        yield await db.open_pool()
+        await db.open_pool()
+        yield db
     finally:
         await db.close()
+
+
+@pytest.fixture(scope="session")
+def conformance_pool(conformance_database: Database) -> asyncpg.Pool:
+    return conformance_database.pool
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> Backend:
     if request.param == "postgres":
         # Asked for here, not as a parameter: the in-memory runs need no database at all.
-        pool: asyncpg.Pool = request.getfixturevalue("conformance_pool")
+        db: Database = request.getfixturevalue("conformance_database")
+        pool = db.pool
         return Backend(
             "postgres",
             PostgresMemoryStore(pool),
             PostgresKnowledgeStore(pool),
-            PostgresRevocationStore(pool),
+            PostgresRevocationStore(pool, db.connect),
             PostgresAuditStore(pool),
             PostgresStatistics(pool),
         )

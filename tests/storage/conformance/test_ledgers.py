@@ -34,6 +34,31 @@ async def test_revoking_twice_keeps_the_first_revocation(backend: Backend) -> No
     assert [(r.kind, r.value, r.revoked_at) for r in mine] == [("jti", value, first)]
 
 
+async def test_a_listener_hears_of_every_new_revocation_once_it_is_recorded(backend: Backend) -> None:
+    store = backend.revocations
+    heard: list[tuple[str, str]] = []
+    feed = await store.listen(lambda r: heard.append((r.kind, r.value)))
+    try:
+        assert feed.is_open
+        before = fresh("before")
+        jti, run = fresh("jti"), fresh("run")
+        await store.revoke("jti", jti, reason="", revoked_by="admin")
+        await store.revoke("run", run, reason="", revoked_by="admin")
+        for _ in range(100):  # PostgreSQL announces at commit, asynchronously
+            if {("jti", jti), ("run", run)} <= set(heard):
+                break
+            await asyncio.sleep(0.05)
+        assert {("jti", jti), ("run", run)} <= set(heard)
+        assert ("jti", before) not in heard
+    finally:
+        await feed.close()
+    assert not feed.is_open
+    after = fresh("after")
+    await store.revoke("jti", after, reason="", revoked_by="admin")
+    await asyncio.sleep(0.2)
+    assert ("jti", after) not in heard, "a closed feed announces nothing"
+
+
 async def test_a_token_id_and_a_run_id_with_the_same_value_are_two_revocations(backend: Backend) -> None:
     store, value = backend.revocations, fresh("same")
 

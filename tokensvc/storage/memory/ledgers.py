@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 
 from tokensvc.storage.memory.clock import Clock, StoreClock
@@ -15,23 +15,45 @@ _MAX_DETAIL = 2048
 
 
 class InMemoryRevocationStore:
-    """`RevocationStore` over a dictionary; a revocation is visible as soon as it is recorded."""
+    """`RevocationStore` over a dictionary; a revocation is visible (and announced to listeners)
+    as soon as it is recorded."""
 
     def __init__(self, clock: Clock | None = None):
         self._clock = StoreClock(clock)
         self._revocations: dict[tuple[RevocationKind, str], Revocation] = {}
+        self._feeds: list[_Feed] = []
 
     async def revoke(self, kind: RevocationKind, value: str, *, reason: str, revoked_by: str) -> datetime:
         key = (kind, value)
         if key not in self._revocations:
             self._revocations[key] = Revocation(kind, value, self._clock.now())
+            for feed in [f for f in self._feeds if f.is_open]:
+                feed.announce(self._revocations[key])
         return self._revocations[key].revoked_at
+
+    async def listen(self, on_revocation: Callable[[Revocation], None]) -> _Feed:
+        feed = _Feed(on_revocation)
+        self._feeds.append(feed)
+        return feed
 
     async def since(self, moment: datetime) -> list[Revocation]:
         return [r for r in self._revocations.values() if r.revoked_at >= moment]
 
     async def all(self) -> list[Revocation]:
         return list(self._revocations.values())
+
+
+class _Feed:
+    def __init__(self, on_revocation: Callable[[Revocation], None]):
+        self.announce = on_revocation
+        self._open = True
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    async def close(self) -> None:
+        self._open = False
 
 
 class InMemoryAuditStore:

@@ -109,6 +109,7 @@ class Database:
         self.embedded = embedded
         self._pool_sizes = pool_sizes
         self._pool: asyncpg.Pool | None = None
+        self._credential: Callable[[], DatabaseCredential] = target.app_credentials.read
 
     @classmethod
     async def locate(cls, settings: Settings) -> Database:
@@ -148,7 +149,7 @@ class Database:
     async def open_pool(self, credential: Callable[[], DatabaseCredential] | None = None) -> asyncpg.Pool:
         """The serving pool; `credential` is asked for every new connection (rotation needs no restart)."""
         target = self.target
-        current = credential or target.app_credentials.read
+        current = self._credential = credential or target.app_credentials.read
 
         def connect_with_current_credential(*args: Any, **kwargs: Any) -> Awaitable[asyncpg.Connection]:
             return connect_once(target, current(), **kwargs)
@@ -181,6 +182,11 @@ class Database:
         finally:
             await conn.close()
         return [f"{m.version:04d}_{m.name}" for m in applied]
+
+    async def connect(self) -> asyncpg.Connection:
+        """A connection of its own, outside the pool (for session state such as LISTEN), with the
+        credential the pool would use for a new connection now."""
+        return await connect_once(self.target, self._credential())
 
     async def close(self) -> None:
         if self._pool is not None:
