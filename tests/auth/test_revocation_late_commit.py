@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import asyncpg
 
@@ -15,6 +18,8 @@ from tests.support import SharedDatabase, superuser
 from tokensvc.auth.revocation import RevocationList
 from tokensvc.credentials import FileCredentialSource
 from tokensvc.storage.postgres.revocations import PostgresRevocationStore
+
+FEED_APPLICATION = "revocation-feed-test"
 
 
 async def test_a_revocation_visible_after_the_poll_window_is_picked_up_by_the_full_resync(
@@ -60,29 +65,37 @@ async def test_a_revocation_visible_after_the_poll_window_is_picked_up_by_the_fu
         await pool.close()
 
 
-async def test_a_revocation_is_announced_when_it_commits_however_late_and_applies_without_a_poll(
-    database: SharedDatabase,
-) -> None:
+@asynccontextmanager
+async def listening_list(database: SharedDatabase, **timing: Any) -> AsyncIterator[RevocationList]:
+    """A started RevocationList on the real database that LISTENs for announcements on a
+    connection of its own (application name `revocation-feed-test`); stopped afterwards."""
     credential = FileCredentialSource(database.app_credential_dir).read()
-    login = {
+    login: dict[str, Any] = {
         "user": credential.username,
         "password": credential.password,
-        "server_settings": {"search_path": "tokensvc, public"},
+        "server_settings": {"search_path": "tokensvc, public", "application_name": FEED_APPLICATION},
     }
     pool = await asyncpg.create_pool(database.dsn, **login, min_size=1, max_size=2)
 
     async def own_connection() -> asyncpg.Connection:
         return await asyncpg.connect(database.dsn, **login)
 
-    now = [1000.0]
-    revocations = RevocationList(
-        PostgresRevocationStore(pool, own_connection),
-        poll_seconds=5.0,
-        full_sync_seconds=3600.0,
-        clock=lambda: now[0],
-    )
+    revocations = RevocationList(PostgresRevocationStore(pool, own_connection), **timing)
     try:
         await revocations.start()
+        yield revocations
+    finally:
+        await revocations.stop()
+        await pool.close()
+
+
+async def test_a_revocation_is_announced_when_it_commits_however_late_and_applies_without_a_poll(
+    database: SharedDatabase,
+) -> None:
+    now = [1000.0]
+    async with listening_list(
+        database, poll_seconds=5.0, full_sync_seconds=3600.0, clock=lambda: now[0]
+    ) as revocations:
         assert revocations.is_listening
         late = f"jti-{uuid.uuid4()}"
         async with superuser(database) as operator:
@@ -101,39 +114,21 @@ async def test_a_revocation_is_announced_when_it_commits_however_late_and_applie
                 await asyncio.sleep(0.01)
         # No poll ran (the fake clock never moved, the poller sleeps 5 s): the announcement did it.
         assert now[0] == 1000.0
-    finally:
-        await revocations.stop()
-        await pool.close()
 
 
 async def test_a_lost_announcement_connection_is_reopened_at_the_next_full_resync(
     database: SharedDatabase,
 ) -> None:
-    credential = FileCredentialSource(database.app_credential_dir).read()
-    login = {
-        "user": credential.username,
-        "password": credential.password,
-        "server_settings": {"search_path": "tokensvc, public", "application_name": "revocation-feed-test"},
-    }
-    pool = await asyncpg.create_pool(database.dsn, **login, min_size=1, max_size=2)
-
-    async def own_connection() -> asyncpg.Connection:
-        return await asyncpg.connect(database.dsn, **login)
-
     now = [1000.0]
-    revocations = RevocationList(
-        PostgresRevocationStore(pool, own_connection),
-        poll_seconds=1.0,
-        full_sync_seconds=10.0,
-        clock=lambda: now[0],
-    )
-    try:
-        await revocations.start()
+    async with listening_list(
+        database, poll_seconds=1.0, full_sync_seconds=10.0, clock=lambda: now[0]
+    ) as revocations:
         assert revocations.is_listening
         async with superuser(database) as operator:
             await operator.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'LISTEN%'"
-                " AND application_name = 'revocation-feed-test'"
+                " AND application_name = $1",
+                FEED_APPLICATION,
             )
         for _ in range(100):
             if not revocations.is_listening:
@@ -153,6 +148,3 @@ async def test_a_lost_announcement_connection_is_reopened_at_the_next_full_resyn
         while not revocations.is_revoked(again, "-"):
             assert time.monotonic() - began < 2, "the reopened feed announced nothing"
             await asyncio.sleep(0.01)
-    finally:
-        await revocations.stop()
-        await pool.close()
