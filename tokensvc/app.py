@@ -37,6 +37,7 @@ from tokensvc.auth.operations import CapabilityOperations
 from tokensvc.auth.revocation import RevocationList
 from tokensvc.credentials.custody import CredentialCustodian
 from tokensvc.embedders import EmbedderRegistry, load_embedders
+from tokensvc.knowledge.extraction import ExtractionPool
 from tokensvc.knowledge.service import KnowledgeBases
 from tokensvc.memory.service import LongTermMemory
 from tokensvc.observability import METRICS, configure_tracing, start_metrics_server
@@ -79,6 +80,7 @@ class Service:
     embedders: EmbedderRegistry | None = None
     memory: LongTermMemory | None = None
     knowledge: KnowledgeBases | None = None
+    extraction: ExtractionPool | None = None
     audit: AuditLog | None = None
     custodian: CredentialCustodian | None = None
     tls: ReloadingServerCredentials | None = None
@@ -196,10 +198,16 @@ class Service:
             tuning=tuning,
             fusion=fusion,
         )
+        self.extraction = ExtractionPool(
+            settings.knowledge_extract_workers,
+            settings.knowledge_extract_seconds,
+            settings.knowledge_extract_memory_bytes,
+        )
         self.knowledge = KnowledgeBases(
             PostgresKnowledgeStore(pool),
             self.embedders,
             audit=self.audit,
+            extraction=self.extraction,
             default_embedder=settings.memory_embedder,
             default_text_config=settings.text_search_config,
             # A corpus is searched exactly up to 5x the bucket threshold: chunks are fewer, longer
@@ -340,6 +348,8 @@ class Service:
         await asyncio.gather(*self._background, return_exceptions=True)
         if self.embedders is not None:
             await self.embedders.aclose()
+        if self.extraction is not None:
+            await asyncio.to_thread(self.extraction.close)
         if self._stop_metrics is not None:
             await asyncio.to_thread(self._stop_metrics)
         if self._unwatch_pool is not None:

@@ -27,6 +27,7 @@ __all__ = ["ENV_PREFIX", "Settings", "SettingsError", "load_settings"]
 ENV_PREFIX = "TOKENSVC_"
 
 _TRUST_DOMAIN = re.compile(r"[a-z0-9._-]{1,255}")
+_MIN_EXTRACT_MEMORY = 256 * 1024 * 1024
 
 
 class SettingsError(ValueError):
@@ -163,6 +164,27 @@ class Settings:
 
     knowledge_max_upload_bytes: int = field(
         default=64 * 1024 * 1024, metadata=_doc("Largest document UploadDocument accepts.")
+    )
+    knowledge_extract_workers: int = field(
+        default=2,
+        metadata=_doc(
+            "Processes that extract and chunk uploaded documents (started at the first upload); "
+            "one still working when its call ends is killed."
+        ),
+    )
+    knowledge_extract_seconds: float = field(
+        default=60.0,
+        metadata=_doc(
+            "Longest one document may take to extract and chunk (the caller's deadline, when "
+            "shorter, is the limit); beyond: INVALID_ARGUMENT, reason PAYLOAD_TOO_LARGE."
+        ),
+    )
+    knowledge_extract_memory_bytes: int = field(
+        default=2 * 1024 * 1024 * 1024,
+        metadata=_doc(
+            "Address space of one extraction process (RLIMIT_AS; about 170 MiB of it is the process "
+            "itself); a document needing more is refused, INVALID_ARGUMENT, reason PAYLOAD_TOO_LARGE."
+        ),
     )
 
     # --- database --------------------------------------------------------------------------
@@ -302,8 +324,7 @@ class Settings:
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name}: must be at least 1")
         self._validate_search()
-        if self.knowledge_max_upload_bytes < 1:
-            raise SettingsError("knowledge_max_upload_bytes: must be at least 1")
+        self._validate_knowledge()
         if self.memory_sweep_interval_seconds <= 0:
             raise SettingsError("memory_sweep_interval_seconds: must be greater than 0")
         if self.metrics_address is not None:
@@ -319,6 +340,19 @@ class Settings:
             raise SettingsError("max_message_bytes: must be at least 65536")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise SettingsError(f"log_level: {self.log_level!r} is not DEBUG, INFO, WARNING or ERROR")
+
+    def _validate_knowledge(self) -> None:
+        if self.knowledge_max_upload_bytes < 1:
+            raise SettingsError("knowledge_max_upload_bytes: must be at least 1")
+        if self.knowledge_extract_workers < 1:
+            raise SettingsError("knowledge_extract_workers: must be at least 1")
+        if self.knowledge_extract_seconds <= 0:
+            raise SettingsError("knowledge_extract_seconds: must be greater than 0")
+        if self.knowledge_extract_memory_bytes < _MIN_EXTRACT_MEMORY:
+            raise SettingsError(
+                f"knowledge_extract_memory_bytes: must be at least {_MIN_EXTRACT_MEMORY} (256 MiB): "
+                "an extraction process needs about 170 MiB of address space before any document"
+            )
 
     def _validate_workers(self) -> None:
         if not 1 <= self.workers <= 256:

@@ -131,11 +131,11 @@ class Manager:
         return await self.stub.CreateKnowledgeBase(request, timeout=TIMEOUT)
 
     async def upload(
-        self, kb_ref: str, doc_ref: str, content: bytes | str, **options: Any
+        self, kb_ref: str, doc_ref: str, content: bytes | str, deadline: float = TIMEOUT, **options: Any
     ) -> knowledge_pb2.UploadDocumentResponse:
         data = content.encode() if isinstance(content, str) else content
         stream = upload_stream(kb_ref, doc_ref, data, namespace=self.namespace, **options)
-        return await self.stub.UploadDocument(stream, timeout=TIMEOUT)
+        return await self.stub.UploadDocument(stream, timeout=deadline)
 
     async def upload_messages(
         self, messages: Sequence[knowledge_pb2.UploadDocumentRequest]

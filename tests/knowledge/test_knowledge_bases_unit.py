@@ -8,7 +8,7 @@ corpus, and search modes, top_k, min_score and filters over passages with citati
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 
@@ -16,7 +16,7 @@ from tokensvc.audit import AuditKind, AuditLog
 from tokensvc.auth.scope import TenantScope
 from tokensvc.embedders import EmbedderRegistry, EmbedderSpec, HashEmbedder, Vectors
 from tokensvc.errors import InvalidArgument, NotFound, PermissionDenied, PinnedConfiguration
-from tokensvc.knowledge import ChunkingKind, ChunkingStrategy
+from tokensvc.knowledge import ChunkingKind, ChunkingStrategy, ExtractionPool
 from tokensvc.knowledge.service import KnowledgeBases, UploadResult
 from tokensvc.memory.filters import Condition, Operator
 from tokensvc.retrieval import SearchMode
@@ -89,12 +89,24 @@ def store() -> InMemoryKnowledgeStore:
     return InMemoryKnowledgeStore()
 
 
+@pytest.fixture(scope="module")
+def extraction() -> Iterator[ExtractionPool]:
+    pool = ExtractionPool(workers=1, limit_seconds=30, memory_bytes=1024**3)
+    yield pool
+    pool.close()
+
+
 @pytest.fixture
 def kbs(
-    store: InMemoryKnowledgeStore, embedder: CountingEmbedder, audit_store: InMemoryAuditStore
+    store: InMemoryKnowledgeStore,
+    embedder: CountingEmbedder,
+    audit_store: InMemoryAuditStore,
+    extraction: ExtractionPool,
 ) -> KnowledgeBases:
     registry = EmbedderRegistry({"hash": embedder, "small": CountingEmbedder("small", 64)})
-    return KnowledgeBases(store, registry, audit=AuditLog(audit_store), default_embedder="hash")
+    return KnowledgeBases(
+        store, registry, audit=AuditLog(audit_store), extraction=extraction, default_embedder="hash"
+    )
 
 
 async def audited(audit_store: InMemoryAuditStore, kind: AuditKind) -> list[tuple[str, str]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tokensvc.knowledge.chunking import Chunk, ChunkingKind, ChunkingStrategy, chunk_document
 from tokensvc.knowledge.extract import SUPPORTED_CONTENT_TYPES, extract_text, parse_content_type
+from tokensvc.knowledge.extraction import ExtractionPool
 from tokensvc.knowledge.models import BaseRow, ChunkRow, DocumentRow, PassageRow
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "ChunkingKind",
     "ChunkingStrategy",
     "DocumentRow",
+    "ExtractionPool",
     "PassageRow",
     "chunk_document",
     "extract_text",

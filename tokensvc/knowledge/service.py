@@ -8,7 +8,6 @@ only knowledge bases in its capability's roster, and a refusal names no other co
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import hashlib
 from collections.abc import Sequence
@@ -22,8 +21,8 @@ from tokensvc.audit import AuditKind, AuditLog
 from tokensvc.auth.scope import TenantScope
 from tokensvc.embedders import Embedder, EmbedderRegistry, EmbedderSpec
 from tokensvc.errors import InvalidArgument, NotFound, PermissionDenied, PinnedConfiguration, Reason
-from tokensvc.knowledge.chunking import Chunk, ChunkingStrategy, chunk_document
-from tokensvc.knowledge.extract import extract_text
+from tokensvc.knowledge.chunking import ChunkingStrategy
+from tokensvc.knowledge.extraction import ExtractionPool
 from tokensvc.memory.filters import Filter
 from tokensvc.memory.metadata import MetadataScalar
 from tokensvc.observability.metrics import observe_embedding
@@ -92,12 +91,14 @@ class KnowledgeBases:
         embedders: EmbedderRegistry,
         *,
         audit: AuditLog,
+        extraction: ExtractionPool,
         default_embedder: str,
         default_text_config: str = DEFAULT_TEXT_CONFIG,
         tuning: SearchTuning | None = None,
         fusion: FusionWeights | None = None,
     ):
         self._store = store
+        self._extraction = extraction
         self._embedders = embedders
         self._audit = audit
         self._default = default_embedder
@@ -226,8 +227,8 @@ class KnowledgeBases:
                 if replaced is not None:
                     return UploadResult(replaced[0], unchanged=True)
             strategy = ChunkingStrategy.from_stored(base.chunking, base.chunk_size, base.chunk_overlap)
-            # CPU-bound for large documents (seconds for tens of MiB): off the event loop.
-            chunks = await asyncio.to_thread(_extract_and_chunk, content, content_type, strategy)
+            # In a worker process, stopped when this call ends (see knowledge/extraction.py).
+            chunks = await self._extraction.chunks(content, content_type, strategy)
             embedder = self._embedder(base)
             vectors = await self._embed(embedder, [chunk.text for chunk in chunks])
             rows = [
@@ -395,10 +396,6 @@ class KnowledgeBases:
                 f"{spec.dimension} dimensions), which is not configured the same way any more"
             )
         return self._embedders.get(spec.name)
-
-
-def _extract_and_chunk(content: bytes, content_type: str, strategy: ChunkingStrategy) -> list[Chunk]:
-    return chunk_document(extract_text(content, content_type), strategy)
 
 
 def _no_base(namespace: str, ref: str) -> NotFound:

@@ -128,6 +128,12 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
         )
         self.embed_errors = _Counter("tokensvc_embed_errors", "Embedding failures by embedder.", ["embedder"])
+        self.extractions = _Counter(
+            "tokensvc_document_extractions",
+            "Uploaded documents extracted and chunked, by outcome "
+            "(ok, refused, deadline, cancelled, time_limit, worker_died).",
+            ["outcome"],
+        )
         self.rotations = _Counter(
             "tokensvc_credential_rotations", "Credential rotations by mode and outcome.", ["mode", "outcome"]
         )

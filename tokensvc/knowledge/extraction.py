@@ -1,0 +1,160 @@
+"""Extraction and chunking of uploaded documents, in worker processes that can be stopped.
+
+Extracting and chunking a large document is CPU-bound for seconds (about 1.3 s for 4 MB of HTML
+on the reference machine, so tens of seconds near the 64 MiB upload limit). In a thread it holds
+the GIL against the event loop, and it cannot be stopped: Python has no way to kill a thread, so
+the work went on after the caller's deadline. Here it runs in a small pebble process pool:
+
+- when the call ends first (its deadline passed, or the client went away: gRPC cancels the
+  handler, and cancelling the future kills the worker running it), the worker is killed and the
+  pool starts another;
+- a server-side limit (`knowledge_extract_seconds`) bounds a call that set no deadline; the
+  caller's remaining deadline, when shorter, is the limit instead;
+- the workers fork from multiprocessing's fork server, a clean process started once with the
+  extraction modules preloaded, never from this multi-threaded one (gRPC and the embedder run
+  threads, and forking those is unsafe);
+- memory is bounded too: BeautifulSoup's tree takes 25 (prose) to 125 (one-word paragraphs)
+  bytes per byte of HTML. Each worker's address space is capped (`knowledge_extract_memory_bytes`,
+  RLIMIT_AS), so a document that needs more is refused (PAYLOAD_TOO_LARGE) rather than growing the
+  pod towards its limit; and each worker asks the kernel to kill it first should memory run out
+  anyway (`oom_score_adj` 1000): the worker extracting the document must die, not the server.
+
+The pool starts on the first upload, so a replica that is never sent a document runs no workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import multiprocessing
+import resource
+import threading
+import time
+from dataclasses import dataclass
+
+import pebble
+
+from tokensvc.errors import DeadlineExceeded, InvalidArgument, PayloadTooLarge
+from tokensvc.knowledge.chunking import Chunk, ChunkingStrategy, chunk_document
+from tokensvc.knowledge.extract import extract_text
+from tokensvc.observability.deadlines import current_deadline
+from tokensvc.observability.metrics import METRICS
+
+__all__ = ["ExtractionPool"]
+
+_log = logging.getLogger("tokensvc.knowledge")
+_NEEDS_MORE_MEMORY = "needs more memory to extract than knowledge_extract_memory_bytes allows"
+_PRELOADED = ["tokensvc.knowledge.extraction"]  # and with it extract, chunking, bs4 and lxml
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """An `InvalidArgument` raised in a worker, sent back as data: the exception itself does not
+    survive pickling (its constructor takes two arguments, its `args` hold one)."""
+
+    field: str
+    message: str
+    too_large: bool = False  # PayloadTooLarge
+
+
+def _prepare_worker(memory_bytes: int) -> None:
+    """Worker initializer: cap the address space; be the OOM killer's first choice."""
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = memory_bytes if hard == resource.RLIM_INFINITY else min(memory_bytes, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        with open("/proc/self/oom_score_adj", "w", encoding="ascii") as adjustment:
+            adjustment.write("1000")
+    except OSError:  # not Linux, or /proc not mounted: the default choice stands
+        pass
+
+
+def _extract_and_chunk(
+    content: bytes, content_type: str, strategy: ChunkingStrategy
+) -> list[Chunk] | _Refused:
+    """What a worker runs: the document's chunks, or why its content is refused."""
+    try:
+        return chunk_document(extract_text(content, content_type), strategy)
+    except InvalidArgument as error:
+        return _Refused(error.field or "content", error.message.removeprefix(f"{error.field}: "))
+    except MemoryError:  # the address-space cap (the OOM killer kills without a word)
+        return _Refused("content", _NEEDS_MORE_MEMORY, too_large=True)
+
+
+class ExtractionPool:
+    """Runs `extract_text` and `chunk_document` for uploads in `workers` processes."""
+
+    def __init__(self, workers: int, limit_seconds: float, memory_bytes: int) -> None:
+        self._workers = workers
+        self._limit = limit_seconds
+        self._memory = memory_bytes
+        self._pool: pebble.ProcessPool | None = None
+        self._lock = threading.Lock()  # close() may run in a thread while an upload starts the pool
+
+    async def chunks(self, content: bytes, content_type: str, strategy: ChunkingStrategy) -> list[Chunk]:
+        """The document's chunks. InvalidArgument for content that cannot be extracted (as
+        `extract_text`), PayloadTooLarge when it takes longer than the server's limit or kills its
+        worker, DeadlineExceeded when the caller's deadline passes first; a cancelled call stops
+        the work too."""
+        deadline = current_deadline()
+        timeout = self._limit if deadline is None else min(self._limit, deadline - time.monotonic())
+        by_deadline = timeout < self._limit
+        timeout = max(timeout, 0.0)
+        future = self._started().schedule(
+            _extract_and_chunk, (content, content_type, strategy), timeout=timeout
+        )
+        try:
+            # Cancelling this await (gRPC cancelled the call) cancels `future`, and pebble kills
+            # the worker that runs it.
+            result = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            METRICS.extractions.labels(outcome="cancelled").inc()
+            raise
+        except concurrent.futures.TimeoutError:
+            if by_deadline:
+                METRICS.extractions.labels(outcome="deadline").inc()
+                raise DeadlineExceeded(
+                    "the call's deadline passed while the document was extracted"
+                ) from None
+            METRICS.extractions.labels(outcome="time_limit").inc()
+            raise PayloadTooLarge(
+                "content",
+                f"took longer than {self._limit:g} s to extract and chunk; split it into smaller documents",
+            ) from None
+        except MemoryError:  # the cap, hit in pebble's own code around the task (the arguments)
+            METRICS.extractions.labels(outcome="refused").inc()
+            raise PayloadTooLarge("content", _NEEDS_MORE_MEMORY) from None
+        except pebble.ProcessExpired as error:
+            # Killed by the kernel (out of memory) or crashed in the parser: the document did it.
+            METRICS.extractions.labels(outcome="worker_died").inc()
+            _log.warning("document extraction worker died", extra={"exit_code": error.exitcode})
+            raise PayloadTooLarge(
+                "content", "could not be extracted: the worker extracting it died; try a smaller document"
+            ) from None
+        if isinstance(result, _Refused):
+            METRICS.extractions.labels(outcome="refused").inc()
+            raise (PayloadTooLarge if result.too_large else InvalidArgument)(result.field, result.message)
+        METRICS.extractions.labels(outcome="ok").inc()
+        return result
+
+    def _started(self) -> pebble.ProcessPool:
+        with self._lock:
+            if self._pool is None:
+                context = multiprocessing.get_context("forkserver")
+                context.set_forkserver_preload(_PRELOADED)
+                self._pool = pebble.ProcessPool(
+                    max_workers=self._workers,
+                    initializer=_prepare_worker,
+                    initargs=(self._memory,),
+                    context=context,
+                )
+            return self._pool
+
+    def close(self) -> None:
+        """Stop the workers (killing any that still work) and wait for them; blocking."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.stop()  # type: ignore[no-untyped-call]  # pebble leaves it unannotated
+            pool.join()
