@@ -91,6 +91,16 @@ SCALES: dict[str, tuple[int, tuple[Shape, ...]]] = {
             Shape(10_000, 14_500, 3, 1.0),
         ),
     ),
+    # The full shape with ten times the buckets of every class (issue 15's cost growth).
+    "1m": (
+        1_000_000,
+        (
+            Shape(1, 99, 8800, 2.7),
+            Shape(100, 999, 1050, 3.3),
+            Shape(1000, 8000, 120, 1.8),
+            Shape(10_000, 14_500, 30, 1.0),
+        ),
+    ),
     "quick": (
         26_000,
         (

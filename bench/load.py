@@ -126,6 +126,13 @@ async def load_memories(env: BenchEnv, data: Dataset, ids_of_bucket: Sequence[st
         await owner.execute("SET max_parallel_maintenance_workers = 1")
         await owner.execute("SELECT tokensvc.ensure_memory_vector_index($1)", DIM)
         timings["hnsw_build_s"] = time.perf_counter() - began
+        # The graphs' size: every partition's index of this dimension (0013: one per partition).
+        size = await conn.fetchval(
+            "SELECT coalesce(sum(pg_relation_size(inhrelid)), 0) FROM pg_inherits "
+            "WHERE inhparent = to_regclass($1)",
+            f"tokensvc.memories_hnsw_{DIM}",
+        )
+        timings["hnsw_mb"] = float(size) / 2**20
         began = time.perf_counter()
         await owner.execute("ANALYZE tokensvc.memories")
         await owner.execute("ANALYZE tokensvc.memory_spaces")

@@ -140,7 +140,7 @@ async def plan_of(
     async with tenant_transaction(pool, tenant, settings=settings) as conn:
         lines = [row[0] for row in await conn.fetch(f"EXPLAIN {sql}", *params)]
     text = "\n".join(lines)
-    if f"memories_hnsw_{DIM}" in text:
+    if f"_hnsw_{DIM}" in text:  # memories_pNNN_hnsw_D: the bucket's partition's index
         return "hnsw"
     return "seq+sort" if "Seq Scan" in text else "bucket+sort"
 

@@ -1,6 +1,6 @@
 """`make bench`: tokensvc measured against the physical floor and against a peer, in one run.
 
-    .venv/bin/python -m bench.run [--quick] [--name NAME] [--set SETTING=VALUE]... [--no-docs] [--docs]
+    .venv/bin/python -m bench.run [--scale quick|full|1m] [--name NAME] [--set SETTING=VALUE]... [--no-docs]
 
 One run starts a throwaway embedded PostgreSQL (migrated) and an in-process tokensvc over mTLS
 (dev PKI in a temporary state directory), and a separate load-generator process that plays the
@@ -95,6 +95,9 @@ class Plan:
 
 PLANS = {
     "full": Plan("full", 800, (120, 60, 12, 3), 5120, 2048, 300, 4, 60_000),
+    # Ten times the rows and buckets of every class; as many large buckets queried as at 100k, so
+    # both scales search the same amount of data and only the table around it grew (issue 15).
+    "1m": Plan("1m", 800, (120, 60, 12, 3), 5120, 2048, 300, 4, 60_000),
     "quick": Plan("quick", 240, (40, 18, 3, 1), 2048, 1024, 120, 2, 30_000),
 }
 
@@ -484,7 +487,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     began = time.perf_counter()
-    plan = PLANS["quick" if args.quick else "full"]
+    plan = PLANS[args.scale]
     # The storage path is measured with the instant `hash` embedder (and query vectors), so no
     # model time hides the service's own cost; bench/quality.py measures the real model.
     overrides = {"memory_embedder": "hash", **parse_overrides(args.set)}
@@ -514,10 +517,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 mark = lap("upload_s", mark)
                 results["verification"] = await measure_verification(env, worker, tokens, plan)
                 mark = lap("verification_s", mark)
-            await pin_space(env)
-            ids = bucket_ids(env, len(data.sizes))
-            log(f"loading the search dataset ({data.rows} rows) by COPY, then the HNSW index")
-            results["load"] = {k: round(v, 1) for k, v in (await load_memories(env, data, ids)).items()}
+            ids = await load_dataset(env, data, results)
             mark = lap("load_s", mark)
             paths = PATHS if not args.no_peer else PATHS[:3]
             if not args.no_peer:
@@ -531,22 +531,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 worker, data, ids, tokens, plan, settings.memory_exact_search_threshold, paths
             )
             mark = lap("search_s", mark)
-            results["config"] = {
-                "scale": plan.scale,
-                "plan": asdict(plan),
-                "rows": data.rows,
-                "buckets": len(data.sizes),
-                "seed": SEED,
-                "k": K,
-                "dimension": DIM,
-                "pool_max_size": settings.pool_max_size,
-                "memory_exact_search_threshold": settings.memory_exact_search_threshold,
-                "memory_hnsw_ef_search": settings.memory_hnsw_ef_search,
-                "memory_hnsw_max_scan_tuples": settings.memory_hnsw_max_scan_tuples,
-                "overrides": overrides,
-                "search_server": "in process" if args.workers is None else f"serve --workers {args.workers}",
-                "search_connections": args.connections,
-            }
+            if not args.search_only:
+                # Remember again, into the loaded table: what a write costs once the table is big.
+                results["writes_loaded"] = await measure_writes(env, worker, tokens, plan)
+                mark = lap("writes_loaded_s", mark)
+            results["config"] = run_config(plan, data, settings, overrides, args)
             results["versions"] = await versions(env)
     finally:
         await worker.close()
@@ -559,6 +548,37 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     results["targets"] = report.targets(results)
     return results
+
+
+async def load_dataset(env: BenchEnv, data: Dataset, results: dict[str, Any]) -> list[str]:
+    """The search dataset, bulk-loaded into the agent's pinned space; its buckets' ids."""
+    await pin_space(env)
+    ids = bucket_ids(env, len(data.sizes))
+    log(f"loading the search dataset ({data.rows} rows) by COPY, then the HNSW index")
+    results["load"] = {k: round(v, 1) for k, v in (await load_memories(env, data, ids)).items()}
+    return ids
+
+
+def run_config(
+    plan: Plan, data: Dataset, settings: Any, overrides: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    """What the run measured with: the dataset, the plan, the service's search settings."""
+    return {
+        "scale": plan.scale,
+        "plan": asdict(plan),
+        "rows": data.rows,
+        "buckets": len(data.sizes),
+        "seed": SEED,
+        "k": K,
+        "dimension": DIM,
+        "pool_max_size": settings.pool_max_size,
+        "memory_exact_search_threshold": settings.memory_exact_search_threshold,
+        "memory_hnsw_ef_search": settings.memory_hnsw_ef_search,
+        "memory_hnsw_max_scan_tuples": settings.memory_hnsw_max_scan_tuples,
+        "overrides": overrides,
+        "search_server": "in process" if args.workers is None else f"serve --workers {args.workers}",
+        "search_connections": args.connections,
+    }
 
 
 async def restart_for_search(env: BenchEnv, workers: int | None, overrides: dict[str, Any]) -> None:
@@ -615,9 +635,13 @@ async def versions(env: BenchEnv) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument(
-        "--quick", action="store_true", help="the small dataset and fewer queries (~2 minutes)"
+        "--scale",
+        choices=sorted(PLANS),
+        default="full",
+        help="the dataset: quick (26k rows), full (100k, the default) or 1m (1M, search and writes ~30 min)",
     )
-    parser.add_argument("--name", help="results file name (default: full or quick)")
+    parser.add_argument("--quick", action="store_true", help="the same as --scale quick (~2 minutes)")
+    parser.add_argument("--name", help="results file name (default: the scale)")
     parser.add_argument("--set", action="append", default=[], metavar="SETTING=VALUE",
                         help="a tokensvc setting for this run, e.g. --set pool_max_size=16 (repeatable)")  # fmt: skip
     parser.add_argument(
@@ -643,14 +667,16 @@ def main() -> None:
         ),
     )
     args = parser.parse_args()
+    if args.quick:
+        args.scale = "quick"
     results = asyncio.run(run(args))
-    name = args.name or ("quick" if args.quick else "full")
+    name = args.name or args.scale
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{name}.json"
     out.write_text(json.dumps(results, indent=1) + "\n")
     print(report.console_summary(results))
     log(f"wrote {out.relative_to(ROOT)}")
-    if not args.no_docs and (not args.quick or args.docs):
+    if not args.no_docs and (args.scale == "full" or args.docs):
         report.write_docs(results, DOCS, PLOT, out.relative_to(ROOT))
         log(f"wrote {DOCS.relative_to(ROOT)} and {PLOT.relative_to(ROOT)}")
     sys.exit(0)

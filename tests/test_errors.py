@@ -64,6 +64,14 @@ def test_database_errors_are_translated_by_class_not_message() -> None:
     assert status_for(cancelled).code == grpc.StatusCode.DEADLINE_EXCEEDED
     # The same message on another class is not a connection failure.
     assert domain_error(asyncpg.CheckViolationError("connection does not exist")) is None
+    # A transaction that lost to a concurrent one wrote nothing: retry (UNAVAILABLE), not INTERNAL.
+    for lost_race in (
+        asyncpg.SerializationError("tuple to be locked was already moved to another partition"),
+        asyncpg.DeadlockDetectedError("deadlock detected"),
+    ):
+        conflict = domain_error(lost_race)
+        assert isinstance(conflict, errors.DatabaseUnavailable), lost_race
+        assert status_for(conflict).code == grpc.StatusCode.UNAVAILABLE
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,23 @@ async def killed(pids: frozenset[int], wait_seconds: float = 20.0) -> frozenset[
         await asyncio.sleep(0.05)
 
 
+async def busy(pid: int, wait_seconds: float = 20.0) -> None:
+    """Return once process `pid` has used CPU since the call: a worker that took its task."""
+    loop = asyncio.get_running_loop()
+    start, give_up = cpu_ticks(pid), loop.time() + wait_seconds
+    while cpu_ticks(pid) == start:
+        if loop.time() > give_up:
+            raise AssertionError(f"process {pid} never started working")
+        await asyncio.sleep(0.02)
+
+
+def cpu_ticks(pid: int) -> int:
+    """User plus system CPU time of `pid` in clock ticks (/proc/PID/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import re
 import uuid
 from collections.abc import AsyncIterator
 
@@ -16,13 +17,15 @@ import asyncpg
 import numpy as np
 import pytest
 
+from tests.storage.migration_support import APP_ROLE
 from tests.storage.search_support import bucket_size, vector_search
-from tests.support import SharedDatabase, service_settings
+from tests.support import SharedDatabase, connect_as, service_settings, superuser
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.embedders import EmbedderSpec
 from tokensvc.memory.models import MemorySpace, NewMemory
+from tokensvc.retrieval import candidate_query
 from tokensvc.storage.postgres import Database
-from tokensvc.storage.postgres.memories import PostgresMemoryStore
+from tokensvc.storage.postgres.memories import PostgresMemoryStore, search_statement
 from tokensvc.storage.postgres.tenant import tenant_transaction
 from tokensvc.storage.records import Tenant
 
@@ -271,6 +274,93 @@ async def test_the_serving_role_cannot_switch_row_level_security_off(
         await conn.execute("SET LOCAL row_security = off")
         with pytest.raises(asyncpg.InsufficientPrivilegeError, match="row-level security"):
             await conn.fetchval("SELECT count(*) FROM memories")
+
+
+# --- partitions (issue 15): reached through `memories` only ------------------------------------
+
+PARTITIONS = 256
+
+
+async def partition_of(pool: asyncpg.Pool, tenant: Tenant) -> str:
+    """The partition that holds `tenant`'s bucket (all of it: the bucket is the partition key)."""
+    async with tenant_transaction(pool, tenant) as conn:
+        found = await conn.fetch("SELECT DISTINCT tableoid::regclass::text FROM memories")
+    assert len(found) == 1, found
+    name = str(found[0][0]).removeprefix("tokensvc.")
+    assert re.fullmatch(r"memories_p\d{3}", name), name  # safe to put in a statement
+    return name
+
+
+async def test_memories_are_hash_partitioned_by_bucket_and_every_partition_is_locked_down(
+    database: SharedDatabase,
+) -> None:
+    async with superuser(database) as conn:
+        strategy = await conn.fetchval(
+            "SELECT partstrat::text || ':' || pg_get_partkeydef(partrelid) FROM pg_partitioned_table "
+            "WHERE partrelid = 'tokensvc.memories'::regclass"
+        )
+        partitions = await conn.fetch(
+            "SELECT c.relname, c.relrowsecurity, c.relforcerowsecurity, c.relacl::text AS acl, "
+            "(SELECT count(*) FROM pg_policy p WHERE p.polrelid = c.oid) AS policies "
+            "FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = 'tokensvc.memories'::regclass ORDER BY c.relname"
+        )
+    assert strategy == "h:HASH (bucket)"
+    assert [row["relname"] for row in partitions] == [f"memories_p{p:03d}" for p in range(PARTITIONS)]
+    for row in partitions:
+        assert (row["relrowsecurity"], row["relforcerowsecurity"], row["policies"]) == (True, True, 0), row
+        assert APP_ROLE not in (row["acl"] or ""), row  # the serving role holds no grant on it
+
+
+async def test_a_partition_cannot_be_read_or_written_directly_even_by_its_tenant(
+    pool: asyncpg.Pool, two_buckets: tuple[Tenant, Tenant], database: SharedDatabase
+) -> None:
+    a, _ = two_buckets
+    partition = await partition_of(pool, a)
+    bucket = a.buckets[0]
+    async with tenant_transaction(pool, a) as conn:
+        for statement in (
+            f"SELECT count(*) FROM tokensvc.{partition}",  # noqa: S608 (a checked partition name)
+            f"DELETE FROM tokensvc.{partition}",  # noqa: S608
+            f"UPDATE tokensvc.{partition} SET content = 'x'",  # noqa: S608
+            f"INSERT INTO tokensvc.{partition} (bucket) VALUES ('{bucket}')",  # noqa: S608
+        ):
+            await conn.execute("SAVEPOINT attempt")  # so the next statement still runs
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await conn.execute(statement)
+            await conn.execute("ROLLBACK TO SAVEPOINT attempt")
+        assert await conn.fetchval("SELECT count(*) FROM memories WHERE bucket = $1", bucket) == 3
+
+    # The owner may read every row through `memories` (its statistics policy), none directly: the
+    # partition's row-level security is forced and has no policy.
+    async with connect_as(database.owner_credential_dir, database.dsn) as owner:
+        assert await owner.fetchval("SELECT count(*) FROM memories WHERE bucket = $1", bucket) == 3
+        assert await owner.fetchval(f"SELECT count(*) FROM tokensvc.{partition}") == 0  # noqa: S608
+
+
+@pytest.mark.parametrize(
+    ("text", "exact", "neighbours"),
+    [
+        pytest.param(None, True, False, id="vector-exact"),
+        pytest.param(None, False, False, id="vector-hnsw"),
+        pytest.param("memory", True, False, id="text"),
+        pytest.param("memory", True, True, id="hybrid-exact"),
+        pytest.param("memory", False, True, id="hybrid-hnsw"),
+    ],
+)
+async def test_every_kind_of_bucket_search_reads_one_partition(
+    pool: asyncpg.Pool, two_buckets: tuple[Tenant, Tenant], text: str | None, exact: bool, neighbours: bool
+) -> None:
+    """Each part of the statement (candidates, scores, neighbours) names the bucket, so the
+    planner reads the bucket's partition only, not 256 (planned, locked and scanned)."""
+    a, _ = two_buckets
+    partition = await partition_of(pool, a)
+    vector = rows(1, "q")[0].embedding
+    query = candidate_query(vector=vector, text=text, k=5, rows=3, exact=exact, neighbours=neighbours)
+    sql, params, settings = search_statement(a.buckets[0], query, None)
+    async with tenant_transaction(pool, a, settings=settings) as conn:
+        plan = "\n".join(row[0] for row in await conn.fetch(f"EXPLAIN {sql}", *params))
+    assert set(re.findall(r"memories_p\d{3}", plan)) == {partition}, plan
 
 
 async def test_a_pinned_memory_space_cannot_be_changed_or_seen_by_another_agent(

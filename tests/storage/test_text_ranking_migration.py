@@ -3,16 +3,11 @@ chunk, space and knowledge base is kept, and the rows are searchable with the ne
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import AsyncIterator
-
-import asyncpg
 import pytest
 
+from tests.storage.migration_support import connect, migrate_up_to
 from tests.support import SharedDatabase
-from tokensvc.credentials import FileCredentialSource
-from tokensvc.storage.postgres import apply_migrations, available_migrations
-from tokensvc.storage.postgres import migrations as migration_module
+from tokensvc.storage.postgres import apply_migrations
 
 VECTOR = "[" + ",".join(["0.0625"] * 256) + "]"  # 256 x 0.0625^2 = 1: a unit vector
 ROWS = 50
@@ -22,39 +17,12 @@ TENANT = (
 )
 
 
-async def connect(database: SharedDatabase, who: str, name: str) -> asyncpg.Connection:
-    directory = database.superuser_credential_dir if who == "superuser" else database.owner_credential_dir
-    credential = FileCredentialSource(directory).read()
-    dsn = database.dsn.rsplit("/", 1)[0] + f"/{name}"
-    return await asyncpg.connect(dsn, user=credential.username, password=credential.password)
-
-
-@pytest.fixture
-async def scratch(database: SharedDatabase) -> AsyncIterator[str]:
-    """A database of its own on the shared server, owned by the schema owner, with pgvector."""
-    name = f"mig_{uuid.uuid4().hex[:10]}"
-    admin = await connect(database, "superuser", "postgres")
-    owner = FileCredentialSource(database.owner_credential_dir).read().username
-    await admin.execute(f"CREATE DATABASE {name} OWNER {owner}")
-    conn = await connect(database, "superuser", name)
-    await conn.execute("CREATE EXTENSION vector")
-    await conn.close()
-    try:
-        yield name
-    finally:
-        await admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
-        await admin.close()
-
-
 async def test_migration_0009_keeps_every_row_and_makes_it_searchable_stemmed(
     database: SharedDatabase, scratch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    before = [m for m in available_migrations() if m.version <= 8]
     conn = await connect(database, "owner", scratch)
     try:
-        with monkeypatch.context() as patched:
-            patched.setattr(migration_module, "available_migrations", lambda: before)
-            assert len(await apply_migrations(conn, app_role="tokensvc_app")) == 8
+        await migrate_up_to(conn, 8, monkeypatch)
         async with conn.transaction():
             await conn.execute(TENANT)
             await conn.execute(

@@ -10,16 +10,19 @@ the work went on after the caller's deadline. Here it runs in a small pebble pro
   pool starts another;
 - a server-side limit (`knowledge_extract_seconds`) bounds a call that set no deadline; the
   caller's remaining deadline, when shorter, is the limit instead;
-- the workers fork from multiprocessing's fork server, a clean process started once with the
-  extraction modules preloaded, never from this multi-threaded one (gRPC and the embedder run
-  threads, and forking those is unsafe);
+- the workers fork from multiprocessing's fork server, a process started once with the extraction
+  modules preloaded, never from this multi-threaded one (gRPC and the embedder run threads, and
+  forking those is unsafe);
 - memory is bounded too: BeautifulSoup's tree takes 25 (prose) to 125 (one-word paragraphs)
   bytes per byte of HTML. Each worker's address space is capped (`knowledge_extract_memory_bytes`,
   RLIMIT_AS), so a document that needs more is refused (PAYLOAD_TOO_LARGE) rather than growing the
   pod towards its limit; and each worker asks the kernel to kill it first should memory run out
-  anyway (`oom_score_adj` 1000): the worker extracting the document must die, not the server.
+  anyway (`oom_score_adj` 1000): the worker extracting the document must die, not the server;
+- a worker exits when the service process does (a thread in it waits on the service's pidfd), so
+  a killed service leaves no extraction running.
 
-The pool starts on the first upload, so a replica that is never sent a document runs no workers.
+The pool starts on the first upload (in a thread: starting the fork server takes a moment), so a
+replica that is never sent a document runs no workers.
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ import asyncio
 import concurrent.futures
 import logging
 import multiprocessing
+import os
 import resource
+import select
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import pebble
 
@@ -56,10 +62,13 @@ class _Refused:
     field: str
     message: str
     too_large: bool = False  # PayloadTooLarge
+    error_type: str | None = None  # an unexpected exception's type, for the server's log
 
 
-def _prepare_worker(memory_bytes: int) -> None:
-    """Worker initializer: cap the address space; be the OOM killer's first choice."""
+def _prepare_worker(memory_bytes: int, service: int) -> None:
+    """Worker initializer: cap the address space; be the OOM killer's first choice; and exit when
+    the service process `service` does, even mid-document (its parent is the fork server, which
+    outlives a killed service while a worker runs, so a parent-death signal would not fire)."""
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     cap = memory_bytes if hard == resource.RLIM_INFINITY else min(memory_bytes, hard)
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
@@ -68,6 +77,32 @@ def _prepare_worker(memory_bytes: int) -> None:
             adjustment.write("1000")
     except OSError:  # not Linux, or /proc not mounted: the default choice stands
         pass
+    threading.Thread(target=_exit_with, args=(service,), name="service-watch", daemon=True).start()
+
+
+def _exit_with(service: int) -> None:
+    try:
+        handle = os.pidfd_open(service)  # this very process: immune to the pid's reuse
+    except (AttributeError, OSError):  # not Linux 5.3+: look every second
+        while _running(service):
+            time.sleep(1.0)
+    else:
+        select.select([handle], [], [])  # readable once the process has exited
+    os._exit(1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def _ready() -> bool:
+    return True
 
 
 def _extract_and_chunk(
@@ -77,9 +112,12 @@ def _extract_and_chunk(
     try:
         return chunk_document(extract_text(content, content_type), strategy)
     except InvalidArgument as error:
-        return _Refused(error.field or "content", error.message.removeprefix(f"{error.field}: "))
+        message = error.message.removeprefix(f"{error.field}: ")
+        return _Refused(error.field or "content", message, too_large=isinstance(error, PayloadTooLarge))
     except MemoryError:  # the address-space cap (the OOM killer kills without a word)
         return _Refused("content", _NEEDS_MORE_MEMORY, too_large=True)
+    except Exception as error:  # the parser failed on this document: its fault, not the caller's 500
+        return _Refused("content", "could not be extracted", error_type=type(error).__qualname__)
 
 
 class ExtractionPool:
@@ -90,24 +128,27 @@ class ExtractionPool:
         self._limit = limit_seconds
         self._memory = memory_bytes
         self._pool: pebble.ProcessPool | None = None
-        self._lock = threading.Lock()  # close() may run in a thread while an upload starts the pool
+        self._closed = False
+        self._running: set[concurrent.futures.Future[Any]] = set()
+        self._lock = threading.Lock()  # close() runs in a thread; so does the first start
 
     async def chunks(self, content: bytes, content_type: str, strategy: ChunkingStrategy) -> list[Chunk]:
         """The document's chunks. InvalidArgument for content that cannot be extracted (as
         `extract_text`), PayloadTooLarge when it takes longer than the server's limit or kills its
         worker, DeadlineExceeded when the caller's deadline passes first; a cancelled call stops
-        the work too."""
+        the work too (and so does `close`, which cancels the calls still in flight)."""
         deadline = current_deadline()
         timeout = self._limit if deadline is None else min(self._limit, deadline - time.monotonic())
         by_deadline = timeout < self._limit
-        timeout = max(timeout, 0.0)
-        future = self._started().schedule(
-            _extract_and_chunk, (content, content_type, strategy), timeout=timeout
-        )
+        if timeout <= 0:  # pebble reads a timeout of 0 as none at all
+            METRICS.extractions.labels(outcome="deadline").inc()
+            raise DeadlineExceeded("the call's deadline passed before the document was extracted")
+        pool = self._pool if self._pool is not None else await asyncio.to_thread(self._start)
+        future = self._schedule(pool, content, content_type, strategy, timeout)
         try:
             # Cancelling this await (gRPC cancelled the call) cancels `future`, and pebble kills
             # the worker that runs it.
-            result = await asyncio.wrap_future(future)
+            result: list[Chunk] | _Refused = await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             METRICS.extractions.labels(outcome="cancelled").inc()
             raise
@@ -132,29 +173,63 @@ class ExtractionPool:
             raise PayloadTooLarge(
                 "content", "could not be extracted: the worker extracting it died; try a smaller document"
             ) from None
+        finally:
+            self._running.discard(future)
         if isinstance(result, _Refused):
             METRICS.extractions.labels(outcome="refused").inc()
+            if result.error_type is not None:
+                _log.warning("document extraction failed", extra={"error_type": result.error_type})
             raise (PayloadTooLarge if result.too_large else InvalidArgument)(result.field, result.message)
         METRICS.extractions.labels(outcome="ok").inc()
         return result
 
-    def _started(self) -> pebble.ProcessPool:
+    def _schedule(
+        self,
+        pool: pebble.ProcessPool,
+        content: bytes,
+        content_type: str,
+        strategy: ChunkingStrategy,
+        timeout: float,
+    ) -> concurrent.futures.Future[Any]:
         with self._lock:
+            if self._closed:
+                raise _closed()
+            future = pool.schedule(_extract_and_chunk, (content, content_type, strategy), timeout=timeout)
+            self._running.add(future)
+            return future
+
+    def _start(self) -> pebble.ProcessPool:
+        """The pool, started (fork server, preload, workers) and answering: seconds of waiting
+        the first upload does in a thread, never on the event loop."""
+        with self._lock:
+            if self._closed:
+                raise _closed()
             if self._pool is None:
                 context = multiprocessing.get_context("forkserver")
                 context.set_forkserver_preload(_PRELOADED)
-                self._pool = pebble.ProcessPool(
+                pool = pebble.ProcessPool(
                     max_workers=self._workers,
                     initializer=_prepare_worker,
-                    initargs=(self._memory,),
+                    initargs=(self._memory, os.getpid()),
                     context=context,
                 )
+                pool.schedule(_ready).result()
+                self._pool = pool
             return self._pool
 
     def close(self) -> None:
-        """Stop the workers (killing any that still work) and wait for them; blocking."""
+        """Stop the workers (killing any that still work) and wait for them; blocking. Calls in
+        flight are cancelled; later ones are a bug (the server stops serving first)."""
         with self._lock:
+            self._closed = True
             pool, self._pool = self._pool, None
+            running, self._running = self._running, set()
+        for future in running:
+            future.cancel()
         if pool is not None:
             pool.stop()  # type: ignore[no-untyped-call]  # pebble leaves it unannotated
             pool.join()
+
+
+def _closed() -> RuntimeError:
+    return RuntimeError("the extraction pool is closed (the service is stopping)")

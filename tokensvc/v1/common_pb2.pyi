@@ -113,8 +113,8 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """
     ERROR_REASON_DATABASE_UNAVAILABLE: _ErrorReason.ValueType  # 15
     """ERROR_REASON_DATABASE_UNAVAILABLE means PostgreSQL could not be reached or refused the
-    connection; sent with UNAVAILABLE, nothing was half-written, and the call may be retried with
-    backoff.
+    connection, or the call's transaction lost a race with a concurrent one; sent with
+    UNAVAILABLE, nothing was half-written, and the call may be retried with backoff.
     """
     ERROR_REASON_EMBEDDER_UNAVAILABLE: _ErrorReason.ValueType  # 16
     """ERROR_REASON_EMBEDDER_UNAVAILABLE means the embedding model failed or timed out after its
@@ -239,8 +239,8 @@ and nothing was stored.
 """
 ERROR_REASON_DATABASE_UNAVAILABLE: ErrorReason.ValueType  # 15
 """ERROR_REASON_DATABASE_UNAVAILABLE means PostgreSQL could not be reached or refused the
-connection; sent with UNAVAILABLE, nothing was half-written, and the call may be retried with
-backoff.
+connection, or the call's transaction lost a race with a concurrent one; sent with
+UNAVAILABLE, nothing was half-written, and the call may be retried with backoff.
 """
 ERROR_REASON_EMBEDDER_UNAVAILABLE: ErrorReason.ValueType  # 16
 """ERROR_REASON_EMBEDDER_UNAVAILABLE means the embedding model failed or timed out after its

@@ -5,7 +5,10 @@ imports asyncpg:
 
 - the connection is gone or cannot be made (class 08, the server shutting down, a pool wait that
   timed out, a socket error) -> `DatabaseUnavailable` (UNAVAILABLE, retry later);
-- a statement cancelled by its timeout (57014, the caller's deadline) -> `DeadlineExceeded`.
+- a statement cancelled by its timeout (57014, the caller's deadline) -> `DeadlineExceeded`;
+- a transaction that lost to a concurrent one (class 40: a serialization failure, such as an
+  UPDATE of a row another transaction moved to another partition of `memories`, or a deadlock)
+  -> `DatabaseUnavailable` too: nothing was written, and the same call again succeeds.
 
 Every other database error (a check or privilege violation: a bug, or row-level security doing
 its job) passes through unchanged: the API edge answers it as INTERNAL with a generic message and
@@ -57,6 +60,8 @@ def domain_error(exc: BaseException) -> TokensvcError | None:
         return DeadlineExceeded("the operation was cancelled before it finished")
     if isinstance(exc, _UNAVAILABLE):
         return DatabaseUnavailable()
+    if isinstance(exc, asyncpg.TransactionRollbackError):
+        return DatabaseUnavailable("a concurrent change conflicted with this one; retry")
     return None
 
 

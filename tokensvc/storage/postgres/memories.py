@@ -138,7 +138,10 @@ class PostgresMemoryStore:
     async def move_buckets(self, tenant: Tenant, target: str, sources: Sequence[str]) -> int:
         """Move rows from older-pepper buckets into `target`; duplicates of target rows are dropped."""
         moved = 0
-        async with tenant_transaction(self._pool, tenant) as conn:
+        # One move into a bucket at a time (replicas re-bucket the same user concurrently): moving
+        # a row changes its partition, and a concurrent UPDATE of a row moved to another partition
+        # is a serialization failure even under READ COMMITTED. The second move finds nothing.
+        async with tenant_transaction(self._pool, tenant, lock=f"memories-move/{target}") as conn:
             # Expired rows are dead already; left in place, an expired target row would make a live
             # source row with the same content look like a duplicate and be dropped.
             await conn.execute(

@@ -196,7 +196,7 @@ def candidate_statement(corpus: Corpus, where: str, params: list[Any], query: Ca
     parts.append(f"pool AS ({' UNION '.join(pool)})")
 
     text_score = "coalesce(b.score, 0)" if query.text is not None else "0::float8"
-    joins = [f"JOIN {corpus.table} m USING ({key})"]
+    joins = [f"JOIN {_scoped(corpus, where)} m USING ({key})"]
     if query.text is not None:
         joins.append(f"LEFT JOIN bm25 b USING ({key})")
         joins.append(f"LEFT JOIN by_text t USING ({key})")
@@ -210,7 +210,9 @@ def candidate_statement(corpus: Corpus, where: str, params: list[Any], query: Ca
         vector_score = "h.vs"
     elif query.neighbours:
         parts.append(_links(corpus, where, exact=query.exact))
-        neighbour_columns = _linked_neighbours(corpus, joins, vector_score, text=query.text is not None)
+        neighbour_columns = _linked_neighbours(
+            corpus, where, joins, vector_score, text=query.text is not None
+        )
     vector_found = "(SELECT count(*) FROM by_vector)" if query.vector is not None else "0::bigint"
     return (
         f"WITH {', '.join(parts)} "
@@ -252,7 +254,14 @@ def _hood_neighbours(corpus: Corpus, joins: list[str], *, text: bool) -> str:
     return ", ".join(columns)
 
 
-def _linked_neighbours(corpus: Corpus, joins: list[str], vector_score: str, *, text: bool) -> str:
+def _scoped(corpus: Corpus, where: str) -> str:
+    """The corpus's table as a join reads it: only the rows `where` selects. A join on the key
+    alone would not name the tenant, so the planner could not prune `memories`' partitions (it
+    would plan, lock and probe all 256); the subquery is flattened, so this costs no extra scan."""
+    return f"(SELECT * FROM {corpus.table} WHERE {where})"
+
+
+def _linked_neighbours(corpus: Corpus, where: str, joins: list[str], vector_score: str, *, text: bool) -> str:
     """Neighbour columns from `links` (approximate scans: rows fetched by key); appends joins."""
     joins.append(f"JOIN links l USING ({', '.join(corpus.key)})")
     columns = []
@@ -260,7 +269,7 @@ def _linked_neighbours(corpus: Corpus, joins: list[str], vector_score: str, *, t
         on = " AND ".join(
             [*(f"{alias}.{c} = l.{c}" for c in corpus.partition), f"{alias}.{corpus.local} = l.{side}_local"]
         )
-        joins.append(f"LEFT JOIN {corpus.table} {alias} ON {on}")
+        joins.append(f"LEFT JOIN {_scoped(corpus, where)} {alias} ON {on}")
         text_of = "0::float8"
         if text:
             joins.append(f"LEFT JOIN bm25 {alias}b ON {on.replace(f'{alias}.', f'{alias}b.')}")
@@ -317,7 +326,10 @@ def _links(corpus: Corpus, where: str, *, exact: bool) -> str:
         f"ORDER BY {', '.join(f'n.{c} {direction}' for c in corpus.order)} LIMIT 1) AS {side}_local"
         for side, op, direction in (("prev", "<", "DESC"), ("next", ">", "ASC"))
     ]
-    return f"links AS (SELECT {_cols('m', corpus.key)}, {', '.join(lookups)} FROM pool c JOIN {corpus.table} m USING ({key}))"
+    return (
+        f"links AS (SELECT {_cols('m', corpus.key)}, {', '.join(lookups)} "
+        f"FROM pool c JOIN {_scoped(corpus, where)} m USING ({key}))"
+    )
 
 
 def search_settings(query: CandidateQuery) -> dict[str, str] | None:

@@ -1,0 +1,29 @@
+"""Fixtures of the storage tests."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tests.storage.migration_support import connect
+from tests.support import SharedDatabase
+from tokensvc.credentials import FileCredentialSource
+
+
+@pytest.fixture
+async def scratch(database: SharedDatabase) -> AsyncIterator[str]:
+    """A database of its own on the shared server, owned by the schema owner, with pgvector."""
+    name = f"mig_{uuid.uuid4().hex[:10]}"
+    admin = await connect(database, "superuser", "postgres")
+    owner = FileCredentialSource(database.owner_credential_dir).read().username
+    await admin.execute(f"CREATE DATABASE {name} OWNER {owner}")
+    conn = await connect(database, "superuser", name)
+    await conn.execute("CREATE EXTENSION vector")
+    await conn.close()
+    try:
+        yield name
+    finally:
+        await admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+        await admin.close()
