@@ -324,6 +324,8 @@ async def test_a_partition_cannot_be_read_or_written_directly_even_by_its_tenant
             f"DELETE FROM tokensvc.{partition}",  # noqa: S608
             f"UPDATE tokensvc.{partition} SET content = 'x'",  # noqa: S608
             f"INSERT INTO tokensvc.{partition} (bucket) VALUES ('{bucket}')",  # noqa: S608
+            # Nor can it build indexes through the owner's helper (only ensure_memory_vector_index).
+            "SELECT tokensvc.build_memory_vector_index('memories', 7)",
         ):
             await conn.execute("SAVEPOINT attempt")  # so the next statement still runs
             with pytest.raises(asyncpg.InsufficientPrivilegeError):

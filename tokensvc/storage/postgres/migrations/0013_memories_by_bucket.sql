@@ -53,37 +53,40 @@ CREATE INDEX memories_by_bucket_text ON tokensvc.memories_by_bucket USING gin (c
 CREATE INDEX memories_by_bucket_expiry ON tokensvc.memories_by_bucket (expires_at)
     WHERE expires_at IS NOT NULL;
 
--- HNSW for every dimension the old table had an index for (every dimension a space has pinned;
--- 384 always), read from the catalogue: memory_spaces' rows are hidden from the owner by its
--- row-level security. One graph per partition, memories_pNNN_hnsw_D, attached to the partitioned
--- index (memories_hnsw_D once renamed).
-DO $$
+-- HNSW of dimension `dim` on partitioned table `tbl`: one graph per partition, pNNN_hnsw_D,
+-- attached to the partitioned index <tbl>_hnsw_D. The owner's helper for the migration below and
+-- ensure_memory_vector_index; nobody else may call it.
+CREATE FUNCTION tokensvc.build_memory_vector_index(tbl text, dim integer) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
 DECLARE
-    dim integer;
     part record;
 BEGIN
-    FOR dim IN
-        SELECT substring(indexname FROM '^memories_hnsw_(\d+)$')::integer
-        FROM pg_indexes WHERE schemaname = 'tokensvc' AND indexname ~ '^memories_hnsw_\d+$'
-        UNION SELECT 384 ORDER BY 1
+    EXECUTE format(
+        'CREATE INDEX %I ON ONLY tokensvc.%I '
+        'USING hnsw ((embedding::vector(%s)) vector_ip_ops) WITH (m = 16, ef_construction = 64) '
+        'WHERE dimension = %s', tbl || '_hnsw_' || dim, tbl, dim, dim);
+    FOR part IN
+        SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+        WHERE i.inhparent = format('tokensvc.%I', tbl)::regclass ORDER BY c.relname
     LOOP
         EXECUTE format(
-            'CREATE INDEX memories_by_bucket_hnsw_%s ON ONLY tokensvc.memories_by_bucket '
+            'CREATE INDEX %I ON tokensvc.%I '
             'USING hnsw ((embedding::vector(%s)) vector_ip_ops) WITH (m = 16, ef_construction = 64) '
-            'WHERE dimension = %s', dim, dim, dim);
-        FOR part IN
-            SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-            WHERE i.inhparent = 'tokensvc.memories_by_bucket'::regclass ORDER BY c.relname
-        LOOP
-            EXECUTE format(
-                'CREATE INDEX %I ON tokensvc.%I '
-                'USING hnsw ((embedding::vector(%s)) vector_ip_ops) WITH (m = 16, ef_construction = 64) '
-                'WHERE dimension = %s', part.relname || '_hnsw_' || dim, part.relname, dim, dim);
-            EXECUTE format('ALTER INDEX tokensvc.memories_by_bucket_hnsw_%s ATTACH PARTITION tokensvc.%I',
-                           dim, part.relname || '_hnsw_' || dim);
-        END LOOP;
+            'WHERE dimension = %s', part.relname || '_hnsw_' || dim, part.relname, dim, dim);
+        EXECUTE format('ALTER INDEX tokensvc.%I ATTACH PARTITION tokensvc.%I',
+                       tbl || '_hnsw_' || dim, part.relname || '_hnsw_' || dim);
     END LOOP;
 END $$;
+REVOKE ALL ON FUNCTION tokensvc.build_memory_vector_index(text, integer) FROM PUBLIC;
+
+-- HNSW for every dimension the old table had an index for (every dimension a space has pinned;
+-- 384 always), read from the catalogue: memory_spaces' rows are hidden from the owner by its
+-- row-level security.
+SELECT tokensvc.build_memory_vector_index('memories_by_bucket', dimension)
+FROM (SELECT substring(indexname FROM '^memories_hnsw_(\d+)$')::integer AS dimension
+      FROM pg_indexes WHERE schemaname = 'tokensvc' AND indexname ~ '^memories_hnsw_\d+$'
+      UNION SELECT 384) AS indexed
+ORDER BY indexed.dimension;
 -- Fresh statistics for the new partitions (autovacuum would take a while to get to 256 of them).
 ANALYZE tokensvc.memories_by_bucket;
 
@@ -110,8 +113,6 @@ END $$;
 -- A dimension pinned later gets its HNSW the same way, partition by partition.
 CREATE OR REPLACE FUNCTION tokensvc.ensure_memory_vector_index(dim integer) RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
-DECLARE
-    part record;
 BEGIN
     -- HNSW on `vector` supports up to 2,000 dimensions; larger spaces are searched exactly.
     IF dim < 1 OR dim > 2000 THEN
@@ -119,24 +120,9 @@ BEGIN
     END IF;
     -- Two replicas pinning the same new dimension at once: the second waits, then finds it.
     PERFORM pg_advisory_xact_lock(hashtextextended('tokensvc.memories_hnsw_' || dim, 0));
-    IF to_regclass(format('tokensvc.memories_hnsw_%s', dim)) IS NOT NULL THEN
-        RETURN true;
+    IF to_regclass(format('tokensvc.memories_hnsw_%s', dim)) IS NULL THEN
+        PERFORM tokensvc.build_memory_vector_index('memories', dim);
     END IF;
-    EXECUTE format(
-        'CREATE INDEX memories_hnsw_%s ON ONLY tokensvc.memories '
-        'USING hnsw ((embedding::vector(%s)) vector_ip_ops) WITH (m = 16, ef_construction = 64) '
-        'WHERE dimension = %s', dim, dim, dim);
-    FOR part IN
-        SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-        WHERE i.inhparent = 'tokensvc.memories'::regclass ORDER BY c.relname
-    LOOP
-        EXECUTE format(
-            'CREATE INDEX %I ON tokensvc.%I '
-            'USING hnsw ((embedding::vector(%s)) vector_ip_ops) WITH (m = 16, ef_construction = 64) '
-            'WHERE dimension = %s', part.relname || '_hnsw_' || dim, part.relname, dim, dim);
-        EXECUTE format('ALTER INDEX tokensvc.memories_hnsw_%s ATTACH PARTITION tokensvc.%I',
-                       dim, part.relname || '_hnsw_' || dim);
-    END LOOP;
     RETURN true;
 END $$;
 
