@@ -486,7 +486,10 @@ async def test_an_upload_whose_deadline_passes_stops_its_extraction_and_stores_n
 ) -> None:
     """The extraction is abandoned, not left to finish in a thread: its worker process is killed
     (issue 14, finding 7); the next upload is served by the worker that replaces it."""
-    service = await start_service(knowledge_max_upload_bytes=len(SLOW_HTML), knowledge_extract_workers=1)
+    # Twice the slow document: ~7 s to extract here, against a 2 s deadline and ~0.2 s to send it,
+    # so the deadline passes mid-extraction on a machine several times slower or faster than this.
+    document = SLOW_HTML * 2
+    service = await start_service(knowledge_max_upload_bytes=len(document), knowledge_extract_workers=1)
     async with open_clients(service, dev) as opened:
         kb, manager = new_ref(), opened.manager()
         await manager.create(kb, FIXED)
@@ -494,7 +497,7 @@ async def test_an_upload_whose_deadline_passes_stops_its_extraction_and_stores_n
         await manager.upload(kb, "small.html", b"<p>warm</p>", content_type="text/html")
         (worker,) = extraction_workers() - others
         failed = await failure(
-            manager.upload(kb, "big.html", SLOW_HTML, content_type="text/html", deadline=1.5)
+            manager.upload(kb, "big.html", document, content_type="text/html", deadline=2.0)
         )
         assert failed.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert await killed(frozenset({worker})) == {worker}
