@@ -365,6 +365,29 @@ async def test_every_kind_of_bucket_search_reads_one_partition(
     assert set(re.findall(r"memories_p\d{3}", plan)) == {partition}, plan
 
 
+async def test_repeated_bucket_statements_lock_one_partition_not_all(
+    pool: asyncpg.Pool, two_buckets: tuple[Tenant, Tenant]
+) -> None:
+    """A prepared statement run again and again (as the pool runs every statement) keeps planning
+    for its bucket: a generic plan would lock all 256 partitions on each execution."""
+    a, _ = two_buckets
+    partition = await partition_of(pool, a)
+    vector = rows(1, "q")[0].embedding
+    sql, params, settings = search_statement(
+        a.buckets[0], candidate_query(vector=vector, text=None, k=5, rows=3, exact=True), None
+    )
+    count = "SELECT count(*) FROM (SELECT 1 FROM memories WHERE bucket = $1 LIMIT 5000) s"
+    async with tenant_transaction(pool, a, settings=settings) as conn:
+        for _ in range(8):  # past the five custom plans after which a generic one may be chosen
+            await conn.fetch(sql, *params)
+            await conn.fetchval(count, a.buckets[0])
+        locked = await conn.fetch(
+            "SELECT c.relname FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+            "WHERE l.pid = pg_backend_pid() AND c.relkind = 'r' AND c.relname LIKE 'memories_p%'"
+        )
+    assert {row[0] for row in locked} == {partition}
+
+
 async def test_a_pinned_memory_space_cannot_be_changed_or_seen_by_another_agent(
     pool: asyncpg.Pool, store: PostgresMemoryStore
 ) -> None:

@@ -31,7 +31,16 @@ _log = logging.getLogger(__name__)
 MINIMUM_POSTGRES = 15
 MINIMUM_PGVECTOR = (0, 8, 0)
 SCHEMA = "tokensvc"
-_SERVER_SETTINGS = {"search_path": f"{SCHEMA}, public", "application_name": "tokensvc"}
+_SERVER_SETTINGS = {
+    "search_path": f"{SCHEMA}, public",
+    "application_name": "tokensvc",
+    # Every tenant statement names its bucket, so a plan for its parameters reads and locks one
+    # partition of `memories`. A generic plan (what a prepared statement turns to after five
+    # runs) cannot prune at planning: it locks all 256 partitions on every execution (260 locks,
+    # 195 past the fast path), which costs little alone and serialises concurrent searches on the
+    # lock manager (docs/benchmarks.md, "Cost growth"). Tested in tests/storage/test_memory_rls.py.
+    "plan_cache_mode": "force_custom_plan",
+}
 
 
 @dataclass(frozen=True)
