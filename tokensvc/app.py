@@ -39,6 +39,7 @@ from tokensvc.credentials.custody import CredentialCustodian
 from tokensvc.embedders import EmbedderRegistry, load_embedders
 from tokensvc.knowledge.extraction import ExtractionPool
 from tokensvc.knowledge.service import KnowledgeBases
+from tokensvc.memory.reembedding import EmbeddingMigrations, MigrationRunner, RunnerSettings
 from tokensvc.memory.service import LongTermMemory
 from tokensvc.observability import METRICS, configure_tracing, start_metrics_server
 from tokensvc.retrieval import FusionWeights, SearchTuning
@@ -49,6 +50,7 @@ from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
 from tokensvc.storage.postgres.logins import PostgresLogins
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
 from tokensvc.storage.postgres.monitoring import PostgresHealth, PostgresStatistics
+from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
 from tokensvc.storage.postgres.revocations import PostgresRevocationStore
 from tokensvc.storage.postgres.rotations import PostgresRotationJournal
 from tokensvc.supervision import HealthMonitor, refresh_memory_gauge_forever, sweep_forever
@@ -81,6 +83,7 @@ class Service:
     memory: LongTermMemory | None = None
     knowledge: KnowledgeBases | None = None
     extraction: ExtractionPool | None = None
+    migration_runner: MigrationRunner | None = None
     audit: AuditLog | None = None
     custodian: CredentialCustodian | None = None
     tls: ReloadingServerCredentials | None = None
@@ -190,13 +193,27 @@ class Service:
         fusion = FusionWeights(
             vector=settings.search_vector_weight, neighbour=settings.search_neighbour_weight
         )
+        memories = PostgresMemoryStore(pool)
         self.memory = LongTermMemory(
-            PostgresMemoryStore(pool),
+            memories,
             self.embedders,
             default_embedder=settings.memory_embedder,
             default_text_config=settings.text_search_config,
             tuning=tuning,
             fusion=fusion,
+            space_cache_seconds=settings.memory_space_cache_seconds,
+        )
+        migration_store = PostgresEmbeddingMigrationStore(pool)
+        self.migration_runner = MigrationRunner(
+            migration_store,
+            self.embedders,
+            self.audit,
+            RunnerSettings(
+                lease_seconds=settings.migration_lease_seconds,
+                retire_seconds=settings.migration_retire_seconds,
+                pause_after=settings.migration_pause_after_failures,
+                batch_size=settings.migration_batch_size,
+            ),
         )
         self.extraction = ExtractionPool(
             settings.knowledge_extract_workers,
@@ -231,6 +248,9 @@ class Service:
                 keyring=keyring,
                 audit=self.audit,
                 statistics=PostgresStatistics(pool),
+            ),
+            migrations=EmbeddingMigrations(
+                migration_store, memories, PostgresStatistics(pool), self.embedders, self.audit
             ),
         )
 
@@ -284,6 +304,7 @@ class Service:
     def _start_background(self, database: Database) -> None:
         assert self.custodian is not None
         assert self.memory is not None
+        assert self.migration_runner is not None
         settings = self.settings
         pool = database.pool
         self.monitor = HealthMonitor(
@@ -296,6 +317,7 @@ class Service:
             "health-monitor": self.monitor.run(),
             "credential-watch": self.custodian.watch(settings.credential_watch_seconds),
             "memory-sweeper": sweep_forever(self.memory, settings.memory_sweep_interval_seconds),
+            "embedding-migrations": self.migration_runner.run(),
             "memory-gauge": refresh_memory_gauge_forever(PostgresStatistics(pool), 60.0),
         }
         self._background += [asyncio.create_task(duty, name=name) for name, duty in duties.items()]

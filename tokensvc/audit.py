@@ -32,6 +32,7 @@ class AuditKind(enum.StrEnum):
     KNOWLEDGE_BASE_CREATION = "knowledge_base_creation"
     KNOWLEDGE_BASE_DELETION = "knowledge_base_deletion"
     ADMIN_QUERY = "admin_query"
+    EMBEDDING_MIGRATION = "embedding_migration"
 
 
 class AuditOutcome(enum.StrEnum):

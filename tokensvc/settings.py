@@ -161,6 +161,26 @@ class Settings:
     memory_sweep_interval_seconds: float = field(
         default=60.0, metadata=_doc("How often expired memories are deleted.")
     )
+    memory_space_cache_seconds: float = field(
+        default=5.0,
+        metadata=_doc("How long a replica trusts a memory space's pin before reading it again."),
+    )
+    migration_lease_seconds: float = field(
+        default=30.0,
+        metadata=_doc("An embedding migration runner's lease: another replica takes over after it."),
+    )
+    migration_retire_seconds: float = field(
+        default=60.0,
+        metadata=_doc(
+            "How long old vectors stay after a migration's cutover (> memory_space_cache_seconds)."
+        ),
+    )
+    migration_batch_size: int = field(
+        default=0, metadata=_doc("Memories per migration batch; 0: the target embedder's batch size.")
+    )
+    migration_pause_after_failures: int = field(
+        default=5, metadata=_doc("Consecutive embedder failures after which a migration pauses.")
+    )
 
     knowledge_max_upload_bytes: int = field(
         default=64 * 1024 * 1024, metadata=_doc("Largest document UploadDocument accepts.")
@@ -303,6 +323,21 @@ class Settings:
         if not 0 < self.revocation_poll_seconds <= 5:
             raise SettingsError("revocation_poll_seconds: must be in (0, 5] so revocations apply within 5 s")
 
+    def _validate_migrations(self) -> None:
+        if self.memory_space_cache_seconds <= 0:
+            raise SettingsError("memory_space_cache_seconds: must be greater than 0")
+        if self.migration_lease_seconds < 1:
+            raise SettingsError("migration_lease_seconds: must be at least 1")
+        if self.migration_retire_seconds <= 2 * self.memory_space_cache_seconds:
+            # A replica that read the old pin just before the cutover searches the old vectors.
+            raise SettingsError(
+                "migration_retire_seconds: must be more than twice memory_space_cache_seconds"
+            )
+        if not 0 <= self.migration_batch_size <= 4096:
+            raise SettingsError("migration_batch_size: must be between 0 and 4096")
+        if self.migration_pause_after_failures < 1:
+            raise SettingsError("migration_pause_after_failures: must be at least 1")
+
     def _validate_search(self) -> None:
         if not 0.0 <= self.search_vector_weight <= 1.0:
             raise SettingsError("search_vector_weight: must be between 0 and 1")
@@ -327,6 +362,7 @@ class Settings:
         self._validate_knowledge()
         if self.memory_sweep_interval_seconds <= 0:
             raise SettingsError("memory_sweep_interval_seconds: must be greater than 0")
+        self._validate_migrations()
         if self.metrics_address is not None:
             _check_address("metrics_address", self.metrics_address)
         if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(("http://", "https://")):

@@ -3,6 +3,8 @@ tests/storage/conftest.py), migrated up to a version."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import asyncpg
 import pytest
 
@@ -28,7 +30,14 @@ async def connect(database: SharedDatabase, who: str, name: str) -> asyncpg.Conn
 
 async def migrate_up_to(conn: asyncpg.Connection, version: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Apply migrations 1..`version` only, as a database created before the later ones would be."""
+    assert len(await migrate_through(conn, version, monkeypatch)) == version
+
+
+async def migrate_through(
+    conn: asyncpg.Connection, version: int, monkeypatch: pytest.MonkeyPatch
+) -> list[Any]:
+    """Apply the pending migrations up to `version` (none later); returns those applied."""
     before = [m for m in available_migrations() if m.version <= version]
     with monkeypatch.context() as patched:
         patched.setattr(migration_module, "available_migrations", lambda: before)
-        assert len(await apply_migrations(conn, app_role=APP_ROLE)) == version
+        return list(await apply_migrations(conn, app_role=APP_ROLE))

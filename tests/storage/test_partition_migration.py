@@ -10,7 +10,7 @@ import hashlib
 import asyncpg
 import pytest
 
-from tests.storage.migration_support import APP_ROLE, connect, migrate_up_to
+from tests.storage.migration_support import APP_ROLE, connect, migrate_through, migrate_up_to
 from tests.support import SharedDatabase
 from tokensvc.storage.postgres import apply_migrations
 
@@ -87,8 +87,8 @@ async def test_migration_0013_keeps_every_row_index_and_guarantee(
         assert before[1] == len(BUCKETS) * ROWS_PER_BUCKET
 
         guarantees = await catalogue(owner)
-        applied = await apply_migrations(owner, app_role=APP_ROLE)
-        assert applied[0].version == 13
+        applied = await migrate_through(owner, 13, monkeypatch)
+        assert [m.version for m in applied] == [13]
         # The same policies (roles, USING and WITH CHECK), grants and function properties.
         assert await catalogue(owner) == guarantees
 

@@ -91,6 +91,19 @@ POLICIES: dict[str, RpcPolicy] = {
             )
         },
     ),
+    **_service(
+        "MigrationService",
+        {
+            method: RpcPolicy(_MANAGERS)
+            for method in (
+                "StartEmbeddingMigration",
+                "GetEmbeddingMigration",
+                "ListEmbeddingMigrations",
+                "CancelEmbeddingMigration",
+                "ResumeEmbeddingMigration",
+            )
+        },
+    ),
     "/grpc.health.v1.Health/Check": _OPEN,
     "/grpc.health.v1.Health/Watch": _OPEN,
     "/grpc.health.v1.Health/List": _OPEN,

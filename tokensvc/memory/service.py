@@ -4,17 +4,21 @@ Rules enforced here: the capability must enable long-term memory; a memory space
 pinned at its first write and a later configuration change is refused (re-embedding would be
 needed); content is deduplicated per bucket after NFC normalisation and trimming; embedding
 happens before any write, so an embedder failure leaves nothing half-written; rows under an older
-pepper version's bucket move to the current bucket on first access.
+pepper version's bucket move to the current bucket on first access. A re-embedding migration
+(`tokensvc.memory.reembedding`) changes a pin explicitly: a write that embedded for the old
+generation is refused by storage (`StaleMemorySpace`) and done again for the new one, and pins are
+cached for `space_cache_seconds` only, so every replica follows a cutover.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 import unicodedata
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from opentelemetry import trace
@@ -23,6 +27,7 @@ from tokensvc.auth.scope import TenantScope
 from tokensvc.embedders import Embedder, EmbedderRegistry, EmbedderSpec
 from tokensvc.errors import (
     AlreadyExists,
+    DatabaseUnavailable,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -45,13 +50,16 @@ from tokensvc.retrieval import (
     unit_vector,
 )
 from tokensvc.storage.filters import Filter
-from tokensvc.storage.ports import MemoryStore
+from tokensvc.storage.ports import MemoryStore, StaleMemorySpace
 from tokensvc.storage.records import CandidateQuery, Tenant
 
 __all__ = ["LongTermMemory", "RememberItem", "SearchHit", "SearchMode", "SearchQuery", "SearchTuning"]
 
 _tracer = trace.get_tracer("tokensvc.memory")
+T = TypeVar("T")
 _SPACE_CACHE_SIZE = 10_000
+# A write refused because a migration cut over is embedded again for the new pin, this many times.
+_STALE_ATTEMPTS = 3
 
 SearchHit = Ranked[MemoryRecord]
 
@@ -76,7 +84,7 @@ class SearchQuery:
 
 @dataclass(frozen=True)
 class _Space:
-    tenant: Tenant
+    tenant: Tenant  # declares the space's generation: its vector slot, and the writes' guard
     bucket: str
     spec: EmbedderSpec
     text_config: str
@@ -101,6 +109,7 @@ class LongTermMemory:
         default_text_config: str = DEFAULT_TEXT_CONFIG,
         tuning: SearchTuning | None = None,
         fusion: FusionWeights | None = None,
+        space_cache_seconds: float = 5.0,
     ):
         self._store = store
         self._embedders = embedders
@@ -110,9 +119,10 @@ class LongTermMemory:
         self._fusion = fusion or FusionWeights()
         # Buckets whose older-pepper rows were already moved by this process.
         self._moved: set[str] = set()
-        # Pinned spaces by (namespace, agent): a pin never changes (the serving role cannot UPDATE
-        # memory_spaces), so a search or write needs no round trip to read it again.
-        self._spaces: dict[tuple[str, str], MemorySpace] = {}
+        # Pinned spaces by (namespace, agent), with when to read them again: a pin changes only at
+        # a migration's cutover, whose old vectors stay searchable for longer than this.
+        self._spaces: dict[tuple[str, str], tuple[MemorySpace, float]] = {}
+        self._space_cache_seconds = space_cache_seconds
         self._sizes = RowCounts(self._tuning.row_count_ttl_seconds)
 
     # --- space and scope --------------------------------------------------------------------
@@ -127,7 +137,8 @@ class LongTermMemory:
             self._sizes.forget(scope.bucket_id)
         tenant = Tenant(scope.namespace, scope.agent, (scope.bucket_id,))
         key = (scope.namespace, scope.agent)
-        pinned = self._spaces.get(key)
+        cached = self._spaces.get(key)
+        pinned = cached[0] if cached is not None and cached[1] > time.monotonic() else None
         if pinned is None:
             pinned = await self._store.get_space(tenant)
             if pinned is None:
@@ -135,11 +146,22 @@ class LongTermMemory:
                     return None
                 wanted = MemorySpace(self._embedders.get(self._default).spec, self._default_text_config)
                 pinned = await self._store.pin_space(tenant, wanted)
+            self._spaces.pop(key, None)
             if len(self._spaces) >= _SPACE_CACHE_SIZE:
                 self._spaces.pop(next(iter(self._spaces)))
-            self._spaces[key] = pinned
+            self._spaces[key] = (pinned, time.monotonic() + self._space_cache_seconds)
         spec = pinned.embedder
+        tenant = Tenant(scope.namespace, scope.agent, (scope.bucket_id,), generation=pinned.generation)
         return _Space(tenant, scope.bucket_id, spec, pinned.text_config, self._pinned_embedder(spec))
+
+    async def _fresh(self, scope: TenantScope, attempt: Callable[[], Awaitable[T]]) -> T:
+        """Run a write; when a migration's cutover made its pin stale, read the pin again and redo it."""
+        for _ in range(_STALE_ATTEMPTS):
+            try:
+                return await attempt()
+            except StaleMemorySpace:
+                self._spaces.pop((scope.namespace, scope.agent), None)
+        raise DatabaseUnavailable("the memory space changed embedder while writing; retry")
 
     def _pinned_embedder(self, spec: EmbedderSpec) -> Embedder | None:
         """The configured embedder matching the pin, None if the name is gone; refuse a drifted one."""
@@ -165,6 +187,9 @@ class LongTermMemory:
 
     async def remember(self, scope: TenantScope, items: Sequence[RememberItem]) -> list[tuple[str, bool]]:
         """An (id, deduplicated) per item, in order; all-or-nothing."""
+        return await self._fresh(scope, lambda: self._remember(scope, items))
+
+    async def _remember(self, scope: TenantScope, items: Sequence[RememberItem]) -> list[tuple[str, bool]]:
         with _tracer.start_as_current_span("memory.remember", record_exception=False) as span:
             _annotate(span, scope, items=len(items))
             space = await self._space(scope, for_write=True)
@@ -233,6 +258,30 @@ class LongTermMemory:
             return await observe_embedding(embedder.spec.name, embedder.embed_documents(texts))
 
     async def update(
+        self,
+        scope: TenantScope,
+        memory_id: str,
+        *,
+        content: str | None,
+        metadata: dict[str, MetadataScalar] | None,
+        replace_metadata: bool,
+        remove_keys: Sequence[str],
+        ttl_seconds: int | None,
+    ) -> MemoryRecord:
+        return await self._fresh(
+            scope,
+            lambda: self._update(
+                scope,
+                memory_id,
+                content=content,
+                metadata=metadata,
+                replace_metadata=replace_metadata,
+                remove_keys=remove_keys,
+                ttl_seconds=ttl_seconds,
+            ),
+        )
+
+    async def _update(
         self,
         scope: TenantScope,
         memory_id: str,

@@ -134,6 +134,17 @@ class Metrics:
             "(ok, refused, deadline, cancelled, time_limit, worker_died).",
             ["outcome"],
         )
+        self.migration_rows = _Counter(
+            "tokensvc_embedding_migration_rows",
+            "Memories re-embedded by migrations, by target embedder.",
+            ["embedder"],
+        )
+        self.migration_events = _Counter(
+            "tokensvc_embedding_migration_events",
+            "Re-embedding migration events (started, cut_over, succeeded, cancel_requested, "
+            "cancelled, embedder_failure, paused, resumed).",
+            ["event"],
+        )
         self.rotations = _Counter(
             "tokensvc_credential_rotations", "Credential rotations by mode and outcome.", ["mode", "outcome"]
         )

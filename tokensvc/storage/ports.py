@@ -28,11 +28,14 @@ from tokensvc.storage.records import (
     ChunkRow,
     DatabaseCredential,
     DocumentRow,
+    EmbeddingMigration,
     KnowledgePins,
     MemoryRecord,
     MemorySpace,
+    MigrationState,
     NewMemory,
     PassageRow,
+    PendingMemory,
     Revocation,
     RevocationKind,
     RotationEntry,
@@ -50,17 +53,24 @@ __all__ = [
     "DatabaseHealth",
     "DatabaseLogins",
     "DatabaseServer",
+    "EmbeddingMigrationStore",
     "KnowledgeStore",
     "MemoryStatistics",
     "MemoryStore",
     "RevocationFeed",
     "RevocationStore",
     "StaleKnowledgeBases",
+    "StaleMemorySpace",
 ]
 
 
 class StaleKnowledgeBases(Exception):
     """A knowledge search's `expect` no longer holds: re-read the bases and search again."""
+
+
+class StaleMemorySpace(Exception):
+    """A write declared a memory-space generation that is no longer current (a re-embedding
+    migration cut over): nothing was written; re-read the space, embed again and retry."""
 
 
 class MemoryStore(Protocol):
@@ -71,6 +81,10 @@ class MemoryStore(Protocol):
       exception: the row count a search measures for its plan includes rows not swept yet).
     - Timestamps come from the store's clock; `created_at == updated_at` on insert, and the
       items of one insert are created in order (later items are newer).
+    - Vectors live in the slot of `tenant.generation` (0 when None; `MemorySpace.slot`): writes
+      store it there, searches rank by it. `insert` and `update` with a `tenant.generation` that
+      is not the space's current one raise `StaleMemorySpace` and write nothing. A content
+      change empties the row's other slot.
     """
 
     async def get_space(self, tenant: Tenant) -> MemorySpace | None:
@@ -155,6 +169,86 @@ class MemoryStore(Protocol):
         `plan(row_count)` says what to rank (`CandidateQuery`). Returns the candidates (see
         `CandidateQuery`) over the live rows matching the filter; a memory's neighbours are the
         live, matching memories of the bucket created just before and after it."""
+
+
+class EmbeddingMigrationStore(Protocol):
+    """Re-embedding migrations of memory spaces: their durable state, the lease of the one runner
+    at a time, and the runner's batches over every bucket of the space (`MemoryStore`'s rows).
+
+    Every runner call names the runner (`runner`) and does nothing (returning None or False) when
+    that runner does not hold the migration's unexpired lease; a batch and its progress commit
+    together, so a runner killed mid-batch leaves that batch to do again and nothing else.
+    """
+
+    async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
+        """Record `migration` (state BACKFILLING, no lease) with `rows_total` set to the space's
+        live memories now, after making sure the target slot's dimension can be indexed. None
+        (nothing recorded) when the space already has an active migration
+        (`MigrationState.active`) or its generation is no longer `migration.from_generation`."""
+
+    async def get(self, migration_id: str) -> EmbeddingMigration | None:
+        """The migration with this id."""
+
+    async def page(self, *, limit: int, before: tuple[datetime, str] | None) -> list[EmbeddingMigration]:
+        """Up to `limit` migrations newest first (created_at, then id, descending), strictly
+        before the cursor (created_at, id)."""
+
+    async def transition(
+        self, migration_id: str, *, expect: Sequence[MigrationState], state: MigrationState, reason: str = ""
+    ) -> EmbeddingMigration | None:
+        """Move the migration to `state` (with `reason`; failures reset) when it is in one of
+        `expect`, releasing its lease; None when it is not (or does not exist). SUCCEEDED and
+        CANCELLED also set `finished_at`."""
+
+    async def claim(
+        self, runner: str, *, lease_seconds: float, embedders: Sequence[str], retire_after_seconds: float
+    ) -> EmbeddingMigration | None:
+        """Take (or renew) the lease of the oldest runnable migration whose lease is free,
+        expired or `runner`'s own; a BACKFILLING one only when its target embedder is among
+        `embedders` (this runner can embed for it), a RETIRING one only `retire_after_seconds`
+        after its cutover. None when there is none."""
+
+    async def pending(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingMemory]:
+        """Up to `limit` live memories of the space without a vector in the target slot, in
+        (bucket, id) order strictly after `migration.cursor` (from the start when None)."""
+
+    async def store_vectors(
+        self,
+        migration: EmbeddingMigration,
+        runner: str,
+        rows: Sequence[tuple[PendingMemory, np.ndarray]],
+        *,
+        lease_seconds: float,
+    ) -> EmbeddingMigration | None:
+        """In one transaction: write each vector to its memory's target slot unless the memory
+        is gone or its content changed since it was read; move the cursor to the last row;
+        count the rows written in `rows_done` (and `rows_total` when more were written than
+        counted); reset `failures`; renew the lease. Returns the migration as stored, None (nothing
+        written) when `runner` does not hold the lease or the migration is no longer BACKFILLING."""
+
+    async def rewind(self, migration: EmbeddingMigration, runner: str) -> bool:
+        """Set the cursor back to the start (the pass that catches rows written behind it)."""
+
+    async def cut_over(self, migration: EmbeddingMigration, runner: str) -> bool:
+        """The atomic switch, ordered with every write of the space: when every live memory has a
+        vector in the target slot, pin the target embedder, bump the space's generation (searches
+        and writes use the target slot from then on) and move to RETIRING. False (nothing changed)
+        when a memory still lacks one, or `runner` does not hold the lease."""
+
+    async def clear_slot(
+        self, migration: EmbeddingMigration, runner: str, *, limit: int, lease_seconds: float
+    ) -> tuple[int, EmbeddingMigration] | None:
+        """Empty the vector slot the migration leaves behind in the next `limit` memories of the
+        space after `migration.cursor` ((bucket, id) order), expired ones too: RETIRING, the old
+        generation's; CANCELLING, the target's. Returns how many (0: none left) and the migration
+        with its cursor moved past them, its lease renewed; None when `runner` does not hold the
+        lease."""
+
+    async def record_failure(
+        self, migration: EmbeddingMigration, runner: str, reason: str, *, pause_after: int
+    ) -> EmbeddingMigration | None:
+        """Count a consecutive embedder failure; at `pause_after` of them move to PAUSED with
+        `reason` (and release the lease). None when `runner` does not hold the lease."""
 
 
 class KnowledgeStore(Protocol):

@@ -6,6 +6,7 @@ them. They live below the domain so that storage never imports `memory/` or `kno
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import re
 from collections.abc import Callable, Sequence
@@ -29,11 +30,14 @@ __all__ = [
     "DatabaseCredential",
     "DocumentRow",
     "EmbedderSpec",
+    "EmbeddingMigration",
     "KnowledgePins",
     "MemoryRecord",
     "MemorySpace",
+    "MigrationState",
     "NewMemory",
     "PassageRow",
+    "PendingMemory",
     "Revocation",
     "RevocationKind",
     "RotationEntry",
@@ -66,6 +70,10 @@ class Tenant:
     buckets: Sequence[str] = ()
     # Knowledge-base refs (a launcher's roster), or ("*",) for control-plane management.
     knowledge_bases: Sequence[str] = ()
+    # A memory write's: the memory-space generation it embedded for (refused if no longer current).
+    generation: int | None = None
+    # The re-embedding runner's: every bucket of (namespace, agent), which no tenant may declare.
+    whole_space: bool = False
 
     def __post_init__(self) -> None:
         if not is_dns_label(self.namespace) or (self.agent and not is_dns_label(self.agent)):
@@ -76,6 +84,10 @@ class Tenant:
         for ref in self.knowledge_bases:
             if ref != ALL_KNOWLEDGE_BASES and not is_kb_ref(ref):
                 raise ValueError("not a knowledge base ref")
+        if self.generation is not None and self.generation < 0:
+            raise ValueError("not a generation")
+        if self.whole_space and not self.agent:
+            raise ValueError("a whole space needs its agent")
 
 
 # --- embedders ----------------------------------------------------------------------------------
@@ -134,10 +146,86 @@ class StoredRef:
 
 @dataclass(frozen=True)
 class MemorySpace:
-    """What a memory space pins at its first write: the embedder and the text-search config."""
+    """What a memory space pins at its first write: the embedder and the text-search config.
+
+    `generation` counts the re-embedding cutovers; a space reads and writes the vector slot of
+    its generation (`slot`: 0 for even, 1 for odd), and a migration fills the other one."""
 
     embedder: EmbedderSpec
     text_config: str
+    generation: int = 0
+
+    @property
+    def slot(self) -> int:
+        return self.generation % 2
+
+
+# --- re-embedding migrations -------------------------------------------------------------------
+
+
+class MigrationState(enum.StrEnum):
+    """Where a re-embedding migration is (docs/operations.md has the state machine).
+
+    BACKFILLING -> RETIRING (at the cutover) -> SUCCEEDED; BACKFILLING <-> PAUSED (a persistent
+    embedder failure; resumed by an operator); BACKFILLING or PAUSED -> CANCELLING -> CANCELLED.
+    """
+
+    BACKFILLING = "backfilling"
+    PAUSED = "paused"
+    RETIRING = "retiring"
+    SUCCEEDED = "succeeded"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+    @property
+    def active(self) -> bool:
+        """Holds the space's other vector slot: no second migration of the space may start."""
+        return self not in (MigrationState.SUCCEEDED, MigrationState.CANCELLED)
+
+    @property
+    def runnable(self) -> bool:
+        """Has work for a runner."""
+        return self in (MigrationState.BACKFILLING, MigrationState.RETIRING, MigrationState.CANCELLING)
+
+
+@dataclass(frozen=True)
+class EmbeddingMigration:
+    """One memory space's move from its pinned embedder (`source`) to `target`."""
+
+    id: str
+    namespace: str
+    agent: str
+    from_generation: int
+    source: EmbedderSpec
+    target: EmbedderSpec
+    state: MigrationState
+    created_by: str
+    reason: str = ""
+    rows_total: int = 0
+    rows_done: int = 0
+    failures: int = 0  # consecutive embedder failures
+    lease_owner: str | None = None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+    cut_over_at: datetime | None = None
+    finished_at: datetime | None = None
+    # Where the backfill has got to, in (bucket, id) order (None: from the start).
+    cursor: tuple[str, str] | None = None
+
+    @property
+    def target_slot(self) -> int:
+        """The vector slot the migration fills (the one the space does not read yet)."""
+        return (self.from_generation + 1) % 2
+
+
+@dataclass(frozen=True)
+class PendingMemory:
+    """A live memory the migration has not embedded yet."""
+
+    bucket: str
+    id: str
+    content: str
+    content_sha256: bytes
 
 
 # --- knowledge bases ----------------------------------------------------------------------------

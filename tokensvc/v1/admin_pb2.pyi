@@ -127,6 +127,10 @@ class _AuditEventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AuditE
     """AUDIT_EVENT_KIND_ADMIN_QUERY is a read-only AdminService call (GetCredentialStatus,
     ListAuditEvents).
     """
+    AUDIT_EVENT_KIND_EMBEDDING_MIGRATION: _AuditEventKind.ValueType  # 8
+    """AUDIT_EVENT_KIND_EMBEDDING_MIGRATION is a re-embedding migration's start, cutover, pause,
+    cancellation, resumption or end.
+    """
 
 class AuditEventKind(_AuditEventKind, metaclass=_AuditEventKindEnumTypeWrapper):
     """AuditEventKind is the category of an audited action."""
@@ -154,6 +158,10 @@ AUDIT_EVENT_KIND_KNOWLEDGE_BASE_DELETION: AuditEventKind.ValueType  # 6
 AUDIT_EVENT_KIND_ADMIN_QUERY: AuditEventKind.ValueType  # 7
 """AUDIT_EVENT_KIND_ADMIN_QUERY is a read-only AdminService call (GetCredentialStatus,
 ListAuditEvents).
+"""
+AUDIT_EVENT_KIND_EMBEDDING_MIGRATION: AuditEventKind.ValueType  # 8
+"""AUDIT_EVENT_KIND_EMBEDDING_MIGRATION is a re-embedding migration's start, cutover, pause,
+cancellation, resumption or end.
 """
 Global___AuditEventKind: _TypeAlias = AuditEventKind  # noqa: Y015
 

@@ -159,6 +159,11 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     exactly one `spiffe://` URI SAN, so no caller identity (and no role) can be derived from it;
     sent with UNAUTHENTICATED.
     """
+    ERROR_REASON_MIGRATION_CONFLICT: _ErrorReason.ValueType  # 25
+    """ERROR_REASON_MIGRATION_CONFLICT means the embedding migration's state does not allow the call:
+    the memory space already has a migration that has not finished, or the migration has already
+    cut over (or finished) and cannot be cancelled or resumed; sent with FAILED_PRECONDITION.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason is the stable, machine-readable reason of every error tokensvc returns.
@@ -284,6 +289,11 @@ ERROR_REASON_CALLER_IDENTITY_INVALID: ErrorReason.ValueType  # 24
 """ERROR_REASON_CALLER_IDENTITY_INVALID means the caller's client certificate does not carry
 exactly one `spiffe://` URI SAN, so no caller identity (and no role) can be derived from it;
 sent with UNAUTHENTICATED.
+"""
+ERROR_REASON_MIGRATION_CONFLICT: ErrorReason.ValueType  # 25
+"""ERROR_REASON_MIGRATION_CONFLICT means the embedding migration's state does not allow the call:
+the memory space already has a migration that has not finished, or the migration has already
+cut over (or finished) and cannot be cancelled or resumed; sent with FAILED_PRECONDITION.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 

@@ -27,6 +27,7 @@ from tokensvc.storage.memory import (
     InMemoryAuditStore,
     InMemoryCredentialJournal,
     InMemoryCredentialSource,
+    InMemoryEmbeddingMigrationStore,
     InMemoryKnowledgeStore,
     InMemoryMemoryStatistics,
     InMemoryMemoryStore,
@@ -36,6 +37,7 @@ from tokensvc.storage.ports import (
     AuditStore,
     CredentialJournal,
     CredentialSource,
+    EmbeddingMigrationStore,
     KnowledgeStore,
     MemoryStatistics,
     MemoryStore,
@@ -44,6 +46,7 @@ from tokensvc.storage.ports import (
 from tokensvc.storage.postgres import (
     Database,
     PostgresAuditStore,
+    PostgresEmbeddingMigrationStore,
     PostgresKnowledgeStore,
     PostgresMemoryStore,
     PostgresRevocationStore,
@@ -66,6 +69,7 @@ class Backend:
     revocations: RevocationStore
     audit: AuditStore
     statistics: MemoryStatistics  # counts over `memories`' rows
+    migrations: EmbeddingMigrationStore  # over `memories`' rows
 
 
 @pytest.fixture(scope="session")
@@ -99,6 +103,7 @@ def backend(request: pytest.FixtureRequest) -> Backend:
             PostgresRevocationStore(pool, db.connect),
             PostgresAuditStore(pool),
             PostgresStatistics(pool),
+            PostgresEmbeddingMigrationStore(pool),
         )
     memories = InMemoryMemoryStore()
     return Backend(
@@ -108,6 +113,7 @@ def backend(request: pytest.FixtureRequest) -> Backend:
         InMemoryRevocationStore(),
         InMemoryAuditStore(),
         InMemoryMemoryStatistics(memories),
+        InMemoryEmbeddingMigrationStore(memories),
     )
 
 
@@ -124,6 +130,11 @@ def knowledge(backend: Backend) -> KnowledgeStore:
 @pytest.fixture
 def statistics(backend: Backend) -> MemoryStatistics:
     return backend.statistics
+
+
+@pytest.fixture
+def migrations(backend: Backend) -> EmbeddingMigrationStore:
+    return backend.migrations
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,10 @@ from tokensvc.api.servicers.admin import AdminServicer
 from tokensvc.api.servicers.capability import CapabilityServicer
 from tokensvc.api.servicers.knowledge import KnowledgeServicer
 from tokensvc.api.servicers.memory import MemoryServicer
+from tokensvc.api.servicers.migration import MigrationServicer
 from tokensvc.auth.operations import CapabilityOperations
 from tokensvc.knowledge.service import KnowledgeBases
+from tokensvc.memory.reembedding import EmbeddingMigrations
 from tokensvc.memory.service import LongTermMemory
 from tokensvc.v1 import (
     admin_pb2,
@@ -27,6 +29,8 @@ from tokensvc.v1 import (
     knowledge_pb2_grpc,
     memory_pb2,
     memory_pb2_grpc,
+    migration_pb2,
+    migration_pb2_grpc,
 )
 
 __all__ = ["Domain", "register_servicers", "service_names"]
@@ -41,6 +45,7 @@ class Domain:
     knowledge: KnowledgeBases
     max_upload_bytes: int
     administration: Administration
+    migrations: EmbeddingMigrations
 
 
 def register_servicers(server: grpc.aio.Server, domain: Domain) -> None:
@@ -52,6 +57,7 @@ def register_servicers(server: grpc.aio.Server, domain: Domain) -> None:
         KnowledgeServicer(domain.knowledge, max_upload_bytes=domain.max_upload_bytes), server
     )
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(domain.administration), server)
+    migration_pb2_grpc.add_MigrationServiceServicer_to_server(MigrationServicer(domain.migrations), server)
 
 
 def service_names() -> list[str]:
@@ -63,5 +69,6 @@ def service_names() -> list[str]:
             (memory_pb2, "MemoryService"),
             (knowledge_pb2, "KnowledgeService"),
             (admin_pb2, "AdminService"),
+            (migration_pb2, "MigrationService"),
         )
     ]

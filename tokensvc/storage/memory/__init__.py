@@ -1,6 +1,6 @@
 """In-process implementations of every store port: no database, the same contracts.
 
-The store ports are the memories and their statistics, the knowledge bases, revocations, the
+The store ports are the memories, their statistics and re-embedding migrations, the knowledge bases, revocations, the
 audit trail, the credential journal and the credential source; the ports that adapt the database
 server itself (`DatabaseLogins`, `ConnectionPool`, `DatabaseHealth`, `DatabaseServer`) have none.
 
@@ -17,12 +17,14 @@ from tokensvc.storage.memory.credentials import InMemoryCredentialJournal, InMem
 from tokensvc.storage.memory.knowledge import InMemoryKnowledgeStore
 from tokensvc.storage.memory.ledgers import InMemoryAuditStore, InMemoryRevocationStore
 from tokensvc.storage.memory.memories import InMemoryMemoryStatistics, InMemoryMemoryStore
+from tokensvc.storage.memory.reembedding import InMemoryEmbeddingMigrationStore
 
 __all__ = [
     "Clock",
     "InMemoryAuditStore",
     "InMemoryCredentialJournal",
     "InMemoryCredentialSource",
+    "InMemoryEmbeddingMigrationStore",
     "InMemoryKnowledgeStore",
     "InMemoryMemoryStatistics",
     "InMemoryMemoryStore",

@@ -29,6 +29,7 @@ from tokensvc.storage.filters import Filter, matches
 from tokensvc.storage.memory.clock import Clock, StoreClock
 from tokensvc.storage.memory.ranking import Searchable, candidates
 from tokensvc.storage.memory.text import Terms, terms_of
+from tokensvc.storage.ports import StaleMemorySpace
 from tokensvc.storage.records import (
     MemoryRecord,
     MemorySpace,
@@ -54,7 +55,8 @@ class _Row:
     sha: bytes
     metadata: dict[str, Any]
     key: str | None
-    embedding: np.ndarray
+    # The two vector slots (PostgreSQL's embedding and embedding_b): the space's generation picks one.
+    slots: tuple[np.ndarray | None, np.ndarray | None]
     terms: Terms
     created_at: datetime
     updated_at: datetime
@@ -90,6 +92,16 @@ def _vector(embedding: np.ndarray) -> np.ndarray:
     return stored
 
 
+def _slot(tenant: Tenant) -> int:
+    return (tenant.generation or 0) % 2
+
+
+def _with_vector(
+    slots: tuple[np.ndarray | None, np.ndarray | None], slot: int, vector: np.ndarray | None
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    return (vector, slots[1]) if slot == 0 else (slots[0], vector)
+
+
 async def _round_trip() -> None:
     """Where PostgreSQL would wait for the database: other tasks may run here."""
     await asyncio.sleep(0)
@@ -111,6 +123,9 @@ class InMemoryMemoryStore:
     def _writable(self, tenant: Tenant, bucket: str) -> dict[str, _Row]:
         if bucket not in tenant.buckets:
             raise PermissionError("the bucket is outside the tenant's declared buckets")
+        space = self._spaces.get((tenant.namespace, tenant.agent))
+        if tenant.generation is not None and space is not None and space.generation != tenant.generation:
+            raise StaleMemorySpace()
         return self._rows.setdefault(bucket, {})
 
     # --- memory spaces ----------------------------------------------------------------------
@@ -220,7 +235,7 @@ class InMemoryMemoryStore:
                     sha=new.content_sha256,
                     metadata=dict(new.metadata),
                     key=new.idempotency_key or None,
-                    embedding=_vector(new.embedding),
+                    slots=_with_vector((None, None), _slot(tenant), _vector(new.embedding)),
                     terms=terms_of(new.content),
                     created_at=at,
                     updated_at=at,
@@ -247,6 +262,7 @@ class InMemoryMemoryStore:
             row = table.get(_uuid(memory_id))
             if row is None or not row.live(now):
                 return None
+            self._writable(tenant, bucket)  # the generation guard
             changes: dict[str, Any] = {"updated_at": self._clock.now()}
             if content is not None:
                 text, sha, vector = content
@@ -257,7 +273,8 @@ class InMemoryMemoryStore:
                 changes |= {
                     "content": text,
                     "sha": sha,
-                    "embedding": _vector(vector),
+                    # The other slot held a vector of the old content.
+                    "slots": _with_vector((None, None), _slot(tenant), _vector(vector)),
                     "terms": terms_of(text),
                 }
             if metadata is not None:
@@ -347,20 +364,23 @@ class InMemoryMemoryStore:
             row_count = min(count_cap, len(self._bucket(tenant, bucket)))
         query = plan(row_count)
         rows = self._searchable(tenant, bucket, filter_)
-        found = candidates(list(_indexed(rows, embedder)), query)
+        found = candidates(list(_indexed(rows, embedder, _slot(tenant))), query)
         return SearchOutcome(query.row_count, found)
 
 
-def _indexed(rows: Iterable[_Row], embedder: str) -> Iterable[Searchable[MemoryRecord]]:
+def _indexed(rows: Iterable[_Row], embedder: str, slot: int) -> Iterable[Searchable[MemoryRecord]]:
     # A memory's neighbours are the bucket's memories created just before and after it.
     for row in rows:
+        vector = row.slots[slot]
+        if vector is None:
+            continue  # never for a live row: its space's slot is always filled
         yield Searchable(
             item=row.record(embedder),
             key=(row.bucket, row.id),
             partition=(row.bucket,),
             order=(row.created_at, row.id),
             local=row.id,
-            embedding=row.embedding,
+            embedding=vector,
             terms=row.terms,
         )
 

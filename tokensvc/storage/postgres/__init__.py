@@ -15,6 +15,7 @@ from tokensvc.storage.postgres.migrations import (
     schema_version,
 )
 from tokensvc.storage.postgres.monitoring import PostgresHealth, PostgresStatistics
+from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
 from tokensvc.storage.postgres.revocations import PostgresRevocationStore
 from tokensvc.storage.postgres.rotations import PostgresRotationJournal
 
@@ -31,6 +32,7 @@ __all__ = [
     "PostgresMemoryStore",
     "PostgresRevocationStore",
     "PostgresRotationJournal",
+    "PostgresEmbeddingMigrationStore",
     "PostgresStatistics",
     "apply_migrations",
     "available_migrations",

@@ -6,6 +6,8 @@ imports asyncpg:
 - the connection is gone or cannot be made (class 08, the server shutting down, a pool wait that
   timed out, a socket error) -> `DatabaseUnavailable` (UNAVAILABLE, retry later);
 - a statement cancelled by its timeout (57014, the caller's deadline) -> `DeadlineExceeded`;
+- a memory write for a memory-space generation that is gone (TK001, the guard of migration
+  0014) -> `StaleMemorySpace`, which the domain answers by embedding again;
 - a transaction that lost to a concurrent one (class 40: a serialization failure, such as an
   UPDATE of a row another transaction moved to another partition of `memories`, or a deadlock)
   -> `DatabaseUnavailable` too: nothing was written, and the same call again succeeds.
@@ -28,8 +30,12 @@ from typing import Any, TypeVar
 import asyncpg
 
 from tokensvc.errors import DatabaseUnavailable, DeadlineExceeded, TokensvcError
+from tokensvc.storage.ports import StaleMemorySpace
 
-__all__ = ["database_errors", "domain_error", "translate_errors"]
+__all__ = ["STALE_GENERATION", "database_errors", "domain_error", "translate_errors"]
+
+# Raised by the memories generation guard (migration 0014): a write for a generation that is gone.
+STALE_GENERATION = "TK001"
 
 T = TypeVar("T")
 
@@ -71,6 +77,8 @@ def database_errors() -> Iterator[None]:
     try:
         yield
     except Exception as exc:
+        if isinstance(exc, asyncpg.PostgresError) and exc.sqlstate == STALE_GENERATION:
+            raise StaleMemorySpace() from exc
         translated = domain_error(exc)
         if translated is None:
             raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -46,6 +47,13 @@ _CORPUS = Corpus(
     order=("created_at", "id"),
     columns=("id", "content", "metadata", "created_at", "updated_at", "expires_at"),
 )
+# The vector slots (migration 0014): a space reads and writes the one of its generation.
+_SLOTS = (_CORPUS, replace(_CORPUS, vector="embedding_b", dimension="dimension_b"))
+
+
+def _slot(tenant: Tenant) -> Corpus:
+    """The corpus of the slot `tenant.generation` uses (generation 0 when not declared)."""
+    return _SLOTS[(tenant.generation or 0) % 2]
 
 
 def _record(row: asyncpg.Record, embedder: str) -> MemoryRecord:
@@ -61,13 +69,13 @@ def _record(row: asyncpg.Record, embedder: str) -> MemoryRecord:
 
 
 _SPACE_SQL = (
-    "SELECT embedder, model, dimension, normalized, text_config::text FROM memory_spaces "
+    "SELECT embedder, model, dimension, normalized, text_config::text, generation FROM memory_spaces "
     "WHERE namespace = $1 AND agent = $2"
 )
 
 
 def _space(row: asyncpg.Record) -> MemorySpace:
-    return MemorySpace(EmbedderSpec(row[0], row[1], row[2], row[3]), row[4])
+    return MemorySpace(EmbedderSpec(row[0], row[1], row[2], row[3]), row[4], row[5])
 
 
 def _where(bucket_param: str, filter_: Filter | None, params: list[Any]) -> str:
@@ -78,12 +86,12 @@ def _where(bucket_param: str, filter_: Filter | None, params: list[Any]) -> str:
 
 
 def search_statement(
-    bucket: str, query: CandidateQuery, filter_: Filter | None
+    bucket: str, query: CandidateQuery, filter_: Filter | None, *, slot: int = 0
 ) -> tuple[str, list[Any], dict[str, str] | None]:
     """The statement, parameters and transaction settings a search of `bucket` runs (without the
     exact re-run of a short approximate scan): what EXPLAIN tests and the bench's same-SQL
     baseline use."""
-    sql, params = ranking_statement(_CORPUS, _bucket_predicate(bucket, filter_), query)
+    sql, params = ranking_statement(_SLOTS[slot], _bucket_predicate(bucket, filter_), query)
     return sql, params, search_settings(query)
 
 
@@ -126,12 +134,13 @@ class PostgresMemoryStore:
             row = await conn.fetchrow(_SPACE_SQL, tenant.namespace, tenant.agent)
             assert row is not None
             pinned = _space(row)
-        await self.ensure_vector_index(pinned.embedder.dimension)
+        await self.ensure_vector_index(pinned.embedder.dimension, slot=pinned.slot)
         return pinned
 
-    async def ensure_vector_index(self, dimension: int) -> None:
+    async def ensure_vector_index(self, dimension: int, *, slot: int = 0) -> None:
+        function = "ensure_memory_vector_index_b" if slot else "ensure_memory_vector_index"
         async with self._pool.acquire() as conn:
-            await conn.execute("SELECT ensure_memory_vector_index($1)", dimension)
+            await conn.execute(f"SELECT {function}($1)", dimension)
 
     # --- writes -----------------------------------------------------------------------------
 
@@ -182,6 +191,7 @@ class PostgresMemoryStore:
         indexed for text search with the space's pinned configuration, read in the statement
         (`english`, the column default, for a space not pinned yet: the domain always pins first)."""
         dimension = int(rows[0].embedding.shape[0])
+        slot = _slot(tenant)
         async with tenant_transaction(self._pool, tenant) as conn:
             # Expired rows would block a re-insert of the same content: clear them first.
             await conn.execute(
@@ -192,10 +202,10 @@ class PostgresMemoryStore:
                 [r.idempotency_key for r in rows if r.idempotency_key],
             )
             inserted = await conn.fetch(
-                """
+                f"""
                 INSERT INTO memories (bucket, id, namespace, agent, content, content_sha256, metadata,
-                                      idempotency_key, dimension, embedding, expires_at, created_at, updated_at,
-                                      text_config)
+                                      idempotency_key, {slot.dimension}, {slot.vector}, expires_at, created_at,
+                                      updated_at, text_config)
                 SELECT $1, u.id, $2, $3, u.content, u.sha, u.metadata, u.key, $4, u.embedding,
                        CASE WHEN u.ttl IS NULL THEN NULL ELSE t.at + make_interval(secs => u.ttl) END, t.at, t.at,
                        coalesce((SELECT s.text_config FROM memory_spaces s
@@ -258,10 +268,12 @@ class PostgresMemoryStore:
         clear = ""
         if content is not None:
             params += [content[0], content[1], content[2]]
+            slot = _slot(tenant)
             sets += [
                 f"content = ${len(params) - 2}",
                 f"content_sha256 = ${len(params) - 1}",
-                f"embedding = ${len(params)}",
+                f"{slot.vector} = ${len(params)}",
+                f"{slot.dimension} = {int(content[2].shape[0])}",
             ]
             # An expired row with the new content is dead, yet its unique (bucket, content_sha256)
             # entry would refuse the update: delete it first, in the same statement. The one-time
@@ -366,7 +378,7 @@ class PostgresMemoryStore:
         rows, found = await fetch_candidates(
             self._pool,
             tenant,
-            _CORPUS,
+            _slot(tenant),
             plan,
             _bucket_predicate(bucket, filter_),
             row_count=row_count,

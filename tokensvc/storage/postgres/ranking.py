@@ -58,6 +58,9 @@ class Corpus:
     local: str  # ...and this column identifies a row among them (key = partition + local)...
     order: tuple[str, ...]  # ...in which order rows are adjacent
     columns: tuple[str, ...]  # what a result carries
+    # The vector and its dimension: a memory space reads the slot of its generation.
+    vector: str = "embedding"
+    dimension: str = "dimension"
 
     @property
     def key(self) -> tuple[str, ...]:
@@ -96,8 +99,8 @@ def _cols(alias: str, names: Sequence[str]) -> str:
     return ", ".join(f"{alias}.{name}" for name in names)
 
 
-def _distance(vector: str, dimension: int, *, exact: bool, alias: str = "") -> str:
-    column = f"{alias}embedding"
+def _distance(corpus: Corpus, vector: str, dimension: int, *, exact: bool) -> str:
+    column = corpus.vector
     if exact:
         return f"{column} <#> {vector}"
     # The typed expression and `dimension = N` match the partial index <table>_hnsw_N.
@@ -112,8 +115,8 @@ def vector_statement(
     dimension = int(vector.shape[0])
     q = p.add(vector)
     limit = p.add(k)
-    distance = _distance(q, dimension, exact=exact)
-    where = where if exact else f"dimension = {dimension} AND {where}"
+    distance = _distance(corpus, q, dimension, exact=exact)
+    where = where if exact else f"{corpus.dimension} = {dimension} AND {where}"
     # Ties break by key, as in every ranker. The exact scan sorts by (distance, key), so the top k
     # is the same set every time; the approximate scan keeps the index order alone (the HNSW
     # index serves no second key) and ties break among the rows it returned.
@@ -176,15 +179,15 @@ def candidate_statement(corpus: Corpus, where: str, params: list[Any], query: Ca
     if query.vector is not None:
         dimension = int(query.vector.shape[0])
         q = p.add(query.vector)
-        distance = _distance(q, dimension, exact=query.exact)
-        vwhere = where if query.exact else f"dimension = {dimension} AND {where}"
+        distance = _distance(corpus, q, dimension, exact=query.exact)
+        vwhere = where if query.exact else f"{corpus.dimension} = {dimension} AND {where}"
         parts.append(
             f"by_vector AS (SELECT {key}, row_number() OVER (ORDER BY d, {key}) AS rank FROM "
             f"(SELECT {key}, {distance} AS d FROM {corpus.table} WHERE {vwhere} "
             # An exact scan sorts by key too, so ties at the k-th place always keep the same rows.
             f"ORDER BY {distance if not query.exact else f'{distance}, {key}'} LIMIT {k}) v)"
         )
-        vector_score = f"-(%s.embedding <#> {q})"
+        vector_score = f"-(%s.{corpus.vector} <#> {q})"
     if query.text is not None:
         parts += _bm25_parts(corpus, where, p, query, k)
     rankers = [
@@ -292,7 +295,7 @@ def _exact_scored(corpus: Corpus, where: str, q: str, k: str) -> list[str]:
     part = ", ".join(corpus.partition)
     order = ", ".join(corpus.order)
     return [
-        f"scored AS MATERIALIZED (SELECT {carried}, -(embedding <#> {q}) AS vs FROM {corpus.table} "
+        f"scored AS MATERIALIZED (SELECT {carried}, -({corpus.vector} <#> {q}) AS vs FROM {corpus.table} "
         f"WHERE {where})",
         f"by_vector AS (SELECT {key}, rank FROM (SELECT {key}, row_number() OVER "
         f"(ORDER BY vs DESC, {key}) AS rank FROM scored) r WHERE rank <= {k})",

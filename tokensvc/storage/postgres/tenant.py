@@ -61,6 +61,10 @@ def _begin(
         "tokensvc.kbs": ",".join(tenant.knowledge_bases),
         **settings,
     }
+    if tenant.generation is not None:
+        values["tokensvc.generation"] = str(tenant.generation)
+    if tenant.whole_space:
+        values["tokensvc.migration"] = "on"
     # The caller's deadline bounds every statement; without one the server default stays.
     if timeout_ms is not None:
         values["statement_timeout"] = str(max(1, timeout_ms))

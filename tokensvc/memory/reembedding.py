@@ -1,0 +1,424 @@
+"""Re-embedding migrations: a memory space moves to another embedder while it serves (issue 16).
+
+`EmbeddingMigrations` is what operators call (start, dry run, status, list, cancel, resume);
+`MigrationRunner` is the background worker every replica runs. The state lives in PostgreSQL
+(`EmbeddingMigrationStore`); one runner at a time holds a migration's lease, renewed with every
+batch, and another replica takes it over when the lease expires. The state machine:
+
+    BACKFILLING --(every live memory has a target vector: the cutover)--> RETIRING --> SUCCEEDED
+    BACKFILLING <--(persistent embedder failure / resume)--> PAUSED
+    BACKFILLING | PAUSED --(cancel)--> CANCELLING --> CANCELLED
+
+BACKFILLING embeds the space's memories with the target embedder into the vector slot the space
+does not read, in batches of the embedder's size, each batch committed with the cursor and the
+progress (a runner killed mid-batch redoes that batch only). Memories written meanwhile are caught
+by a second pass from the start; the cutover itself checks, with every write of the space held
+off, that nothing is missing, pins the target and bumps the space's generation in one
+transaction. Until then searches read the current slot only; from then on, the target slot only.
+RETIRING is claimed `retire_seconds` after the cutover (longer than any replica caches a pin, so
+a search that embedded its query with the old model still finds the old vectors), then empties
+the old slot. CANCELLING
+empties the target slot: nothing a search reads ever changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, replace
+from datetime import datetime
+
+from opentelemetry import trace
+
+from tokensvc.audit import SYSTEM_ACTOR, AuditKind, AuditLog, AuditOutcome
+from tokensvc.embedders import Embedder, EmbedderRegistry, EmbedderSpec
+from tokensvc.errors import InvalidArgument, NotFound, Reason, TokensvcError
+from tokensvc.observability.metrics import METRICS
+from tokensvc.retrieval import unit_vector
+from tokensvc.storage.ports import EmbeddingMigrationStore, MemoryStatistics, MemoryStore
+from tokensvc.storage.records import EmbeddingMigration, MigrationState, Tenant
+
+__all__ = [
+    "EmbeddingMigration",
+    "EmbeddingMigrations",
+    "MigrationConflict",
+    "MigrationEstimate",
+    "MigrationProgress",
+    "MigrationRunner",
+    "MigrationState",
+    "RunnerSettings",
+]
+
+_log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("tokensvc.memory.reembedding")
+_DEFAULT_BATCH = 64
+_CLEAR_BATCH = 1000
+
+
+class MigrationConflict(TokensvcError):
+    """The migration's state does not allow this (another one runs, or it has already cut over)."""
+
+    reason = Reason.MIGRATION_CONFLICT
+
+
+def batch_size_of(embedder: Embedder) -> int:
+    """The embedder's own batch size when it has one (the local model, OpenAI-compatible servers)."""
+    size = getattr(embedder, "batch_size", None)
+    return size if isinstance(size, int) and size > 0 else _DEFAULT_BATCH
+
+
+@dataclass(frozen=True)
+class MigrationEstimate:
+    """A dry run: what a migration of the space would do and how long it would take."""
+
+    rows: int
+    source: EmbedderSpec
+    target: EmbedderSpec
+    items_per_second: float  # the target embedder, measured on a batch of the space's memories
+    seconds: float
+
+
+@dataclass(frozen=True)
+class MigrationProgress:
+    migration: EmbeddingMigration
+    rows_per_second: float
+    eta_seconds: float | None  # None: not backfilling, or no rate yet
+
+
+def progress_of(migration: EmbeddingMigration, now: datetime | None = None) -> MigrationProgress:
+    """Rate over the migration's life so far (created to last progress), ETA from it."""
+    rate = 0.0
+    if migration.created_at is not None and migration.updated_at is not None and migration.rows_done:
+        elapsed = (migration.updated_at - migration.created_at).total_seconds()
+        rate = migration.rows_done / elapsed if elapsed > 0 else 0.0
+    eta = None
+    if migration.state is MigrationState.BACKFILLING and rate > 0:
+        eta = max(0.0, migration.rows_total - migration.rows_done) / rate
+    return MigrationProgress(migration, rate, eta)
+
+
+class EmbeddingMigrations:
+    """The operator's calls (MigrationService): each one domain call of an RPC."""
+
+    def __init__(
+        self,
+        store: EmbeddingMigrationStore,
+        memories: MemoryStore,
+        statistics: MemoryStatistics,
+        embedders: EmbedderRegistry,
+        audit: AuditLog,
+    ):
+        self._store = store
+        self._memories = memories
+        self._statistics = statistics
+        self._embedders = embedders
+        self._audit = audit
+
+    async def start(
+        self, namespace: str, agent: str, embedder_name: str, *, dry_run: bool, actor: str
+    ) -> tuple[EmbeddingMigration | None, MigrationEstimate]:
+        space = await self._memories.get_space(Tenant(namespace, agent))
+        if space is None:
+            raise NotFound(f"no memory space {namespace}/{agent}: nothing has been remembered there")
+        if embedder_name not in self._embedders.names:
+            raise InvalidArgument(
+                "embedder",
+                f"{embedder_name!r} is not configured (configured: {', '.join(self._embedders.names)})",
+            )
+        embedder = self._embedders.get(embedder_name)
+        if embedder.spec == space.embedder:
+            raise InvalidArgument("embedder", f"the memory space is already pinned to {embedder_name!r}")
+        planned = EmbeddingMigration(
+            id=str(uuid.uuid4()),
+            namespace=namespace,
+            agent=agent,
+            from_generation=space.generation,
+            source=space.embedder,
+            target=embedder.spec,
+            state=MigrationState.BACKFILLING,
+            created_by=actor,
+        )
+        estimate = await self._estimate(planned, embedder)
+        if dry_run:
+            return None, estimate
+        created = await self._store.create(planned)
+        if created is None:
+            raise MigrationConflict(
+                f"memory space {namespace}/{agent} already has a migration that has not finished "
+                "(tokensvc admin migrate list)"
+            )
+        METRICS.migration_events.labels("started").inc()
+        await self._audit.record(
+            AuditKind.EMBEDDING_MIGRATION,
+            actor=actor,
+            action="start embedding migration",
+            target=_target(created),
+            outcome=AuditOutcome.STARTED,
+            detail=f"{created.source.name} ({created.source.dimension}) -> {created.target.name} "
+            f"({created.target.dimension}), {created.rows_total} memories",
+        )
+        return created, estimate
+
+    async def _estimate(self, planned: EmbeddingMigration, embedder: Embedder) -> MigrationEstimate:
+        rows = (await self._statistics.rows_by_space()).get((planned.namespace, planned.agent), 0)
+        sample = [p.content for p in await self._store.pending(planned, limit=batch_size_of(embedder))]
+        rate = 0.0
+        if sample:
+            began = time.perf_counter()
+            await embedder.embed_documents(sample)
+            rate = len(sample) / max(time.perf_counter() - began, 1e-6)
+        seconds = rows / rate if rate else 0.0
+        return MigrationEstimate(rows, planned.source, planned.target, rate, seconds)
+
+    async def get(self, migration_id: str) -> MigrationProgress:
+        migration = await self._store.get(migration_id)
+        if migration is None:
+            raise NotFound("no such migration")
+        return progress_of(migration)
+
+    async def page(self, *, limit: int, before: tuple[datetime, str] | None) -> list[MigrationProgress]:
+        return [progress_of(m) for m in await self._store.page(limit=limit, before=before)]
+
+    async def cancel(self, migration_id: str, actor: str) -> MigrationProgress:
+        changed = await self._store.transition(
+            migration_id,
+            expect=(MigrationState.BACKFILLING, MigrationState.PAUSED),
+            state=MigrationState.CANCELLING,
+            reason=f"cancelled by {actor}",
+        )
+        if changed is None:
+            current = await self.get(migration_id)
+            raise MigrationConflict(
+                f"the migration is {current.migration.state.value}: only a backfilling or paused "
+                "migration can be cancelled (after the cutover, migrate back instead)"
+            )
+        METRICS.migration_events.labels("cancel_requested").inc()
+        await self._audit.record(
+            AuditKind.EMBEDDING_MIGRATION,
+            actor=actor,
+            action="cancel embedding migration",
+            target=_target(changed),
+            outcome=AuditOutcome.STARTED,
+        )
+        return progress_of(changed)
+
+    async def resume(self, migration_id: str, actor: str) -> MigrationProgress:
+        changed = await self._store.transition(
+            migration_id, expect=(MigrationState.PAUSED,), state=MigrationState.BACKFILLING
+        )
+        if changed is None:
+            current = await self.get(migration_id)
+            raise MigrationConflict(f"the migration is {current.migration.state.value}, not paused")
+        METRICS.migration_events.labels("resumed").inc()
+        await self._audit.record(
+            AuditKind.EMBEDDING_MIGRATION,
+            actor=actor,
+            action="resume embedding migration",
+            target=_target(changed),
+            outcome=AuditOutcome.STARTED,
+        )
+        return progress_of(changed)
+
+
+def _target(migration: EmbeddingMigration) -> str:
+    return f"migration:{migration.id} space:{migration.namespace}/{migration.agent}"
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    lease_seconds: float = 30.0
+    # How long the old vectors stay after the cutover: longer than any replica caches a pin.
+    retire_seconds: float = 30.0
+    # Consecutive embedder failures before the migration pauses, and the first retry's wait.
+    pause_after: int = 5
+    backoff_seconds: float = 1.0
+    max_backoff_seconds: float = 60.0
+    poll_seconds: float = 2.0
+    batch_size: int = 0  # 0: the target embedder's own
+
+
+class MigrationRunner:
+    """Runs migrations in the background: claims one, drives it as far as it can, repeats."""
+
+    def __init__(
+        self,
+        store: EmbeddingMigrationStore,
+        embedders: EmbedderRegistry,
+        audit: AuditLog,
+        settings: RunnerSettings | None = None,
+        *,
+        runner_id: str | None = None,
+    ):
+        self._store = store
+        self._embedders = embedders
+        self._audit = audit
+        self._settings = settings or RunnerSettings()
+        self.runner_id = runner_id or f"runner-{uuid.uuid4()}"
+
+    async def run(self) -> None:
+        """Forever: work while there is work, else wait `poll_seconds`. Errors are logged."""
+        while True:
+            try:
+                worked = await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                _log.exception("embedding migration runner failed; retrying")
+                worked = False
+            if not worked:
+                await asyncio.sleep(self._settings.poll_seconds)
+
+    async def step(self) -> bool:
+        """Claim one migration and drive it until it finishes, waits or is lost; False: none."""
+        migration = await self._store.claim(
+            self.runner_id,
+            lease_seconds=self._settings.lease_seconds,
+            embedders=self._embedders.names,
+            retire_after_seconds=self._settings.retire_seconds,
+        )
+        if migration is None:
+            return False
+        if migration.state is MigrationState.BACKFILLING:
+            await self._backfill(migration)
+        elif migration.state is MigrationState.RETIRING:
+            await self._retire(migration)
+        elif migration.state is MigrationState.CANCELLING:
+            await self._clear(migration, MigrationState.CANCELLED, "cancelled")
+        return True
+
+    async def _backfill(self, migration: EmbeddingMigration) -> None:
+        embedder = self._embedders.get(migration.target.name)
+        if embedder.spec != migration.target:
+            await self._pause(
+                migration,
+                f"the configured embedder {migration.target.name!r} is not the migration's target "
+                f"(model {migration.target.model!r}, {migration.target.dimension} dimensions)",
+            )
+            return
+        size = self._settings.batch_size or batch_size_of(embedder)
+        while True:
+            batch = await self._store.pending(migration, limit=size)
+            if not batch:
+                if migration.cursor is not None:  # memories written behind the cursor
+                    if not await self._store.rewind(migration, self.runner_id):
+                        return
+                    migration = replace(migration, cursor=None)
+                    continue
+                if await self._cut_over(migration):
+                    return  # the old slot is emptied once `retire_seconds` have passed
+                current = await self._store.get(migration.id)
+                if current is None or current.lease_owner != self.runner_id:
+                    return
+                await asyncio.sleep(0.05)  # a memory arrived between the pass and the check
+                continue
+            with _tracer.start_as_current_span("reembedding.batch") as span:
+                span.set_attribute("tokensvc.migration", migration.id)
+                span.set_attribute("tokensvc.embed.count", len(batch))
+                try:
+                    vectors = await embedder.embed_documents([p.content for p in batch])
+                    rows = [(p, unit_vector(v, "embedding")) for p, v in zip(batch, vectors, strict=True)]
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    span.set_attribute("tokensvc.error", type(exc).__name__)
+                    failed = await self._embedder_failed(migration, exc)
+                    if failed is None:
+                        return
+                    migration = failed
+                    continue
+                stored = await self._store.store_vectors(
+                    migration, self.runner_id, rows, lease_seconds=self._settings.lease_seconds
+                )
+            if stored is None:
+                return  # the lease was lost, or the migration was cancelled
+            METRICS.migration_rows.labels(migration.target.name).inc(len(rows))
+            migration = stored
+
+    async def _cut_over(self, migration: EmbeddingMigration) -> bool:
+        with _tracer.start_as_current_span("reembedding.cut_over") as span:
+            span.set_attribute("tokensvc.migration", migration.id)
+            done = await self._store.cut_over(migration, self.runner_id)
+            span.set_attribute("tokensvc.migration.cut_over", done)
+        if done:
+            METRICS.migration_events.labels("cut_over").inc()
+            await self._audit.record(
+                AuditKind.EMBEDDING_MIGRATION,
+                actor=SYSTEM_ACTOR,
+                action="cut over embedding migration",
+                target=_target(migration),
+                outcome=AuditOutcome.SUCCEEDED,
+                detail=f"the space now reads {migration.target.name} ({migration.target.dimension})",
+            )
+        return done
+
+    async def _retire(self, migration: EmbeddingMigration) -> None:
+        """Empty the old slot; claimed only once `retire_seconds` have passed since the cutover."""
+        await self._clear(migration, MigrationState.SUCCEEDED, "succeeded")
+
+    async def _clear(self, migration: EmbeddingMigration, end: MigrationState, event: str) -> None:
+        state = migration.state
+        while True:
+            cleared = await self._store.clear_slot(
+                migration, self.runner_id, limit=_CLEAR_BATCH, lease_seconds=self._settings.lease_seconds
+            )
+            if cleared is None:
+                return
+            count, migration = cleared
+            if count == 0:
+                break
+        finished = await self._store.transition(
+            migration.id, expect=(state,), state=end, reason=migration.reason
+        )
+        if finished is None:
+            return
+        METRICS.migration_events.labels(event).inc()
+        await self._audit.record(
+            AuditKind.EMBEDDING_MIGRATION,
+            actor=SYSTEM_ACTOR,
+            action=f"finish embedding migration ({end.value})",
+            target=_target(finished),
+            outcome=AuditOutcome.SUCCEEDED,
+            detail=f"{finished.rows_done} memories re-embedded",
+        )
+
+    async def _embedder_failed(
+        self, migration: EmbeddingMigration, exc: Exception
+    ) -> EmbeddingMigration | None:
+        """Count the failure; back off and return the migration to retry, None when it paused."""
+        reason = f"the target embedder failed: {exc.message if isinstance(exc, TokensvcError) else type(exc).__name__}"
+        METRICS.migration_events.labels("embedder_failure").inc()
+        failed = await self._store.record_failure(
+            migration, self.runner_id, reason, pause_after=self._settings.pause_after
+        )
+        if failed is None:
+            return None
+        if failed.state is MigrationState.PAUSED:
+            await self._paused(failed, reason)
+            return None
+        wait = min(
+            self._settings.backoff_seconds * 2 ** (failed.failures - 1), self._settings.max_backoff_seconds
+        )
+        _log.warning("migration %s: %s; retrying in %.1f s", migration.id, reason, wait)
+        await asyncio.sleep(wait)
+        return failed
+
+    async def _pause(self, migration: EmbeddingMigration, reason: str) -> None:
+        paused = await self._store.transition(
+            migration.id, expect=(MigrationState.BACKFILLING,), state=MigrationState.PAUSED, reason=reason
+        )
+        if paused is not None:
+            await self._paused(paused, reason)
+
+    async def _paused(self, migration: EmbeddingMigration, reason: str) -> None:
+        METRICS.migration_events.labels("paused").inc()
+        await self._audit.record(
+            AuditKind.EMBEDDING_MIGRATION,
+            actor=SYSTEM_ACTOR,
+            action="pause embedding migration",
+            target=_target(migration),
+            outcome=AuditOutcome.FAILED,
+            reason=Reason.EMBEDDER_UNAVAILABLE,
+            detail=reason,
+        )

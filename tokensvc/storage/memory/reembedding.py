@@ -1,0 +1,248 @@
+"""Re-embedding migrations in process memory (the contract:
+`tokensvc.storage.ports.EmbeddingMigrationStore`), over the rows of one `InMemoryMemoryStore`.
+
+The same semantics as `tokensvc.storage.postgres.reembedding`, checked by the conformance suite:
+one active migration per space, leases with expiry, batches in (bucket, id) order after a
+cursor, the cutover only when every live memory has a target vector. Rows are visited in
+code-point order of (bucket, id), which is PostgreSQL's order under the C collation; the suite
+relies on the order being total and consistent, not on which one it is.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from datetime import datetime, timedelta
+
+import numpy as np
+
+from tokensvc.storage.memory.memories import InMemoryMemoryStore, _Row, _vector, _with_vector
+from tokensvc.storage.records import EmbeddingMigration, MigrationState, PendingMemory
+
+__all__ = ["InMemoryEmbeddingMigrationStore"]
+
+
+class InMemoryEmbeddingMigrationStore:
+    def __init__(self, memories: InMemoryMemoryStore):
+        self._memories = memories
+        self._migrations: dict[str, EmbeddingMigration] = {}
+        self._leases: dict[str, datetime] = {}
+
+    def _now(self) -> datetime:
+        return self._memories._clock.now()
+
+    def _space_rows(self, migration: EmbeddingMigration) -> Iterator[_Row]:
+        for table in self._memories._rows.values():
+            for row in table.values():
+                if (row.namespace, row.agent) == (migration.namespace, migration.agent):
+                    yield row
+
+    def _ordered(self, migration: EmbeddingMigration) -> list[_Row]:
+        rows = sorted(self._space_rows(migration), key=lambda row: (row.bucket, row.id))
+        if migration.cursor is None:
+            return rows
+        return [row for row in rows if (row.bucket, row.id) > migration.cursor]
+
+    def _held(self, migration: EmbeddingMigration, runner: str) -> EmbeddingMigration | None:
+        stored = self._migrations.get(migration.id)
+        if (
+            stored is None
+            or stored.lease_owner != runner
+            or self._leases.get(stored.id, self._now()) < self._now()
+        ):
+            return None
+        return stored
+
+    def _save(self, migration: EmbeddingMigration) -> EmbeddingMigration:
+        saved = replace(migration, updated_at=self._now())
+        self._migrations[saved.id] = saved
+        return saved
+
+    async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
+        async with self._memories._lock:
+            space = self._memories._spaces.get((migration.namespace, migration.agent))
+            if space is None or space.generation != migration.from_generation:
+                return None
+            if any(
+                (m.namespace, m.agent) == (migration.namespace, migration.agent) and m.state.active
+                for m in self._migrations.values()
+            ):
+                return None
+            now = self._now()
+            live = sum(row.live(now) for row in self._space_rows(migration))
+            created = replace(
+                migration,
+                id=str(uuid.UUID(migration.id)),
+                state=MigrationState.BACKFILLING,
+                rows_total=live,
+                rows_done=0,
+                failures=0,
+                lease_owner=None,
+                reason="",
+                created_at=now,
+                cursor=None,
+            )
+            return self._save(created)
+
+    async def get(self, migration_id: str) -> EmbeddingMigration | None:
+        return self._migrations.get(str(uuid.UUID(migration_id)))
+
+    async def page(self, *, limit: int, before: tuple[datetime, str] | None) -> list[EmbeddingMigration]:
+        ordered = sorted(self._migrations.values(), key=lambda m: (m.created_at, m.id), reverse=True)
+        if before is not None:
+            ordered = [m for m in ordered if (m.created_at, m.id) < before]
+        return ordered[:limit]
+
+    async def transition(
+        self, migration_id: str, *, expect: Sequence[MigrationState], state: MigrationState, reason: str = ""
+    ) -> EmbeddingMigration | None:
+        async with self._memories._lock:
+            stored = self._migrations.get(str(uuid.UUID(migration_id)))
+            if stored is None or stored.state not in expect:
+                return None
+            finished = state in (MigrationState.SUCCEEDED, MigrationState.CANCELLED)
+            self._leases.pop(stored.id, None)
+            return self._save(
+                replace(
+                    stored,
+                    state=state,
+                    reason=reason,
+                    failures=0,
+                    lease_owner=None,
+                    finished_at=self._now() if finished else None,
+                    cursor=None if state is MigrationState.CANCELLING else stored.cursor,
+                )
+            )
+
+    async def claim(
+        self, runner: str, *, lease_seconds: float, embedders: Sequence[str], retire_after_seconds: float
+    ) -> EmbeddingMigration | None:
+        async with self._memories._lock:
+            now = self._now()
+            for migration in sorted(self._migrations.values(), key=lambda m: (m.created_at, m.id)):
+                if not migration.state.runnable:
+                    continue
+                if migration.state is MigrationState.BACKFILLING and migration.target.name not in embedders:
+                    continue
+                if migration.state is MigrationState.RETIRING and (
+                    migration.cut_over_at is None
+                    or migration.cut_over_at + timedelta(seconds=retire_after_seconds) > now
+                ):
+                    continue
+                lease = self._leases.get(migration.id)
+                if migration.lease_owner not in (None, runner) and lease is not None and lease >= now:
+                    continue
+                self._leases[migration.id] = now + timedelta(seconds=lease_seconds)
+                return self._save(replace(migration, lease_owner=runner))
+            return None
+
+    async def pending(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingMemory]:
+        now = self._now()
+        slot = migration.target_slot
+        out = []
+        for row in self._ordered(migration):
+            vector = row.slots[slot]
+            if row.live(now) and (vector is None or vector.shape[0] != migration.target.dimension):
+                out.append(PendingMemory(row.bucket, row.id, row.content, row.sha))
+                if len(out) == limit:
+                    break
+        return out
+
+    async def store_vectors(
+        self,
+        migration: EmbeddingMigration,
+        runner: str,
+        rows: Sequence[tuple[PendingMemory, np.ndarray]],
+        *,
+        lease_seconds: float,
+    ) -> EmbeddingMigration | None:
+        async with self._memories._lock:
+            stored = self._held(migration, runner)
+            if stored is None or stored.state is not MigrationState.BACKFILLING:
+                return None
+            written = 0
+            for pending, vector in rows:
+                table = self._memories._rows.get(pending.bucket, {})
+                row = table.get(pending.id)
+                if row is None or row.sha != pending.content_sha256:
+                    continue
+                table[row.id] = replace(
+                    row, slots=_with_vector(row.slots, stored.target_slot, _vector(vector))
+                )
+                written += 1
+            self._leases[stored.id] = self._now() + timedelta(seconds=lease_seconds)
+            done = stored.rows_done + written
+            return self._save(
+                replace(
+                    stored,
+                    rows_done=done,
+                    rows_total=max(stored.rows_total, done),
+                    failures=0,
+                    reason="",
+                    cursor=(rows[-1][0].bucket, rows[-1][0].id) if rows else stored.cursor,
+                )
+            )
+
+    async def rewind(self, migration: EmbeddingMigration, runner: str) -> bool:
+        async with self._memories._lock:
+            stored = self._held(migration, runner)
+            if stored is None:
+                return False
+            self._save(replace(stored, cursor=None))
+            return True
+
+    async def cut_over(self, migration: EmbeddingMigration, runner: str) -> bool:
+        async with self._memories._lock:
+            stored = self._held(migration, runner)
+            if stored is None or stored.state is not MigrationState.BACKFILLING:
+                return False
+            key = (stored.namespace, stored.agent)
+            space = self._memories._spaces[key]
+            if space.generation != stored.from_generation:
+                raise RuntimeError("the memory space moved on without this migration")
+            now = self._now()
+            for row in self._space_rows(stored):
+                vector = row.slots[stored.target_slot]
+                if row.live(now) and (vector is None or vector.shape[0] != stored.target.dimension):
+                    return False
+            self._memories._spaces[key] = replace(
+                space, embedder=stored.target, generation=stored.from_generation + 1
+            )
+            self._save(replace(stored, state=MigrationState.RETIRING, cut_over_at=now, cursor=None))
+            return True
+
+    async def clear_slot(
+        self, migration: EmbeddingMigration, runner: str, *, limit: int, lease_seconds: float
+    ) -> tuple[int, EmbeddingMigration] | None:
+        async with self._memories._lock:
+            stored = self._held(migration, runner)
+            if stored is None or stored.state is not migration.state:
+                return None
+            retiring = stored.state is MigrationState.RETIRING
+            slot = stored.from_generation % 2 if retiring else stored.target_slot
+            batch = [row for row in self._ordered(migration) if row.slots[slot] is not None][:limit]
+            for row in batch:
+                self._memories._rows[row.bucket][row.id] = replace(
+                    row, slots=_with_vector(row.slots, slot, None)
+                )
+            cursor = (batch[-1].bucket, batch[-1].id) if batch else stored.cursor
+            self._leases[stored.id] = self._now() + timedelta(seconds=lease_seconds)
+            return len(batch), self._save(replace(stored, cursor=cursor))
+
+    async def record_failure(
+        self, migration: EmbeddingMigration, runner: str, reason: str, *, pause_after: int
+    ) -> EmbeddingMigration | None:
+        async with self._memories._lock:
+            stored = self._held(migration, runner)
+            if stored is None:
+                return None
+            failures = stored.failures + 1
+            if failures < pause_after:
+                return self._save(replace(stored, failures=failures, reason=reason))
+            self._leases.pop(stored.id, None)
+            return self._save(
+                replace(
+                    stored, failures=failures, reason=reason, state=MigrationState.PAUSED, lease_owner=None
+                )
+            )

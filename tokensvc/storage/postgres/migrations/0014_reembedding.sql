@@ -1,0 +1,184 @@
+-- Re-embedding migrations (issue 16): a memory space moves to another embedder while it serves.
+--
+-- Every memory has two vector slots: (embedding, dimension) and (embedding_b, dimension_b). A
+-- memory space reads and writes the slot of its generation (even: the first, odd: the second).
+-- A migration fills the other slot in the background with the target embedder's vectors, then
+-- cuts over by pinning the target and bumping the generation: one row, one atomic switch. The old
+-- slot is emptied afterwards. Searches always read one slot, so no search mixes generations.
+--
+-- Adding nullable columns and dropping NOT NULL change the catalogue only; the new CHECK reads
+-- every row once (all NULL: fast), under the lock ALTER TABLE takes.
+
+ALTER TABLE tokensvc.memories
+    ALTER COLUMN embedding DROP NOT NULL,
+    ALTER COLUMN dimension DROP NOT NULL,
+    ADD COLUMN dimension_b integer,
+    ADD COLUMN embedding_b vector,
+    ADD CONSTRAINT memories_embedding_b_dims CHECK (vector_dims(embedding_b) = dimension_b);
+
+ALTER TABLE tokensvc.memory_spaces ADD COLUMN generation integer NOT NULL DEFAULT 0
+    CHECK (generation >= 0);
+
+-- HNSW on the second slot, named memories_pNNN_hnsw_b_D, attached to memories_hnsw_b_D; built
+-- when a migration to dimension D starts (before any row has it, so the build reads no vectors).
+CREATE FUNCTION tokensvc.ensure_memory_vector_index_b(dim integer) RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    part record;
+BEGIN
+    IF dim < 1 OR dim > 2000 THEN
+        RETURN false;
+    END IF;
+    PERFORM pg_advisory_xact_lock(hashtextextended('tokensvc.memories_hnsw_b_' || dim, 0));
+    IF to_regclass(format('tokensvc.memories_hnsw_b_%s', dim)) IS NOT NULL THEN
+        RETURN true;
+    END IF;
+    EXECUTE format(
+        'CREATE INDEX %I ON ONLY tokensvc.memories '
+        'USING hnsw ((embedding_b::vector(%s)) vector_ip_ops) WITH (m = 16, ef_construction = 64) '
+        'WHERE dimension_b = %s', 'memories_hnsw_b_' || dim, dim, dim);
+    FOR part IN
+        SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+        WHERE i.inhparent = 'tokensvc.memories'::regclass ORDER BY c.relname
+    LOOP
+        EXECUTE format(
+            'CREATE INDEX %I ON tokensvc.%I '
+            'USING hnsw ((embedding_b::vector(%s)) vector_ip_ops) WITH (m = 16, ef_construction = 64) '
+            'WHERE dimension_b = %s', part.relname || '_hnsw_b_' || dim, part.relname, dim, dim);
+        EXECUTE format('ALTER INDEX tokensvc.%I ATTACH PARTITION tokensvc.%I',
+                       'memories_hnsw_b_' || dim, part.relname || '_hnsw_b_' || dim);
+    END LOOP;
+    RETURN true;
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.ensure_memory_vector_index_b(integer) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION tokensvc.ensure_memory_vector_index_b(integer) TO {app_role};
+
+-- The generation guard. A writer declares the generation it embedded for
+-- (`tokensvc.generation`); its row is refused (SQLSTATE TK001) when the space has moved on, so a
+-- replica still holding the old pin re-reads it and embeds again, never writing old-model
+-- vectors into a generation that no longer reads them. The share lock on the space row orders
+-- every write with a cutover (which takes the row FOR UPDATE): a write either commits before the
+-- cutover checks for rows the migration has not embedded, or waits and then sees the new
+-- generation. A content change also clears the other slot, whose vector is of the old content (a
+-- running migration embeds the row again).
+CREATE FUNCTION tokensvc.memories_generation_guard() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    declared text := current_setting('tokensvc.generation', true);
+    current_generation integer;
+BEGIN
+    IF declared IS NULL OR declared = '' THEN
+        RETURN NEW;  -- not a tenant write: a bucket move, the migration runner, the sweep
+    END IF;
+    SELECT s.generation INTO current_generation FROM tokensvc.memory_spaces s
+    WHERE s.namespace = NEW.namespace AND s.agent = NEW.agent FOR SHARE;
+    IF current_generation IS DISTINCT FROM declared::integer THEN
+        RAISE EXCEPTION 'memory space %/% is at generation %, not %', NEW.namespace, NEW.agent,
+            current_generation, declared USING ERRCODE = 'TK001';
+    END IF;
+    IF TG_OP = 'UPDATE' AND NEW.content IS DISTINCT FROM OLD.content THEN
+        IF current_generation % 2 = 0 THEN
+            NEW.embedding_b := NULL;
+            NEW.dimension_b := NULL;
+        ELSE
+            NEW.embedding := NULL;
+            NEW.dimension := NULL;
+        END IF;
+    END IF;
+    RETURN NEW;
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.memories_generation_guard() FROM PUBLIC;
+CREATE TRIGGER memories_generation_guard BEFORE INSERT OR UPDATE ON tokensvc.memories
+    FOR EACH ROW EXECUTE FUNCTION tokensvc.memories_generation_guard();
+
+-- The migration runner reads and writes every bucket of the one space it migrates: it declares
+-- the space and `tokensvc.migration = 'on'`, which no tenant transaction declares.
+CREATE POLICY memories_migration ON tokensvc.memories
+    USING (current_setting('tokensvc.migration', true) = 'on'
+           AND namespace = current_setting('tokensvc.namespace', true)
+           AND agent = current_setting('tokensvc.agent', true))
+    WITH CHECK (current_setting('tokensvc.migration', true) = 'on'
+                AND namespace = current_setting('tokensvc.namespace', true)
+                AND agent = current_setting('tokensvc.agent', true));
+
+-- One row per migration: what it moves to, where it is, and who runs it (a lease, so one replica
+-- runs it at a time and another takes over when the runner dies).
+CREATE TABLE tokensvc.embedding_migrations (
+    id              uuid        PRIMARY KEY,
+    namespace       text        NOT NULL,
+    agent           text        NOT NULL,
+    from_generation integer     NOT NULL,
+    from_embedder   text        NOT NULL,
+    from_model      text        NOT NULL,
+    from_dimension  integer     NOT NULL,
+    to_embedder     text        NOT NULL,
+    to_model        text        NOT NULL,
+    to_dimension    integer     NOT NULL CHECK (to_dimension BETWEEN 1 AND 16000),
+    to_normalized   boolean     NOT NULL,
+    state           text        NOT NULL
+        CHECK (state IN ('backfilling', 'paused', 'retiring', 'succeeded', 'cancelling', 'cancelled')),
+    reason          text        NOT NULL DEFAULT '',
+    rows_total      bigint      NOT NULL DEFAULT 0,
+    rows_done       bigint      NOT NULL DEFAULT 0,
+    -- Where the backfill (or the clean-up) has got to, in (bucket, id) order.
+    cursor_bucket   text,
+    cursor_id       uuid,
+    failures        integer     NOT NULL DEFAULT 0,
+    lease_owner     text,
+    lease_until     timestamptz,
+    created_by      text        NOT NULL,
+    created_at      timestamptz NOT NULL DEFAULT clock_timestamp(),
+    updated_at      timestamptz NOT NULL DEFAULT clock_timestamp(),
+    cut_over_at     timestamptz,
+    finished_at     timestamptz
+);
+-- One migration at a time per space, until its clean-up is done (it uses the space's other slot).
+CREATE UNIQUE INDEX embedding_migrations_one_per_space ON tokensvc.embedding_migrations (namespace, agent)
+    WHERE state IN ('backfilling', 'paused', 'retiring', 'cancelling');
+CREATE INDEX embedding_migrations_active ON tokensvc.embedding_migrations (created_at)
+    WHERE state IN ('backfilling', 'retiring', 'cancelling');
+REVOKE DELETE, TRUNCATE ON tokensvc.embedding_migrations FROM {app_role};
+
+-- The cutover, as the owner (the serving role cannot change a pin): with the space row locked, so
+-- no write is in flight, it checks that every live memory of the space has a vector in the target
+-- slot, then pins the target and bumps the generation. Returns false (and changes nothing) when a
+-- row is missing one, or when the caller no longer holds the migration's lease.
+CREATE FUNCTION tokensvc.cut_over_memory_space(migration uuid, runner text) RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    m tokensvc.embedding_migrations;
+    current_generation integer;
+BEGIN
+    SELECT * INTO m FROM tokensvc.embedding_migrations WHERE id = migration FOR UPDATE;
+    IF NOT FOUND OR m.state <> 'backfilling' OR m.lease_owner IS DISTINCT FROM runner
+       OR m.lease_until < clock_timestamp() THEN
+        RETURN false;
+    END IF;
+    PERFORM set_config('tokensvc.namespace', m.namespace, true);
+    PERFORM set_config('tokensvc.agent', m.agent, true);
+    SELECT generation INTO current_generation FROM tokensvc.memory_spaces
+    WHERE namespace = m.namespace AND agent = m.agent FOR UPDATE;
+    IF current_generation IS DISTINCT FROM m.from_generation THEN
+        RAISE EXCEPTION 'memory space %/% is at generation %, the migration started from %',
+            m.namespace, m.agent, current_generation, m.from_generation;
+    END IF;
+    IF EXISTS (
+        SELECT 1 FROM tokensvc.memories
+        WHERE namespace = m.namespace AND agent = m.agent AND (expires_at IS NULL OR expires_at > now())
+          AND CASE WHEN m.from_generation % 2 = 0 THEN dimension_b IS DISTINCT FROM m.to_dimension
+                   ELSE dimension IS DISTINCT FROM m.to_dimension END
+    ) THEN
+        RETURN false;
+    END IF;
+    UPDATE tokensvc.memory_spaces
+    SET embedder = m.to_embedder, model = m.to_model, dimension = m.to_dimension,
+        normalized = m.to_normalized, generation = m.from_generation + 1
+    WHERE namespace = m.namespace AND agent = m.agent;
+    UPDATE tokensvc.embedding_migrations
+    SET state = 'retiring', cut_over_at = clock_timestamp(), updated_at = clock_timestamp(),
+        cursor_bucket = NULL, cursor_id = NULL
+    WHERE id = migration;
+    RETURN true;
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.cut_over_memory_space(uuid, text) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION tokensvc.cut_over_memory_space(uuid, text) TO {app_role};

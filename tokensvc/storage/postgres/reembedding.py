@@ -1,0 +1,295 @@
+"""Re-embedding migrations in PostgreSQL (the contract: `tokensvc.storage.ports.EmbeddingMigrationStore`).
+
+The migration row (`embedding_migrations`, migration 0014) is the durable state; the runner's
+transactions declare the space they migrate (`Tenant.whole_space`), which lets them read and
+write every bucket of that one space (the `memories_migration` policy) and nothing else. Every
+runner statement checks the lease in the same transaction as its work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+import numpy as np
+from pgvector import Vector
+
+from tokensvc.storage.postgres.errors import translate_errors
+from tokensvc.storage.postgres.tenant import tenant_transaction
+from tokensvc.storage.records import (
+    EmbedderSpec,
+    EmbeddingMigration,
+    MigrationState,
+    PendingMemory,
+    Tenant,
+)
+
+__all__ = ["PostgresEmbeddingMigrationStore"]
+
+_LIVE = "(expires_at IS NULL OR expires_at > now())"
+_SLOTS = (("embedding", "dimension"), ("embedding_b", "dimension_b"))
+_RUNNABLE = [MigrationState.BACKFILLING.value, MigrationState.RETIRING.value, MigrationState.CANCELLING.value]
+_FINISHED = [MigrationState.SUCCEEDED.value, MigrationState.CANCELLED.value]
+# The runner's lease, checked (and renewed) in the transaction that does the work.
+_LEASED = "id = $1 AND lease_owner = $2 AND lease_until >= clock_timestamp()"
+
+
+def _migration(row: asyncpg.Record) -> EmbeddingMigration:
+    cursor = None if row["cursor_bucket"] is None else (row["cursor_bucket"], str(row["cursor_id"]))
+    return EmbeddingMigration(
+        id=str(row["id"]),
+        namespace=row["namespace"],
+        agent=row["agent"],
+        from_generation=row["from_generation"],
+        # The source's normalisation is not kept: every stored vector is unit length anyway.
+        source=EmbedderSpec(row["from_embedder"], row["from_model"], row["from_dimension"], True),
+        target=EmbedderSpec(row["to_embedder"], row["to_model"], row["to_dimension"], row["to_normalized"]),
+        state=MigrationState(row["state"]),
+        created_by=row["created_by"],
+        reason=row["reason"],
+        rows_total=row["rows_total"],
+        rows_done=row["rows_done"],
+        failures=row["failures"],
+        lease_owner=row["lease_owner"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        cut_over_at=row["cut_over_at"],
+        finished_at=row["finished_at"],
+        cursor=cursor,
+    )
+
+
+def _space(migration: EmbeddingMigration) -> Tenant:
+    return Tenant(migration.namespace, migration.agent, whole_space=True)
+
+
+def _after(migration: EmbeddingMigration, params: list[Any]) -> str:
+    if migration.cursor is None:
+        return ""
+    params += [migration.cursor[0], migration.cursor[1]]
+    return f" AND (bucket, id) > (${len(params) - 1}, ${len(params)}::uuid)"
+
+
+@translate_errors
+class PostgresEmbeddingMigrationStore:
+    def __init__(self, pool: asyncpg.Pool):
+        self._pool = pool
+
+    async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
+        function = "ensure_memory_vector_index_b" if migration.target_slot else "ensure_memory_vector_index"
+        async with self._pool.acquire() as conn:
+            await conn.execute(f"SELECT {function}($1)", migration.target.dimension)
+        source, target = migration.source, migration.target
+        async with tenant_transaction(self._pool, _space(migration)) as conn:
+            row = await conn.fetchrow(
+                "INSERT INTO embedding_migrations (id, namespace, agent, from_generation, from_embedder, "
+                "from_model, from_dimension, to_embedder, to_model, to_dimension, to_normalized, state, "
+                "rows_total, created_by) "
+                "SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'backfilling', "
+                f"(SELECT count(*) FROM memories WHERE namespace = $2 AND agent = $3 AND {_LIVE}), $12 "
+                "WHERE EXISTS (SELECT 1 FROM memory_spaces WHERE namespace = $2 AND agent = $3 "
+                "AND generation = $4) "
+                "ON CONFLICT DO NOTHING RETURNING *",
+                migration.id,
+                migration.namespace,
+                migration.agent,
+                migration.from_generation,
+                source.name,
+                source.model,
+                source.dimension,
+                target.name,
+                target.model,
+                target.dimension,
+                target.normalized,
+                migration.created_by,
+            )
+        return None if row is None else _migration(row)
+
+    async def get(self, migration_id: str) -> EmbeddingMigration | None:
+        async with self._pool.acquire() as conn:
+            row = await conn.fetchrow("SELECT * FROM embedding_migrations WHERE id = $1", migration_id)
+        return None if row is None else _migration(row)
+
+    async def page(self, *, limit: int, before: tuple[datetime, str] | None) -> list[EmbeddingMigration]:
+        params: list[Any] = [limit]
+        where = ""
+        if before is not None:
+            params += [before[0], before[1]]
+            where = "WHERE (created_at, id) < ($2, $3::uuid) "
+        async with self._pool.acquire() as conn:
+            rows = await conn.fetch(
+                f"SELECT * FROM embedding_migrations {where}ORDER BY created_at DESC, id DESC LIMIT $1",
+                *params,
+            )
+        return [_migration(row) for row in rows]
+
+    async def transition(
+        self, migration_id: str, *, expect: Sequence[MigrationState], state: MigrationState, reason: str = ""
+    ) -> EmbeddingMigration | None:
+        async with self._pool.acquire() as conn:
+            row = await conn.fetchrow(
+                "UPDATE embedding_migrations SET state = $2, reason = $3, failures = 0, lease_owner = NULL, "
+                "lease_until = NULL, updated_at = clock_timestamp(), "
+                "finished_at = CASE WHEN $2 = ANY($5::text[]) THEN clock_timestamp() END, "
+                # The clean-up of a cancelled migration walks the space from the start.
+                "cursor_bucket = CASE WHEN $2 = 'cancelling' THEN NULL ELSE cursor_bucket END, "
+                "cursor_id = CASE WHEN $2 = 'cancelling' THEN NULL ELSE cursor_id END "
+                "WHERE id = $1 AND state = ANY($4::text[]) RETURNING *",
+                migration_id,
+                state.value,
+                reason,
+                [s.value for s in expect],
+                _FINISHED,
+            )
+        return None if row is None else _migration(row)
+
+    async def claim(
+        self, runner: str, *, lease_seconds: float, embedders: Sequence[str], retire_after_seconds: float
+    ) -> EmbeddingMigration | None:
+        async with self._pool.acquire() as conn:
+            row = await conn.fetchrow(
+                "UPDATE embedding_migrations SET lease_owner = $1, updated_at = clock_timestamp(), "
+                "lease_until = clock_timestamp() + make_interval(secs => $2) "
+                "WHERE id = (SELECT id FROM embedding_migrations WHERE state = ANY($4::text[]) "
+                "AND (state <> 'backfilling' OR to_embedder = ANY($3::text[])) "
+                "AND (state <> 'retiring' OR cut_over_at + make_interval(secs => $5) <= clock_timestamp()) "
+                "AND (lease_owner IS NULL OR lease_owner = $1 OR lease_until < clock_timestamp()) "
+                "ORDER BY created_at, id LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING *",
+                runner,
+                lease_seconds,
+                list(embedders),
+                _RUNNABLE,
+                retire_after_seconds,
+            )
+        return None if row is None else _migration(row)
+
+    async def pending(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingMemory]:
+        _, dimension = _SLOTS[migration.target_slot]
+        params: list[Any] = [migration.namespace, migration.agent, migration.target.dimension, limit]
+        after = _after(migration, params)
+        async with tenant_transaction(self._pool, _space(migration)) as conn:
+            rows = await conn.fetch(
+                "SELECT bucket, id, content, content_sha256 FROM memories "
+                f"WHERE namespace = $1 AND agent = $2 AND {_LIVE} AND {dimension} IS DISTINCT FROM $3{after} "
+                "ORDER BY bucket, id LIMIT $4",
+                *params,
+            )
+        return [PendingMemory(row[0], str(row[1]), row[2], row[3]) for row in rows]
+
+    async def store_vectors(
+        self,
+        migration: EmbeddingMigration,
+        runner: str,
+        rows: Sequence[tuple[PendingMemory, np.ndarray]],
+        *,
+        lease_seconds: float,
+    ) -> EmbeddingMigration | None:
+        vector, dimension = _SLOTS[migration.target_slot]
+        last = rows[-1][0] if rows else None
+        async with tenant_transaction(self._pool, _space(migration)) as conn:
+            held = await conn.fetchval(
+                f"SELECT 1 FROM embedding_migrations WHERE {_LEASED} AND state = 'backfilling' FOR UPDATE",
+                migration.id,
+                runner,
+            )
+            if held is None:
+                return None
+            result = await conn.execute(
+                f"UPDATE memories m SET {vector} = u.embedding, {dimension} = $7 "
+                "FROM unnest($3::text[], $4::uuid[], $5::bytea[], $6::vector[]) AS u(bucket, id, sha, embedding) "
+                "WHERE m.bucket = u.bucket AND m.id = u.id AND m.content_sha256 = u.sha "
+                "AND m.namespace = $1 AND m.agent = $2",
+                migration.namespace,
+                migration.agent,
+                [pending.bucket for pending, _ in rows],
+                [pending.id for pending, _ in rows],
+                [pending.content_sha256 for pending, _ in rows],
+                [Vector(v) for _, v in rows],
+                migration.target.dimension,
+            )
+            written = int(result.split()[-1])
+            row = await conn.fetchrow(
+                "UPDATE embedding_migrations SET rows_done = rows_done + $2, "
+                "rows_total = greatest(rows_total, rows_done + $2), failures = 0, reason = '', "
+                "cursor_bucket = coalesce($3, cursor_bucket), cursor_id = coalesce($4::uuid, cursor_id), "
+                "lease_until = clock_timestamp() + make_interval(secs => $5), updated_at = clock_timestamp() "
+                "WHERE id = $1 RETURNING *",
+                migration.id,
+                written,
+                None if last is None else last.bucket,
+                None if last is None else last.id,
+                lease_seconds,
+            )
+        return None if row is None else _migration(row)
+
+    async def rewind(self, migration: EmbeddingMigration, runner: str) -> bool:
+        async with self._pool.acquire() as conn:
+            result = await conn.execute(
+                "UPDATE embedding_migrations SET cursor_bucket = NULL, cursor_id = NULL, "
+                f"updated_at = clock_timestamp() WHERE {_LEASED}",
+                migration.id,
+                runner,
+            )
+        return result != "UPDATE 0"
+
+    async def cut_over(self, migration: EmbeddingMigration, runner: str) -> bool:
+        async with self._pool.acquire() as conn:
+            done = await conn.fetchval("SELECT cut_over_memory_space($1, $2)", migration.id, runner)
+        return bool(done)
+
+    async def clear_slot(
+        self, migration: EmbeddingMigration, runner: str, *, limit: int, lease_seconds: float
+    ) -> tuple[int, EmbeddingMigration] | None:
+        slot = (
+            migration.from_generation % 2
+            if migration.state is MigrationState.RETIRING
+            else migration.target_slot
+        )
+        vector, dimension = _SLOTS[slot]
+        params: list[Any] = [migration.id, migration.namespace, migration.agent, limit, lease_seconds]
+        after = _after(migration, params)
+        async with tenant_transaction(self._pool, _space(migration)) as conn:
+            held = await conn.fetchval(
+                f"SELECT 1 FROM embedding_migrations WHERE {_LEASED} AND state = $3 FOR UPDATE",
+                migration.id,
+                runner,
+                migration.state.value,
+            )
+            if held is None:
+                return None
+            # The cursor moves to the batch's last row in the database's own order (its collation).
+            row = await conn.fetchrow(
+                "WITH batch AS (SELECT bucket, id FROM memories WHERE namespace = $2 AND agent = $3 "
+                f"AND {dimension} IS NOT NULL{after} ORDER BY bucket, id LIMIT $4), "
+                f"cleared AS (UPDATE memories m SET {vector} = NULL, {dimension} = NULL FROM batch "
+                "WHERE m.bucket = batch.bucket AND m.id = batch.id RETURNING 1), "
+                "last AS (SELECT bucket, id FROM batch ORDER BY bucket DESC, id DESC LIMIT 1) "
+                "UPDATE embedding_migrations SET updated_at = clock_timestamp(), "
+                "lease_until = clock_timestamp() + make_interval(secs => $5), "
+                "cursor_bucket = coalesce((SELECT bucket FROM last), cursor_bucket), "
+                "cursor_id = coalesce((SELECT id FROM last), cursor_id) "
+                "WHERE id = $1 RETURNING (SELECT count(*) FROM cleared) AS cleared, *",
+                *params,
+            )
+        assert row is not None
+        return int(row["cleared"]), _migration(row)
+
+    async def record_failure(
+        self, migration: EmbeddingMigration, runner: str, reason: str, *, pause_after: int
+    ) -> EmbeddingMigration | None:
+        async with self._pool.acquire() as conn:
+            row = await conn.fetchrow(
+                "UPDATE embedding_migrations SET failures = failures + 1, reason = $3, "
+                "updated_at = clock_timestamp(), "
+                "state = CASE WHEN failures + 1 >= $4 THEN 'paused' ELSE state END, "
+                "lease_owner = CASE WHEN failures + 1 >= $4 THEN NULL ELSE lease_owner END, "
+                "lease_until = CASE WHEN failures + 1 >= $4 THEN NULL ELSE lease_until END "
+                f"WHERE {_LEASED} RETURNING *",
+                migration.id,
+                runner,
+                reason,
+                pause_after,
+            )
+        return None if row is None else _migration(row)
