@@ -12,7 +12,9 @@ cached for `space_cache_seconds` only, so every replica follows a cutover.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import time
 import unicodedata
 import uuid
@@ -55,6 +57,7 @@ from tokensvc.storage.records import CandidateQuery, Tenant
 
 __all__ = ["LongTermMemory", "RememberItem", "SearchHit", "SearchMode", "SearchQuery", "SearchTuning"]
 
+_log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("tokensvc.memory")
 T = TypeVar("T")
 _SPACE_CACHE_SIZE = 10_000
@@ -89,6 +92,7 @@ class _Space:
     spec: EmbedderSpec
     text_config: str
     embedder: Embedder | None
+    migrating_to: EmbedderSpec | None = None
 
 
 def normalise_content(content: str) -> str:
@@ -152,7 +156,14 @@ class LongTermMemory:
             self._spaces[key] = (pinned, time.monotonic() + self._space_cache_seconds)
         spec = pinned.embedder
         tenant = Tenant(scope.namespace, scope.agent, (scope.bucket_id,), generation=pinned.generation)
-        return _Space(tenant, scope.bucket_id, spec, pinned.text_config, self._pinned_embedder(spec))
+        return _Space(
+            tenant,
+            scope.bucket_id,
+            spec,
+            pinned.text_config,
+            self._pinned_embedder(spec),
+            pinned.migrating_to,
+        )
 
     async def _fresh(self, scope: TenantScope, attempt: Callable[[], Awaitable[T]]) -> T:
         """Run a write; when a migration's cutover made its pin stale, read the pin again and redo it."""
@@ -228,7 +239,10 @@ class LongTermMemory:
                     resolved.append(None)
 
             if pending:
-                vectors = await self._embed_documents(embedder, [normalised[i] for i in pending])
+                texts = [normalised[i] for i in pending]
+                vectors, nexts = await asyncio.gather(
+                    self._embed_documents(embedder, texts), self._embed_for_migration(space, texts)
+                )
                 rows = [
                     NewMemory(
                         id=str(uuid.uuid4()),
@@ -238,8 +252,9 @@ class LongTermMemory:
                         idempotency_key=items[i].idempotency_key,
                         ttl_seconds=items[i].ttl_seconds,
                         embedding=unit_vector(vector, f"items[{i}]"),
+                        next_embedding=None if nexts is None else unit_vector(nexts[n], f"items[{i}]"),
                     )
-                    for i, vector in zip(pending, vectors, strict=True)
+                    for n, (i, vector) in enumerate(zip(pending, vectors, strict=True))
                 ]
                 stored = await self._store.insert(space.tenant, space.bucket, rows)
                 self._sizes.grew(space.bucket, sum(ref.inserted for ref in stored))
@@ -251,6 +266,22 @@ class LongTermMemory:
                         resolved[index] = (ref.id, not first)
             span.set_attribute("tokensvc.memory.inserted", len(pending))
             return [pair for pair in resolved if pair is not None]
+
+    async def _embed_for_migration(self, space: _Space, texts: list[str]) -> np.ndarray | None:
+        """While a migration backfills the space, new memories get its target's vectors too (so
+        the backfill converges however fast memories arrive). Best effort: without them, the
+        migration embeds the rows itself; a Remember never fails because of the target."""
+        target = space.migrating_to
+        if target is None or target.name not in self._embedders.names:
+            return None
+        embedder = self._embedders.get(target.name)
+        if embedder.spec != target:
+            return None
+        try:
+            return await self._embed_documents(embedder, texts)
+        except Exception as exc:  # the migration's own runner retries and reports it
+            _log.warning("the migration target %s failed for a write (%s)", target.name, type(exc).__name__)
+            return None
 
     async def _embed_documents(self, embedder: Embedder, texts: list[str]) -> np.ndarray:
         with _tracer.start_as_current_span("embed", record_exception=False) as span:

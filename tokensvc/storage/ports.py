@@ -84,7 +84,9 @@ class MemoryStore(Protocol):
     - Vectors live in the slot of `tenant.generation` (0 when None; `MemorySpace.slot`): writes
       store it there, searches rank by it. `insert` and `update` with a `tenant.generation` that
       is not the space's current one raise `StaleMemorySpace` and write nothing. A content
-      change empties the row's other slot.
+      change empties the row's other slot. A `NewMemory.next_embedding` goes to the other slot
+      (a backfilling migration's target vector), so the migration need not embed that row again.
+    - `get_space` reports the target of the space's backfilling migration (`migrating_to`).
     """
 
     async def get_space(self, tenant: Tenant) -> MemorySpace | None:

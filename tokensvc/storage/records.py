@@ -132,6 +132,8 @@ class NewMemory:
     idempotency_key: str | None
     ttl_seconds: int | None
     embedding: np.ndarray = field(repr=False)
+    # While a migration backfills the space: the target embedder's vector, for the other slot.
+    next_embedding: np.ndarray | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,8 @@ class MemorySpace:
     embedder: EmbedderSpec
     text_config: str
     generation: int = 0
+    # The target of the space's backfilling migration, if one runs: new memories get both vectors.
+    migrating_to: EmbedderSpec | None = field(default=None, compare=False)
 
     @property
     def slot(self) -> int:

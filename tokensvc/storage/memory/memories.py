@@ -31,6 +31,7 @@ from tokensvc.storage.memory.ranking import Searchable, candidates
 from tokensvc.storage.memory.text import Terms, terms_of
 from tokensvc.storage.ports import StaleMemorySpace
 from tokensvc.storage.records import (
+    EmbedderSpec,
     MemoryRecord,
     MemorySpace,
     NewMemory,
@@ -115,6 +116,8 @@ class InMemoryMemoryStore:
         self._lock = asyncio.Lock()
         self._rows: dict[str, dict[str, _Row]] = {}  # bucket -> id -> row, in insertion order
         self._spaces: dict[tuple[str, str], MemorySpace] = {}
+        # Backfilling migrations' targets by space (kept by InMemoryEmbeddingMigrationStore).
+        self._migrating: dict[tuple[str, str], EmbedderSpec] = {}
 
     def _bucket(self, tenant: Tenant, bucket: str) -> dict[str, _Row]:
         """The bucket's rows, or nothing when the tenant did not declare it (row-level security)."""
@@ -131,7 +134,9 @@ class InMemoryMemoryStore:
     # --- memory spaces ----------------------------------------------------------------------
 
     async def get_space(self, tenant: Tenant) -> MemorySpace | None:
-        return self._spaces.get((tenant.namespace, tenant.agent))
+        key = (tenant.namespace, tenant.agent)
+        space = self._spaces.get(key)
+        return None if space is None else replace(space, migrating_to=self._migrating.get(key))
 
     async def pin_space(self, tenant: Tenant, space: MemorySpace) -> MemorySpace:
         """Pin `space` unless one is pinned; every dimension can be searched (exactly) here."""
@@ -235,7 +240,15 @@ class InMemoryMemoryStore:
                     sha=new.content_sha256,
                     metadata=dict(new.metadata),
                     key=new.idempotency_key or None,
-                    slots=_with_vector((None, None), _slot(tenant), _vector(new.embedding)),
+                    slots=_with_vector(
+                        _with_vector(
+                            (None, None),
+                            1 - _slot(tenant),
+                            None if new.next_embedding is None else _vector(new.next_embedding),
+                        ),
+                        _slot(tenant),
+                        _vector(new.embedding),
+                    ),
                     terms=terms_of(new.content),
                     created_at=at,
                     updated_at=at,

@@ -57,6 +57,11 @@ class InMemoryEmbeddingMigrationStore:
     def _save(self, migration: EmbeddingMigration) -> EmbeddingMigration:
         saved = replace(migration, updated_at=self._now())
         self._migrations[saved.id] = saved
+        key = (saved.namespace, saved.agent)
+        if saved.state is MigrationState.BACKFILLING:
+            self._memories._migrating[key] = saved.target
+        elif self._memories._migrating.get(key) == saved.target:
+            del self._memories._migrating[key]
         return saved
 
     async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:

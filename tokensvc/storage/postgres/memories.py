@@ -69,13 +69,16 @@ def _record(row: asyncpg.Record, embedder: str) -> MemoryRecord:
 
 
 _SPACE_SQL = (
-    "SELECT embedder, model, dimension, normalized, text_config::text, generation FROM memory_spaces "
-    "WHERE namespace = $1 AND agent = $2"
+    "SELECT s.embedder, s.model, s.dimension, s.normalized, s.text_config::text, s.generation, "
+    "m.to_embedder, m.to_model, m.to_dimension, m.to_normalized FROM memory_spaces s "
+    "LEFT JOIN embedding_migrations m ON m.namespace = s.namespace AND m.agent = s.agent "
+    "AND m.state = 'backfilling' WHERE s.namespace = $1 AND s.agent = $2"
 )
 
 
 def _space(row: asyncpg.Record) -> MemorySpace:
-    return MemorySpace(EmbedderSpec(row[0], row[1], row[2], row[3]), row[4], row[5])
+    target = None if row[6] is None else EmbedderSpec(row[6], row[7], row[8], row[9])
+    return MemorySpace(EmbedderSpec(row[0], row[1], row[2], row[3]), row[4], row[5], migrating_to=target)
 
 
 def _where(bucket_param: str, filter_: Filter | None, params: list[Any]) -> str:
@@ -192,6 +195,14 @@ class PostgresMemoryStore:
         (`english`, the column default, for a space not pinned yet: the domain always pins first)."""
         dimension = int(rows[0].embedding.shape[0])
         slot = _slot(tenant)
+        # A backfilling migration's vectors go to the other slot (all rows have one, or none do).
+        other = _SLOTS[1 - _SLOTS.index(slot)]
+        nexts = [r.next_embedding for r in rows]
+        both = all(v is not None for v in nexts)
+        next_columns = f", {other.dimension}, {other.vector}" if both else ""
+        next_values = ", $13, u.next_embedding" if both else ""
+        next_input = ", $12::vector[]" if both else ""
+        next_name = ", next_embedding" if both else ""
         async with tenant_transaction(self._pool, tenant) as conn:
             # Expired rows would block a re-insert of the same content: clear them first.
             await conn.execute(
@@ -205,13 +216,14 @@ class PostgresMemoryStore:
                 f"""
                 INSERT INTO memories (bucket, id, namespace, agent, content, content_sha256, metadata,
                                       idempotency_key, {slot.dimension}, {slot.vector}, expires_at, created_at,
-                                      updated_at, text_config)
+                                      updated_at, text_config{next_columns})
                 SELECT $1, u.id, $2, $3, u.content, u.sha, u.metadata, u.key, $4, u.embedding,
                        CASE WHEN u.ttl IS NULL THEN NULL ELSE t.at + make_interval(secs => u.ttl) END, t.at, t.at,
                        coalesce((SELECT s.text_config FROM memory_spaces s
-                                 WHERE s.namespace = $2 AND s.agent = $3), 'english'::regconfig)
+                                 WHERE s.namespace = $2 AND s.agent = $3), 'english'::regconfig){next_values}
                 FROM unnest($5::uuid[], $6::text[], $7::bytea[], $8::jsonb[], $9::text[], $10::vector[],
-                            $11::int[]) WITH ORDINALITY AS u(id, content, sha, metadata, key, embedding, ttl, ord)
+                            $11::int[]{next_input})
+                     WITH ORDINALITY AS u(id, content, sha, metadata, key, embedding, ttl{next_name}, ord)
                 -- One clock reading per row (the reference to u makes it per row, in batch order):
                 -- created == updated on insert, later items are newer, and the TTL counts from it.
                 CROSS JOIN LATERAL (SELECT clock_timestamp() AS at WHERE u.ord IS NOT NULL) t
@@ -230,6 +242,11 @@ class PostgresMemoryStore:
                 # Wrapped so asyncpg does not read a list of ndarrays as a 2-D array.
                 [Vector(r.embedding) for r in rows],
                 [r.ttl_seconds for r in rows],
+                *(
+                    [[Vector(v) for v in nexts if v is not None], int(nexts[0].shape[0])]  # type: ignore[union-attr]
+                    if both
+                    else []
+                ),
             )
             refs = [StoredRef(str(r[0]), r[1], r[2], inserted=True) for r in inserted]
             done = {ref.content_sha256 for ref in refs}
