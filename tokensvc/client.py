@@ -38,6 +38,7 @@ from tokensvc.v1 import (
     knowledge_pb2_grpc,
     memory_pb2,
     memory_pb2_grpc,
+    migration_pb2_grpc,
 )
 
 __all__ = ["ClientCertificates", "TokensvcClient", "TokensvcError"]
@@ -47,6 +48,7 @@ _STUBS: dict[str, Callable[[grpc.aio.Channel], Any]] = {
     "MemoryService": memory_pb2_grpc.MemoryServiceStub,
     "KnowledgeService": knowledge_pb2_grpc.KnowledgeServiceStub,
     "AdminService": admin_pb2_grpc.AdminServiceStub,
+    "MigrationService": migration_pb2_grpc.MigrationServiceStub,
 }
 # Reads and derivations: safe to send again after UNAVAILABLE.
 _IDEMPOTENT = frozenset(

@@ -5,6 +5,7 @@ launchers search and write, with the runner every replica runs."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import grpc
 import pytest
 
 from tests.api.memory_support import TIMEOUT, Caller, Launchers
+from tests.cli.test_capability_cli import connection, tokensvc
 from tests.support import SharedDatabase, failure_of, role_channel, superuser
 from tokensvc.app import Service
 from tokensvc.auth.devpki import DevPaths
@@ -277,3 +279,37 @@ async def test_migrations_refuse_what_they_cannot_do_with_the_field_or_reason_na
         launcher_stub.StartEmbeddingMigration(start_request(agent), metadata=caller.metadata, timeout=TIMEOUT)
     )
     assert (refused.code, refused.reason) == (grpc.StatusCode.PERMISSION_DENIED, "ROLE_NOT_ALLOWED")
+
+
+async def test_the_cli_starts_follows_lists_and_reports_a_migration(migrating: Any, dev: DevPaths) -> None:
+    service, launchers, _ = migrating
+    agent = launchers.new_agent()
+    await launchers.caller(agent).remember(*FACTS)
+    conn = connection(service, dev)
+    space = ["--namespace", "default", "--agent", agent, "--embedder", E5]
+
+    code, out, err = await tokensvc("admin", "migrate", "start", *space, "--dry-run", "--json", *conn)
+    assert code == 0, err
+    estimate = json.loads(out)["estimate"]
+    assert (estimate["rows"], estimate["target"]["dimension"]) == ("4", 384)
+    assert "migration" not in json.loads(out)
+
+    code, out, err = await tokensvc("admin", "migrate", "start", *space, "--wait", *conn)
+    assert code == 0, err
+    assert "succeeded" in out
+    assert "hash64 (64) -> multilingual-e5-small (384)" in out
+
+    code, out, err = await tokensvc("admin", "migrate", "list", "--json", *conn)
+    assert code == 0, err
+    mine = [m for m in json.loads(out)["migrations"] if m["memory_space"]["agent"] == agent]
+    assert [m["phase"] for m in mine] == ["MIGRATION_PHASE_SUCCEEDED"]
+    code, out, err = await tokensvc("admin", "migrate", "status", mine[0]["id"], *conn)
+    assert code == 0, err
+    assert "4/4 memories" in out
+
+    code, _, err = await tokensvc("admin", "migrate", "cancel", mine[0]["id"], *conn)
+    assert code != 0
+    assert "MIGRATION_CONFLICT" in err or "cannot be cancelled" in err or "succeeded" in err
+    code, _, err = await tokensvc("admin", "migrate", "start", *space, *conn)  # pinned to it now
+    assert code != 0
+    assert "embedder" in err

@@ -1,4 +1,4 @@
-"""`tokensvc admin rotate-db-credentials|status|audit|reload-trust-bundle` (admin certificate)."""
+"""`tokensvc admin rotate-db-credentials|status|audit|reload-trust-bundle|migrate` (admin certificate)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from tokensvc.cli.connection import add_connection_flags, call_service
+from tokensvc.cli.migrate_commands import add_migrate_commands
 from tokensvc.cli.output import output
 from tokensvc.v1 import admin_pb2
 
@@ -42,6 +43,7 @@ def add_admin_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
     for parser in (rotate, status, audit, reload):
         parser.add_argument("--json", action="store_true", help="print the response as JSON")
         add_connection_flags(parser)
+    add_migrate_commands(sub)
 
 
 def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
