@@ -388,6 +388,26 @@ async def test_repeated_bucket_statements_lock_one_partition_not_all(
     assert {row[0] for row in locked} == {partition}
 
 
+async def test_the_migration_runners_whole_space_declaration_reaches_that_space_only(
+    pool: asyncpg.Pool, store: PostgresMemoryStore, two_buckets: tuple[Tenant, Tenant]
+) -> None:
+    """A re-embedding runner declares a whole space (every bucket of one agent): it sees that
+    agent's buckets and no other agent's, and a tenant cannot declare it through settings."""
+    a, _ = two_buckets
+    other = Tenant(NAMESPACE, f"other-{uuid.uuid4().hex[:12]}", (new_bucket(),))
+    await store.insert(other, other.buckets[0], rows(2, "other"))
+    async with tenant_transaction(pool, Tenant(NAMESPACE, a.agent, whole_space=True)) as conn:
+        assert await conn.fetchval("SELECT count(*) FROM memories") == 5  # both of the agent's buckets
+        assert await conn.fetchval("SELECT count(*) FROM memories WHERE agent = $1", other.agent) == 0
+        moved = await conn.execute("UPDATE memories SET metadata = '{}' WHERE agent = $1", other.agent)
+        assert moved == "UPDATE 0"
+    async with tenant_transaction(pool, a) as conn:  # a tenant's own transaction: its bucket only
+        assert await conn.fetchval("SELECT count(*) FROM memories") == 3
+    with pytest.raises(ValueError, match="tenant settings"):
+        async with tenant_transaction(pool, a, settings={"tokensvc.migration": "on"}):
+            pass
+
+
 async def test_a_pinned_memory_space_cannot_be_changed_or_seen_by_another_agent(
     pool: asyncpg.Pool, store: PostgresMemoryStore
 ) -> None:
