@@ -264,6 +264,9 @@ class MigrationRunner:
                 worked = await self.step()
             except asyncio.CancelledError:
                 raise
+            except TokensvcError as exc:  # the database or the embedder is away: try again later
+                _log.warning("embedding migration runner paused a turn (%s); retrying", exc.reason)
+                worked = False
             except Exception:
                 _log.exception("embedding migration runner failed; retrying")
                 worked = False
