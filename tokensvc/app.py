@@ -250,7 +250,12 @@ class Service:
                 statistics=PostgresStatistics(pool),
             ),
             migrations=EmbeddingMigrations(
-                migration_store, memories, PostgresStatistics(pool), self.embedders, self.audit
+                migration_store,
+                memories,
+                PostgresStatistics(pool),
+                self.embedders,
+                self.audit,
+                wake=self.migration_runner.wake,
             ),
         )
 

@@ -24,9 +24,11 @@ empties the target slot: nothing a search reads ever changed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
 
@@ -109,12 +111,15 @@ class EmbeddingMigrations:
         statistics: MemoryStatistics,
         embedders: EmbedderRegistry,
         audit: AuditLog,
+        *,
+        wake: Callable[[], None] = lambda: None,
     ):
         self._store = store
         self._memories = memories
         self._statistics = statistics
         self._embedders = embedders
         self._audit = audit
+        self._wake = wake  # this replica's runner: start on it now, not at its next poll
 
     async def start(
         self, namespace: str, agent: str, embedder_name: str, *, dry_run: bool, actor: str
@@ -149,6 +154,7 @@ class EmbeddingMigrations:
                 f"memory space {namespace}/{agent} already has a migration that has not finished "
                 "(tokensvc admin migrate list)"
             )
+        self._wake()
         METRICS.migration_events.labels("started").inc()
         await self._audit.record(
             AuditKind.EMBEDDING_MIGRATION,
@@ -194,6 +200,7 @@ class EmbeddingMigrations:
                 f"the migration is {current.migration.state.value}: only a backfilling or paused "
                 "migration can be cancelled (after the cutover, migrate back instead)"
             )
+        self._wake()
         METRICS.migration_events.labels("cancel_requested").inc()
         await self._audit.record(
             AuditKind.EMBEDDING_MIGRATION,
@@ -211,6 +218,7 @@ class EmbeddingMigrations:
         if changed is None:
             current = await self.get(migration_id)
             raise MigrationConflict(f"the migration is {current.migration.state.value}, not paused")
+        self._wake()
         METRICS.migration_events.labels("resumed").inc()
         await self._audit.record(
             AuditKind.EMBEDDING_MIGRATION,
@@ -256,6 +264,11 @@ class MigrationRunner:
         self._audit = audit
         self._settings = settings or RunnerSettings()
         self.runner_id = runner_id or f"runner-{uuid.uuid4()}"
+        self._woken = asyncio.Event()
+
+    def wake(self) -> None:
+        """Look for work now instead of at the next poll (a migration was started here)."""
+        self._woken.set()
 
     async def run(self) -> None:
         """Forever: work while there is work, else wait `poll_seconds`. Errors are logged."""
@@ -271,7 +284,9 @@ class MigrationRunner:
                 _log.exception("embedding migration runner failed; retrying")
                 worked = False
             if not worked:
-                await asyncio.sleep(self._settings.poll_seconds)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._woken.wait(), self._settings.poll_seconds)
+                self._woken.clear()
 
     async def step(self) -> bool:
         """Claim one migration and drive it until it finishes, waits or is lost; False: none."""

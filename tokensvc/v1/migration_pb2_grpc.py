@@ -103,7 +103,8 @@ class MigrationServiceServicer:
         Errors beyond the common ones: NOT_FOUND when the space has no memories yet (it is not pinned);
         INVALID_ARGUMENT (field `embedder`) when the embedder is not configured or is the one pinned;
         FAILED_PRECONDITION (reason MIGRATION_CONFLICT) when the space has a migration that has not
-        finished.
+        finished; UNAVAILABLE (reason EMBEDDER_UNAVAILABLE) when the target embedder fails on the batch
+        it is measured with.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

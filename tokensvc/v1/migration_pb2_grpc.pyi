@@ -56,7 +56,8 @@ class MigrationServiceStub:
     Errors beyond the common ones: NOT_FOUND when the space has no memories yet (it is not pinned);
     INVALID_ARGUMENT (field `embedder`) when the embedder is not configured or is the one pinned;
     FAILED_PRECONDITION (reason MIGRATION_CONFLICT) when the space has a migration that has not
-    finished.
+    finished; UNAVAILABLE (reason EMBEDDER_UNAVAILABLE) when the target embedder fails on the batch
+    it is measured with.
     """
     GetEmbeddingMigration: _grpc.UnaryUnaryMultiCallable[_migration_pb2.GetEmbeddingMigrationRequest, _migration_pb2.GetEmbeddingMigrationResponse]
     """GetEmbeddingMigration returns one migration with its progress. NOT_FOUND when there is none
@@ -104,7 +105,8 @@ class MigrationServiceAsyncStub(MigrationServiceStub):
     Errors beyond the common ones: NOT_FOUND when the space has no memories yet (it is not pinned);
     INVALID_ARGUMENT (field `embedder`) when the embedder is not configured or is the one pinned;
     FAILED_PRECONDITION (reason MIGRATION_CONFLICT) when the space has a migration that has not
-    finished.
+    finished; UNAVAILABLE (reason EMBEDDER_UNAVAILABLE) when the target embedder fails on the batch
+    it is measured with.
     """
     GetEmbeddingMigration: _aio.UnaryUnaryMultiCallable[_migration_pb2.GetEmbeddingMigrationRequest, _migration_pb2.GetEmbeddingMigrationResponse]  # type: ignore[assignment]
     """GetEmbeddingMigration returns one migration with its progress. NOT_FOUND when there is none
@@ -155,7 +157,8 @@ class MigrationServiceServicer(metaclass=_abc_1.ABCMeta):
         Errors beyond the common ones: NOT_FOUND when the space has no memories yet (it is not pinned);
         INVALID_ARGUMENT (field `embedder`) when the embedder is not configured or is the one pinned;
         FAILED_PRECONDITION (reason MIGRATION_CONFLICT) when the space has a migration that has not
-        finished.
+        finished; UNAVAILABLE (reason EMBEDDER_UNAVAILABLE) when the target embedder fails on the batch
+        it is measured with.
         """
 
     @_abc_1.abstractmethod

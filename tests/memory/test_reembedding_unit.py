@@ -1,0 +1,163 @@
+"""EmbeddingMigrations and MigrationRunner on the in-memory stores: no database.
+
+The stores' contract is the conformance suite's; these tests pin what the domain adds: refusals,
+the dry run, writes during a backfill getting both vectors, a failing target embedder backing off
+then pausing (with the reason, audited) and resuming, and a stale pin redone for the new model.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from tokensvc.audit import AuditLog
+from tokensvc.auth.scope import TenantScope
+from tokensvc.embedders import EmbedderRegistry, HashEmbedder
+from tokensvc.errors import EmbedderUnavailable, InvalidArgument, NotFound
+from tokensvc.memory.reembedding import (
+    EmbeddingMigrations,
+    MigrationConflict,
+    MigrationRunner,
+    MigrationState,
+    RunnerSettings,
+)
+from tokensvc.memory.service import LongTermMemory, RememberItem, SearchMode, SearchQuery
+from tokensvc.storage.memory import (
+    InMemoryAuditStore,
+    InMemoryEmbeddingMigrationStore,
+    InMemoryMemoryStatistics,
+    InMemoryMemoryStore,
+)
+
+
+class FlakyEmbedder(HashEmbedder):
+    """A hash embedder of another dimension that fails while `failing` is set."""
+
+    def __init__(self) -> None:
+        super().__init__("target", 32)
+        self.failing = False
+        self.calls = 0
+
+    async def embed_documents(self, texts: Sequence[str]) -> np.ndarray:
+        self.calls += 1
+        if self.failing:
+            raise EmbedderUnavailable("the endpoint answered 503")
+        return await super().embed_documents(texts)
+
+
+def scope(user: int) -> TenantScope:
+    return TenantScope(
+        namespace="team-a",
+        agent="helper",
+        bucket_id=f"v1.{base64.b32encode(bytes([user]) + os.urandom(19)).decode().lower().rstrip('=')}",
+        previous_bucket_ids=(),
+        agent_bucket_id="",
+        per_user=True,
+        registry=None,
+        long_term_memory=True,
+        knowledge_bases=(),
+        run_id="run-1",
+        jti="jti-1",
+        issued_at=0,
+        expires_at=0,
+    )
+
+
+@pytest.fixture
+def world() -> tuple[LongTermMemory, EmbeddingMigrations, MigrationRunner, FlakyEmbedder, InMemoryAuditStore]:
+    memories = InMemoryMemoryStore()
+    migrations = InMemoryEmbeddingMigrationStore(memories)
+    target = FlakyEmbedder()
+    embedders = EmbedderRegistry({"hash": HashEmbedder(), "target": target})
+    audit_store = InMemoryAuditStore()
+    audit = AuditLog(audit_store)
+    runner = MigrationRunner(
+        migrations,
+        embedders,
+        audit,
+        RunnerSettings(pause_after=2, backoff_seconds=0.001, retire_seconds=0, batch_size=2),
+    )
+    service = EmbeddingMigrations(
+        migrations, memories, InMemoryMemoryStatistics(memories), embedders, audit, wake=runner.wake
+    )
+    memory = LongTermMemory(memories, embedders, default_embedder="hash", space_cache_seconds=0.000_001)
+    return memory, service, runner, target, audit_store
+
+
+def items(*contents: str) -> list[RememberItem]:
+    return [RememberItem(c, {}, None, None) for c in contents]
+
+
+async def test_a_failing_target_backs_off_then_pauses_with_the_reason_and_resumes(world) -> None:  # type: ignore[no-untyped-def]
+    memory, service, runner, target, audit = world
+    users = [scope(u) for u in range(2)]
+    for u, user in enumerate(users):
+        await memory.remember(user, items(*(f"user {u} fact {i}" for i in range(3))))
+
+    with pytest.raises(InvalidArgument) as caught:
+        await service.start("team-a", "helper", "hash", dry_run=False, actor="admin")
+    assert caught.value.field == "embedder"
+    with pytest.raises(NotFound):
+        await service.start("team-a", "nobody", "target", dry_run=False, actor="admin")
+    _, estimate = await service.start("team-a", "helper", "target", dry_run=True, actor="admin")
+    assert (estimate.rows, estimate.source.dimension, estimate.target.dimension) == (6, 384, 32)
+
+    migration, _ = await service.start("team-a", "helper", "target", dry_run=False, actor="admin")
+    assert migration is not None
+    with pytest.raises(MigrationConflict):
+        await service.start("team-a", "helper", "target", dry_run=False, actor="admin")
+    target.failing = True  # after the start, which measured it on a batch of the space's memories
+    assert await runner.step()  # two failures in a row: paused
+    paused = (await service.get(migration.id)).migration
+    assert paused.state is MigrationState.PAUSED
+    assert "503" in paused.reason
+    assert not await runner.step()  # a paused migration is not run
+    # Searches went on with the pinned embedder all along.
+    hits = await memory.search(users[0], SearchQuery("fact", None, 10, None, None, SearchMode.VECTOR))
+    assert len(hits) == 3
+
+    target.failing = False
+    await service.resume(migration.id, "admin")
+    # Written while it backfills: the write embeds for the target too (nothing left for the runner).
+    await memory.remember(users[1], items("written during the backfill"))
+    while await runner.step():
+        pass
+    done = (await service.get(migration.id)).migration
+    assert done.state is MigrationState.SUCCEEDED
+    assert done.rows_done == 6  # the dual-written memory was never embedded by the runner
+    hits = await memory.search(
+        users[1], SearchQuery("written during the backfill", None, 1, None, None, SearchMode.VECTOR)
+    )
+    assert hits[0].item.content == "written during the backfill"
+    events = [r.action for r in await audit.page(before_id=None, kinds=[], since=None, until=None, limit=50)]
+    assert events == [
+        "finish embedding migration (succeeded)",
+        "cut over embedding migration",
+        "resume embedding migration",
+        "pause embedding migration",
+        "start embedding migration",
+    ]
+
+
+async def test_a_write_with_a_stale_pin_is_embedded_again_for_the_new_model(world) -> None:  # type: ignore[no-untyped-def]
+    memory, service, runner, target, _ = world
+    user = scope(7)
+    await memory.remember(user, items("before the migration"))
+    stale = LongTermMemory(
+        memory._store, memory._embedders, default_embedder="hash", space_cache_seconds=3600
+    )
+    await stale.remember(user, items("a replica caches the pin"))  # this replica now holds the old pin
+    migration, _ = await service.start("team-a", "helper", "target", dry_run=False, actor="admin")
+    assert migration is not None
+    while await runner.step():
+        pass
+    calls = target.calls
+    # The stale replica's write is refused by storage and redone with the target embedder.
+    await stale.remember(user, items("after the cutover"))
+    assert target.calls == calls + 1
+    hits = await memory.search(user, SearchQuery("after the cutover", None, 1, None, None, SearchMode.VECTOR))
+    assert hits[0].item.content == "after the cutover"
