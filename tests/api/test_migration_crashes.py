@@ -81,7 +81,7 @@ async def wait_until(conn: asyncpg.Connection, migration_id: str, ready: Any, de
 
 
 POINTS = {
-    # Killed as soon as the migration exists: its runner polls every 2 s, so nothing is embedded.
+    # Killed as soon as the migration exists, before its runner has embedded its first batch.
     "before-the-first-batch": None,
     "mid-way": lambda row: row["rows_done"] >= ROWS_PER_USER // 2,
     "at-the-last-batch": lambda row: (
@@ -98,8 +98,16 @@ async def test_a_runner_killed_at_any_point_leaves_a_migration_that_completes_ex
     embedders = tmp_path / "embedders.toml"
     embedders.write_text('[embedders.hash64]\nkind = "hash"\ndimension = 64\n', encoding="utf-8")
     # The first replica would wait a minute before removing the old vectors: killed in RETIRING.
+    # Before the first batch: a batch of 64 takes the model ~0.5 s, so the kill comes first.
+    batch = str(64 if point == "before-the-first-batch" else BATCH)
     first = await asyncio.to_thread(
-        serve, database, dev, tmp_path / "a", embedders, migration_retire_seconds="60"
+        serve,
+        database,
+        dev,
+        tmp_path / "a",
+        embedders,
+        migration_retire_seconds="60",
+        migration_batch_size=batch,
     )
     launchers = Launchers(first, dev, tmp_path / "launchers")  # type: ignore[arg-type]
     agent = launchers.new_agent()

@@ -70,10 +70,10 @@ def scope(user: int) -> TenantScope:
 @pytest.fixture
 def world() -> tuple[LongTermMemory, EmbeddingMigrations, MigrationRunner, FlakyEmbedder, InMemoryAuditStore]:
     memories = InMemoryMemoryStore()
-    migrations = InMemoryEmbeddingMigrationStore(memories)
+    audit_store = InMemoryAuditStore()
+    migrations = InMemoryEmbeddingMigrationStore(memories, audit_store)
     target = FlakyEmbedder()
     embedders = EmbedderRegistry({"hash": HashEmbedder(), "target": target})
-    audit_store = InMemoryAuditStore()
     audit = AuditLog(audit_store)
     runner = MigrationRunner(
         migrations,

@@ -396,11 +396,26 @@ async def test_the_migration_runners_whole_space_declaration_reaches_that_space_
     a, _ = two_buckets
     other = Tenant(NAMESPACE, f"other-{uuid.uuid4().hex[:12]}", (new_bucket(),))
     await store.insert(other, other.buckets[0], rows(2, "other"))
-    async with tenant_transaction(pool, Tenant(NAMESPACE, a.agent, whole_space=True)) as conn:
+    elsewhere = Tenant(f"{NAMESPACE}-other", a.agent, (new_bucket(),))  # the same agent name
+    await store.insert(elsewhere, elsewhere.buckets[0], rows(1, "elsewhere"))
+    whole = Tenant(NAMESPACE, a.agent, whole_space=True)
+    async with tenant_transaction(pool, whole) as conn:
         assert await conn.fetchval("SELECT count(*) FROM memories") == 5  # both of the agent's buckets
         assert await conn.fetchval("SELECT count(*) FROM memories WHERE agent = $1", other.agent) == 0
         moved = await conn.execute("UPDATE memories SET metadata = '{}' WHERE agent = $1", other.agent)
         assert moved == "UPDATE 0"
+        # It reads and updates vectors; it can neither delete nor insert, here or elsewhere.
+        assert await conn.execute("DELETE FROM memories") == "DELETE 0"
+    for namespace, agent in ((NAMESPACE, a.agent), (NAMESPACE, other.agent)):
+        async with tenant_transaction(pool, whole) as conn:
+            with pytest.raises(asyncpg.InsufficientPrivilegeError, match="row-level security"):
+                await conn.execute(
+                    "INSERT INTO memories (bucket, id, namespace, agent, content, content_sha256, dimension, "
+                    "embedding) VALUES ($1, gen_random_uuid(), $2, $3, 'x', '\\x00', 3, '[1,0,0]')",
+                    new_bucket(),
+                    namespace,
+                    agent,
+                )
     async with tenant_transaction(pool, a) as conn:  # a tenant's own transaction: its bucket only
         assert await conn.fetchval("SELECT count(*) FROM memories") == 3
     with pytest.raises(ValueError, match="tenant settings"):

@@ -89,10 +89,11 @@ def _start(args: argparse.Namespace) -> int:
     )
     if response.HasField("migration"):
         text += "\n" + _describe(response.migration)
-    code = output(args, response, text)
     if args.wait and response.HasField("migration"):
+        if not args.json:  # with --json, only the migration as it ended is printed
+            output(args, response, text)
         return _follow(args, response.migration.id)
-    return code
+    return output(args, response, text)
 
 
 def _follow(args: argparse.Namespace, migration_id: str) -> int:

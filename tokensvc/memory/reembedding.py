@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
 
+import numpy as np
 from opentelemetry import trace
 
 from tokensvc.audit import SYSTEM_ACTOR, AuditKind, AuditLog, AuditOutcome
@@ -40,7 +41,7 @@ from tokensvc.errors import InvalidArgument, NotFound, Reason, TokensvcError
 from tokensvc.observability.metrics import METRICS
 from tokensvc.retrieval import unit_vector
 from tokensvc.storage.ports import EmbeddingMigrationStore, MemoryStatistics, MemoryStore
-from tokensvc.storage.records import EmbeddingMigration, MigrationState, Tenant
+from tokensvc.storage.records import EmbeddingMigration, MigrationState, PendingMemory, Tenant
 
 __all__ = [
     "EmbeddingMigration",
@@ -316,59 +317,78 @@ class MigrationRunner:
             )
             return
         size = self._settings.batch_size or batch_size_of(embedder)
-        while True:
-            batch = await self._store.pending(migration, limit=size)
-            if not batch:
-                if migration.cursor is not None:  # memories written behind the cursor
-                    if not await self._store.rewind(migration, self.runner_id):
+        # Pipelined: the next batch is read and embedded while this one is written, so the
+        # embedder (the slow part) does not wait for the database.
+        batch = await self._store.pending(migration, limit=size)
+        embedding: asyncio.Task[np.ndarray] | None = None
+        try:
+            while True:
+                if not batch:
+                    after = await self._end_of_pass(migration)
+                    if after is None:
                         return
-                    migration = replace(migration, cursor=None)
+                    migration = after
+                    batch = await self._store.pending(migration, limit=size)
                     continue
-                if await self._cut_over(migration):
-                    return  # the old slot is emptied once `retire_seconds` have passed
-                current = await self._store.get(migration.id)
-                if current is None or current.lease_owner != self.runner_id:
-                    return
-                await asyncio.sleep(0.05)  # a memory arrived between the pass and the check
-                continue
-            with _tracer.start_as_current_span("reembedding.batch") as span:
-                span.set_attribute("tokensvc.migration", migration.id)
-                span.set_attribute("tokensvc.embed.count", len(batch))
+                if embedding is None:
+                    embedding = asyncio.create_task(self._embed(embedder, batch))
                 try:
-                    vectors = await embedder.embed_documents([p.content for p in batch])
-                    rows = [(p, unit_vector(v, "embedding")) for p, v in zip(batch, vectors, strict=True)]
-                except asyncio.CancelledError:
-                    raise
+                    vectors = await embedding
                 except Exception as exc:
-                    span.set_attribute("tokensvc.error", type(exc).__name__)
+                    embedding = None
                     failed = await self._embedder_failed(migration, exc)
                     if failed is None:
                         return
                     migration = failed
-                    continue
+                    continue  # the same batch again
+                rows = list(zip(batch, vectors, strict=True))
+                ahead = replace(migration, cursor=(batch[-1].bucket, batch[-1].id))
+                batch = await self._store.pending(ahead, limit=size)
+                embedding = asyncio.create_task(self._embed(embedder, batch)) if batch else None
                 stored = await self._store.store_vectors(
                     migration, self.runner_id, rows, lease_seconds=self._settings.lease_seconds
                 )
-            if stored is None:
-                return  # the lease was lost, or the migration was cancelled
-            METRICS.migration_rows.labels(migration.target.name).inc(len(rows))
-            migration = stored
+                if stored is None:
+                    return  # the lease was lost, or the migration was cancelled
+                METRICS.migration_rows.labels(migration.target.name).inc(len(rows))
+                migration = stored
+        finally:
+            if embedding is not None:
+                embedding.cancel()
+
+    async def _end_of_pass(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
+        """Nothing left after the cursor: pass again from the start (memories written behind the
+        cursor), or cut over. None: stop here (cut over, or the lease is lost)."""
+        # A long pass may have outlived the lease with nobody taking it: extend it before acting.
+        if not await self._store.renew(migration, self.runner_id, lease_seconds=self._settings.lease_seconds):
+            return None
+        if migration.cursor is not None:
+            return (
+                replace(migration, cursor=None)
+                if await self._store.rewind(migration, self.runner_id)
+                else None
+            )
+        if await self._cut_over(migration):
+            return None  # the old slot is emptied once `retire_seconds` have passed
+        current = await self._store.get(migration.id)
+        if current is None or current.lease_owner != self.runner_id:
+            return None
+        await asyncio.sleep(0.05)  # a memory arrived between the pass and the check
+        return migration
+
+    async def _embed(self, embedder: Embedder, batch: list[PendingMemory]) -> np.ndarray:
+        with _tracer.start_as_current_span("reembedding.batch") as span:
+            span.set_attribute("tokensvc.embed.count", len(batch))
+            vectors = await embedder.embed_documents([p.content for p in batch])
+            return np.stack([unit_vector(v, "embedding") for v in vectors])
 
     async def _cut_over(self, migration: EmbeddingMigration) -> bool:
         with _tracer.start_as_current_span("reembedding.cut_over") as span:
             span.set_attribute("tokensvc.migration", migration.id)
             done = await self._store.cut_over(migration, self.runner_id)
             span.set_attribute("tokensvc.migration.cut_over", done)
-        if done:
+        if done:  # audited by the store, in the cutover's own transaction
             METRICS.migration_events.labels("cut_over").inc()
-            await self._audit.record(
-                AuditKind.EMBEDDING_MIGRATION,
-                actor=SYSTEM_ACTOR,
-                action="cut over embedding migration",
-                target=_target(migration),
-                outcome=AuditOutcome.SUCCEEDED,
-                detail=f"the space now reads {migration.target.name} ({migration.target.dimension})",
-            )
         return done
 
     async def _retire(self, migration: EmbeddingMigration) -> None:

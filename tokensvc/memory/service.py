@@ -155,7 +155,13 @@ class LongTermMemory:
                 self._spaces.pop(next(iter(self._spaces)))
             self._spaces[key] = (pinned, time.monotonic() + self._space_cache_seconds)
         spec = pinned.embedder
-        tenant = Tenant(scope.namespace, scope.agent, (scope.bucket_id,), generation=pinned.generation)
+        tenant = Tenant(
+            scope.namespace,
+            scope.agent,
+            (scope.bucket_id,),
+            generation=pinned.generation,
+            dual_write=pinned.migration_id if pinned.migrating_to is not None else None,
+        )
         return _Space(
             tenant,
             scope.bucket_id,

@@ -228,14 +228,19 @@ class EmbeddingMigrationStore(Protocol):
         counted); reset `failures`; renew the lease. Returns the migration as stored, None (nothing
         written) when `runner` does not hold the lease or the migration is no longer BACKFILLING."""
 
+    async def renew(self, migration: EmbeddingMigration, runner: str, *, lease_seconds: float) -> bool:
+        """Extend `runner`'s lease (an expired one too, when no runner has taken it since); False
+        when another runner holds the migration or it is not runnable."""
+
     async def rewind(self, migration: EmbeddingMigration, runner: str) -> bool:
         """Set the cursor back to the start (the pass that catches rows written behind it)."""
 
     async def cut_over(self, migration: EmbeddingMigration, runner: str) -> bool:
         """The atomic switch, ordered with every write of the space: when every live memory has a
         vector in the target slot, pin the target embedder, bump the space's generation (searches
-        and writes use the target slot from then on) and move to RETIRING. False (nothing changed)
-        when a memory still lacks one, or `runner` does not hold the lease."""
+        and writes use the target slot from then on), move to RETIRING and record the audit event
+        (kind `embedding_migration`, action `cut over embedding migration`), all at once. False
+        (nothing changed) when a memory still lacks one, or `runner` does not hold the lease."""
 
     async def clear_slot(
         self, migration: EmbeddingMigration, runner: str, *, limit: int, lease_seconds: float

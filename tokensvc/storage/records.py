@@ -54,6 +54,7 @@ MAX_DIMENSION = 16_000  # pgvector's `vector` type stores at most 16,000 dimensi
 # --- tenancy ------------------------------------------------------------------------------------
 
 _BUCKET = re.compile(r"v[1-9][0-9]{0,8}\.[a-z2-7]{1,128}")
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 ALL_KNOWLEDGE_BASES = "*"
 
 
@@ -74,6 +75,8 @@ class Tenant:
     generation: int | None = None
     # The re-embedding runner's: every bucket of (namespace, agent), which no tenant may declare.
     whole_space: bool = False
+    # A memory write's: the backfilling migration whose target vectors it also writes (its id).
+    dual_write: str | None = None
 
     def __post_init__(self) -> None:
         if not is_dns_label(self.namespace) or (self.agent and not is_dns_label(self.agent)):
@@ -88,6 +91,8 @@ class Tenant:
             raise ValueError("not a generation")
         if self.whole_space and not self.agent:
             raise ValueError("a whole space needs its agent")
+        if self.dual_write is not None and not _UUID.fullmatch(self.dual_write):
+            raise ValueError("not a migration id")
 
 
 # --- embedders ----------------------------------------------------------------------------------
@@ -156,7 +161,8 @@ class MemorySpace:
     embedder: EmbedderSpec
     text_config: str
     generation: int = 0
-    # The target of the space's backfilling migration, if one runs: new memories get both vectors.
+    # The space's backfilling migration, if one runs, and its target: new memories get both vectors.
+    migration_id: str | None = field(default=None, compare=False)
     migrating_to: EmbedderSpec | None = field(default=None, compare=False)
 
     @property

@@ -196,6 +196,47 @@ async def test_a_content_change_during_the_backfill_is_embedded_again(
     assert stored.rows_done == 1  # the changed memory's vector was not written
     again = await migrations.pending(replace(stored, cursor=None), limit=10)
     assert [p.content for p in again] == ["fact 0.0, revised"]
+    # Once embedded, a tenant's content change clears the target vector again; a metadata change
+    # keeps it.
+    stored = await migrations.store_vectors(
+        stored, runner, [(p, target_vector(0)) for p in again], lease_seconds=LEASE
+    )
+    assert stored is not None
+    assert await migrations.pending(replace(stored, cursor=None), limit=10) == []
+    kept = next(p for p in read if p.content == "fact 0.1")
+    await memories.update(
+        tenant, tenant.buckets[0], kept.id, content=None, metadata={"k": "v"}, ttl_seconds=None, embedder="x"
+    )
+    await memories.update(
+        tenant, tenant.buckets[0], changed.id, content=("fact 0.0, third", b"y" * 32, axis(6)),
+        metadata=None, ttl_seconds=None, embedder="x",
+    )  # fmt: skip
+    assert [p.content for p in await migrations.pending(replace(stored, cursor=None), limit=10)] == [
+        "fact 0.0, third"
+    ]
+
+
+async def test_a_write_keeps_target_vectors_only_for_the_migration_backfilling_now(
+    memories: MemoryStore, migrations: EmbeddingMigrationStore
+) -> None:
+    """A replica still believing in a cancelled migration cannot leave its target's vectors."""
+    agent, tenants = await space_with(memories, buckets=1, per_bucket=1)
+    created = await migrations.create(planned(agent))
+    assert created is not None
+    space = await memories.get_space(Tenant(NAMESPACE, agent))
+    assert space is not None
+    assert (space.migration_id, space.migrating_to) == (created.id, TARGET)
+    tenant = tenants[0]
+    both = replace(memory("dual-written", axis(1)), next_embedding=target_vector(1))
+    await memories.insert(replace(tenant, dual_write=created.id), tenant.buckets[0], [both])
+    stale = replace(
+        memory("dual-written for a migration that is gone", axis(2)), next_embedding=target_vector(2)
+    )
+    await memories.insert(replace(tenant, dual_write=str(uuid.uuid4())), tenant.buckets[0], [stale])
+    plain = replace(memory("no migration declared", axis(3)), next_embedding=target_vector(3))
+    await memories.insert(tenant, tenant.buckets[0], [plain])
+    waiting = {p.content for p in await migrations.pending(created, limit=10)}
+    assert waiting == {"fact 0.0", "dual-written for a migration that is gone", "no migration declared"}
 
 
 async def test_one_runner_at_a_time_and_another_takes_over_an_expired_lease(
@@ -219,18 +260,17 @@ async def test_one_runner_at_a_time_and_another_takes_over_an_expired_lease(
         is None
     )
     assert not await migrations.cut_over(first, "runner-2")
-    # A runner without the target embedder is never given a backfill.
-    assert all(
-        m is None or m.id != created.id
-        for m in [
-            await migrations.claim(
-                "runner-3", lease_seconds=LEASE, embedders=["other"], retire_after_seconds=0
-            )
-        ]
-    )
     # The first runner's lease expires (a lease of ~0 s): the second takes over and can write.
     await migrations.claim("runner-1", lease_seconds=0.01, embedders=[TARGET.name], retire_after_seconds=0)
     await asyncio.sleep(0.05)
+    # A runner without the target embedder is never given the backfill, free as it now is.
+    for _ in range(50):
+        other = await migrations.claim(
+            "runner-3", lease_seconds=0.01, embedders=["other"], retire_after_seconds=0
+        )
+        assert other is None or other.id != created.id
+        if other is None:
+            break
     second = await claim(migrations, "runner-2", created.id)
     assert second.lease_owner == "runner-2"
     assert await migrations.store_vectors(

@@ -117,7 +117,7 @@ class InMemoryMemoryStore:
         self._rows: dict[str, dict[str, _Row]] = {}  # bucket -> id -> row, in insertion order
         self._spaces: dict[tuple[str, str], MemorySpace] = {}
         # Backfilling migrations' targets by space (kept by InMemoryEmbeddingMigrationStore).
-        self._migrating: dict[tuple[str, str], EmbedderSpec] = {}
+        self._migrating: dict[tuple[str, str], tuple[str, EmbedderSpec]] = {}
 
     def _bucket(self, tenant: Tenant, bucket: str) -> dict[str, _Row]:
         """The bucket's rows, or nothing when the tenant did not declare it (row-level security)."""
@@ -126,17 +126,31 @@ class InMemoryMemoryStore:
     def _writable(self, tenant: Tenant, bucket: str) -> dict[str, _Row]:
         if bucket not in tenant.buckets:
             raise PermissionError("the bucket is outside the tenant's declared buckets")
-        space = self._spaces.get((tenant.namespace, tenant.agent))
-        if tenant.generation is not None and space is not None and space.generation != tenant.generation:
-            raise StaleMemorySpace()
         return self._rows.setdefault(bucket, {})
+
+    def _guard(self, tenant: Tenant) -> bool:
+        """PostgreSQL's generation guard, for a row about to be written: refuse a generation that
+        is gone (`StaleMemorySpace`); whether the row may keep a vector in the other slot."""
+        if tenant.generation is None:
+            return True
+        key = (tenant.namespace, tenant.agent)
+        space = self._spaces.get(key)
+        if space is None or space.generation != tenant.generation:
+            raise StaleMemorySpace()
+        migrating = self._migrating.get(key)
+        return migrating is not None and migrating[0] == tenant.dual_write
 
     # --- memory spaces ----------------------------------------------------------------------
 
     async def get_space(self, tenant: Tenant) -> MemorySpace | None:
         key = (tenant.namespace, tenant.agent)
         space = self._spaces.get(key)
-        return None if space is None else replace(space, migrating_to=self._migrating.get(key))
+        if space is None:
+            return None
+        migrating = self._migrating.get(key)
+        if migrating is None:
+            return space
+        return replace(space, migration_id=migrating[0], migrating_to=migrating[1])
 
     async def pin_space(self, tenant: Tenant, space: MemorySpace) -> MemorySpace:
         """Pin `space` unless one is pinned; every dimension can be searched (exactly) here."""
@@ -229,6 +243,7 @@ class InMemoryMemoryStore:
                 ):
                     del table[row.id]
             refs = []
+            keep_other = self._guard(tenant) if fresh else False
             for new in fresh:
                 at = self._clock.now()
                 row = _Row(
@@ -244,7 +259,9 @@ class InMemoryMemoryStore:
                         _with_vector(
                             (None, None),
                             1 - _slot(tenant),
-                            None if new.next_embedding is None else _vector(new.next_embedding),
+                            None
+                            if new.next_embedding is None or not keep_other
+                            else _vector(new.next_embedding),
                         ),
                         _slot(tenant),
                         _vector(new.embedding),
@@ -275,7 +292,7 @@ class InMemoryMemoryStore:
             row = table.get(_uuid(memory_id))
             if row is None or not row.live(now):
                 return None
-            self._writable(tenant, bucket)  # the generation guard
+            self._guard(tenant)
             changes: dict[str, Any] = {"updated_at": self._clock.now()}
             if content is not None:
                 text, sha, vector = content
@@ -286,8 +303,13 @@ class InMemoryMemoryStore:
                 changes |= {
                     "content": text,
                     "sha": sha,
-                    # The other slot held a vector of the old content.
-                    "slots": _with_vector((None, None), _slot(tenant), _vector(vector)),
+                    # The other slot held a vector of the old content (PostgreSQL's guard clears
+                    # it for a tenant's write of new content).
+                    "slots": _with_vector(
+                        row.slots if tenant.generation is None or text == row.content else (None, None),
+                        _slot(tenant),
+                        _vector(vector),
+                    ),
                     "terms": terms_of(text),
                 }
             if metadata is not None:

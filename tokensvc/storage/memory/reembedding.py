@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 
 import numpy as np
 
+from tokensvc.storage.memory.ledgers import InMemoryAuditStore
 from tokensvc.storage.memory.memories import InMemoryMemoryStore, _Row, _vector, _with_vector
 from tokensvc.storage.records import EmbeddingMigration, MigrationState, PendingMemory
 
@@ -24,8 +25,9 @@ __all__ = ["InMemoryEmbeddingMigrationStore"]
 
 
 class InMemoryEmbeddingMigrationStore:
-    def __init__(self, memories: InMemoryMemoryStore):
+    def __init__(self, memories: InMemoryMemoryStore, audit: InMemoryAuditStore | None = None):
         self._memories = memories
+        self._audit = audit or InMemoryAuditStore()  # where the cutover's audit event goes
         self._migrations: dict[str, EmbeddingMigration] = {}
         self._leases: dict[str, datetime] = {}
 
@@ -59,8 +61,8 @@ class InMemoryEmbeddingMigrationStore:
         self._migrations[saved.id] = saved
         key = (saved.namespace, saved.agent)
         if saved.state is MigrationState.BACKFILLING:
-            self._memories._migrating[key] = saved.target
-        elif self._memories._migrating.get(key) == saved.target:
+            self._memories._migrating[key] = (saved.id, saved.target)
+        elif self._memories._migrating.get(key, ("",))[0] == saved.id:
             del self._memories._migrating[key]
         return saved
 
@@ -189,6 +191,14 @@ class InMemoryEmbeddingMigrationStore:
                 )
             )
 
+    async def renew(self, migration: EmbeddingMigration, runner: str, *, lease_seconds: float) -> bool:
+        async with self._memories._lock:
+            stored = self._migrations.get(migration.id)
+            if stored is None or stored.lease_owner != runner or not stored.state.runnable:
+                return False
+            self._leases[stored.id] = self._now() + timedelta(seconds=lease_seconds)
+            return True
+
     async def rewind(self, migration: EmbeddingMigration, runner: str) -> bool:
         async with self._memories._lock:
             stored = self._held(migration, runner)
@@ -215,6 +225,15 @@ class InMemoryEmbeddingMigrationStore:
                 space, embedder=stored.target, generation=stored.from_generation + 1
             )
             self._save(replace(stored, state=MigrationState.RETIRING, cut_over_at=now, cursor=None))
+            await self._audit.append(
+                kind="embedding_migration",
+                actor="system:tokensvc",
+                action="cut over embedding migration",
+                target=f"migration:{stored.id} space:{stored.namespace}/{stored.agent}",
+                outcome="succeeded",
+                reason="",
+                detail=f"the space now reads {stored.target.name} ({stored.target.dimension})",
+            )
             return True
 
     async def clear_slot(

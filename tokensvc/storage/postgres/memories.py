@@ -70,7 +70,7 @@ def _record(row: asyncpg.Record, embedder: str) -> MemoryRecord:
 
 _SPACE_SQL = (
     "SELECT s.embedder, s.model, s.dimension, s.normalized, s.text_config::text, s.generation, "
-    "m.to_embedder, m.to_model, m.to_dimension, m.to_normalized FROM memory_spaces s "
+    "m.to_embedder, m.to_model, m.to_dimension, m.to_normalized, m.id FROM memory_spaces s "
     "LEFT JOIN embedding_migrations m ON m.namespace = s.namespace AND m.agent = s.agent "
     "AND m.state = 'backfilling' WHERE s.namespace = $1 AND s.agent = $2"
 )
@@ -78,7 +78,13 @@ _SPACE_SQL = (
 
 def _space(row: asyncpg.Record) -> MemorySpace:
     target = None if row[6] is None else EmbedderSpec(row[6], row[7], row[8], row[9])
-    return MemorySpace(EmbedderSpec(row[0], row[1], row[2], row[3]), row[4], row[5], migrating_to=target)
+    return MemorySpace(
+        EmbedderSpec(row[0], row[1], row[2], row[3]),
+        row[4],
+        row[5],
+        migration_id=None if row[10] is None else str(row[10]),
+        migrating_to=target,
+    )
 
 
 def _where(bucket_param: str, filter_: Filter | None, params: list[Any]) -> str:

@@ -224,6 +224,18 @@ class PostgresEmbeddingMigrationStore:
             )
         return None if row is None else _migration(row)
 
+    async def renew(self, migration: EmbeddingMigration, runner: str, *, lease_seconds: float) -> bool:
+        async with self._pool.acquire() as conn:
+            result = await conn.execute(
+                "UPDATE embedding_migrations SET lease_until = clock_timestamp() + make_interval(secs => $3) "
+                "WHERE id = $1 AND lease_owner = $2 AND state = ANY($4::text[])",
+                migration.id,
+                runner,
+                lease_seconds,
+                _RUNNABLE,
+            )
+        return result != "UPDATE 0"
+
     async def rewind(self, migration: EmbeddingMigration, runner: str) -> bool:
         async with self._pool.acquire() as conn:
             result = await conn.execute(

@@ -65,6 +65,8 @@ def _begin(
         values["tokensvc.generation"] = str(tenant.generation)
     if tenant.whole_space:
         values["tokensvc.migration"] = "on"
+    if tenant.dual_write is not None:
+        values["tokensvc.dual_write"] = tenant.dual_write
     # The caller's deadline bounds every statement; without one the server default stays.
     if timeout_ms is not None:
         values["statement_timeout"] = str(max(1, timeout_ms))

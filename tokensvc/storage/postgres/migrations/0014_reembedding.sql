@@ -14,7 +14,10 @@ ALTER TABLE tokensvc.memories
     ALTER COLUMN dimension DROP NOT NULL,
     ADD COLUMN dimension_b integer,
     ADD COLUMN embedding_b vector,
-    ADD CONSTRAINT memories_embedding_b_dims CHECK (vector_dims(embedding_b) = dimension_b);
+    -- A slot holds a vector and its dimension, or neither.
+    ADD CONSTRAINT memories_slot_a CHECK ((embedding IS NULL) = (dimension IS NULL)),
+    ADD CONSTRAINT memories_slot_b CHECK ((embedding_b IS NULL) = (dimension_b IS NULL)
+                                          AND vector_dims(embedding_b) = dimension_b);
 
 ALTER TABLE tokensvc.memory_spaces ADD COLUMN generation integer NOT NULL DEFAULT 0
     CHECK (generation >= 0);
@@ -59,13 +62,19 @@ GRANT EXECUTE ON FUNCTION tokensvc.ensure_memory_vector_index_b(integer) TO {app
 -- vectors into a generation that no longer reads them. The share lock on the space row orders
 -- every write with a cutover (which takes the row FOR UPDATE): a write either commits before the
 -- cutover checks for rows the migration has not embedded, or waits and then sees the new
--- generation. A content change also clears the other slot, whose vector is of the old content (a
--- running migration embeds the row again).
+-- generation. The other slot keeps a vector a writer put there only when the writer declared the
+-- space's backfilling migration (`tokensvc.dual_write`, its id): a replica that still believes in
+-- a cancelled or finished migration cannot leave its target's vectors behind. A content change
+-- also clears the other slot, whose vector is of the old content, unless the same statement wrote
+-- it.
 CREATE FUNCTION tokensvc.memories_generation_guard() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
 DECLARE
     declared text := current_setting('tokensvc.generation', true);
+    dual_write text := current_setting('tokensvc.dual_write', true);
     current_generation integer;
+    backfilling uuid;
+    other_written boolean;
 BEGIN
     IF declared IS NULL OR declared = '' THEN
         RETURN NEW;  -- not a tenant write: a bucket move, the migration runner, the sweep
@@ -76,7 +85,19 @@ BEGIN
         RAISE EXCEPTION 'memory space %/% is at generation %, not %', NEW.namespace, NEW.agent,
             current_generation, declared USING ERRCODE = 'TK001';
     END IF;
-    IF TG_OP = 'UPDATE' AND NEW.content IS DISTINCT FROM OLD.content THEN
+    IF current_generation % 2 = 0 THEN
+        other_written := NEW.embedding_b IS NOT NULL
+            AND (TG_OP = 'INSERT' OR NEW.embedding_b IS DISTINCT FROM OLD.embedding_b);
+    ELSE
+        other_written := NEW.embedding IS NOT NULL
+            AND (TG_OP = 'INSERT' OR NEW.embedding IS DISTINCT FROM OLD.embedding);
+    END IF;
+    IF other_written THEN
+        SELECT m.id INTO backfilling FROM tokensvc.embedding_migrations m
+        WHERE m.namespace = NEW.namespace AND m.agent = NEW.agent AND m.state = 'backfilling';
+        other_written := backfilling IS NOT NULL AND backfilling::text = dual_write;
+    END IF;
+    IF NOT other_written AND (TG_OP = 'INSERT' OR NEW.content IS DISTINCT FROM OLD.content) THEN
         IF current_generation % 2 = 0 THEN
             NEW.embedding_b := NULL;
             NEW.dimension_b := NULL;
@@ -93,7 +114,12 @@ CREATE TRIGGER memories_generation_guard BEFORE INSERT OR UPDATE ON tokensvc.mem
 
 -- The migration runner reads and writes every bucket of the one space it migrates: it declares
 -- the space and `tokensvc.migration = 'on'`, which no tenant transaction declares.
-CREATE POLICY memories_migration ON tokensvc.memories
+-- It reads and updates vectors only: no insert, no delete.
+CREATE POLICY memories_migration_read ON tokensvc.memories FOR SELECT
+    USING (current_setting('tokensvc.migration', true) = 'on'
+           AND namespace = current_setting('tokensvc.namespace', true)
+           AND agent = current_setting('tokensvc.agent', true));
+CREATE POLICY memories_migration_write ON tokensvc.memories FOR UPDATE
     USING (current_setting('tokensvc.migration', true) = 'on'
            AND namespace = current_setting('tokensvc.namespace', true)
            AND agent = current_setting('tokensvc.agent', true))
@@ -178,6 +204,11 @@ BEGIN
     SET state = 'retiring', cut_over_at = clock_timestamp(), updated_at = clock_timestamp(),
         cursor_bucket = NULL, cursor_id = NULL
     WHERE id = migration;
+    -- Audited in the same transaction: a crash cannot keep the cutover and lose its record.
+    INSERT INTO tokensvc.audit_events (kind, actor, action, target, outcome, detail)
+    VALUES ('embedding_migration', 'system:tokensvc', 'cut over embedding migration',
+            format('migration:%s space:%s/%s', m.id, m.namespace, m.agent), 'succeeded',
+            format('the space now reads %s (%s)', m.to_embedder, m.to_dimension));
     RETURN true;
 END $$;
 REVOKE ALL ON FUNCTION tokensvc.cut_over_memory_space(uuid, text) FROM PUBLIC;
