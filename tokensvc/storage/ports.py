@@ -85,7 +85,9 @@ class MemoryStore(Protocol):
       store it there, searches rank by it. `insert` and `update` with a `tenant.generation` that
       is not the space's current one raise `StaleMemorySpace` and write nothing. A content
       change empties the row's other slot. A `NewMemory.next_embedding` goes to the other slot
-      (a backfilling migration's target vector), so the migration need not embed that row again.
+      (a backfilling migration's target vector, so the migration need not embed that row again)
+      only when `tenant.dual_write` names the space's backfilling migration; otherwise, and on
+      every write of a tenant that leaves it out, the other slot is left empty.
     - `get_space` reports the target of the space's backfilling migration (`migrating_to`).
     """
 
