@@ -3,8 +3,7 @@
 The migration row (`embedding_migrations`, migration 0014) is the durable state; the runner's
 transactions declare the space they migrate (`Tenant.whole_space`), which lets them read and
 update every bucket of that one space (the `memories_migration_read` and `_write` policies)
-and nothing else. Every
-runner statement checks the lease in the same transaction as its work.
+and nothing else. Every runner statement checks the lease in the same transaction as its work.
 """
 
 from __future__ import annotations
