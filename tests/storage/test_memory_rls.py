@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import asyncpg
 import numpy as np
 import pytest
+from pgvector import Vector
 
 from tests.storage.migration_support import APP_ROLE
 from tests.storage.search_support import bucket_size, vector_search
@@ -388,39 +389,56 @@ async def test_repeated_bucket_statements_lock_one_partition_not_all(
     assert {row[0] for row in locked} == {partition}
 
 
-async def test_the_migration_runners_whole_space_declaration_reaches_that_space_only(
-    pool: asyncpg.Pool, store: PostgresMemoryStore, two_buckets: tuple[Tenant, Tenant]
+async def test_the_serving_role_has_the_tenant_policy_alone_and_the_runner_functions_stay_in_their_space(
+    pool: asyncpg.Pool,
+    store: PostgresMemoryStore,
+    two_buckets: tuple[Tenant, Tenant],
+    database: SharedDatabase,
 ) -> None:
-    """A re-embedding runner declares a whole space (every bucket of one agent): it sees that
-    agent's buckets and no other agent's, and a tenant cannot declare it through settings."""
-    a, _ = two_buckets
+    """No policy is OR-ed into a tenant query's row-level security (it would stop being an index
+    condition); the re-embedding runner's owner functions reach the one space they are given."""
+    async with superuser(database) as conn:
+        policies = await conn.fetch(
+            "SELECT polname FROM pg_policy WHERE polrelid = 'tokensvc.memories'::regclass "
+            "AND (0 = ANY (polroles) OR $1::regrole = ANY (polroles))",
+            APP_ROLE,
+        )
+    assert [row[0] for row in policies] == ["memories_tenant"]
+
+    a, b = two_buckets
     other = Tenant(NAMESPACE, f"other-{uuid.uuid4().hex[:12]}", (new_bucket(),))
     await store.insert(other, other.buckets[0], rows(2, "other"))
     elsewhere = Tenant(f"{NAMESPACE}-other", a.agent, (new_bucket(),))  # the same agent name
     await store.insert(elsewhere, elsewhere.buckets[0], rows(1, "elsewhere"))
-    whole = Tenant(NAMESPACE, a.agent, whole_space=True)
-    async with tenant_transaction(pool, whole) as conn:
-        assert await conn.fetchval("SELECT count(*) FROM memories") == 5  # both of the agent's buckets
-        assert await conn.fetchval("SELECT count(*) FROM memories WHERE agent = $1", other.agent) == 0
-        moved = await conn.execute("UPDATE memories SET metadata = '{}' WHERE agent = $1", other.agent)
-        assert moved == "UPDATE 0"
-        # It reads and updates vectors; it can neither delete nor insert, here or elsewhere.
-        assert await conn.execute("DELETE FROM memories") == "DELETE 0"
-    for namespace, agent in ((NAMESPACE, a.agent), (NAMESPACE, other.agent)):
-        async with tenant_transaction(pool, whole) as conn:
-            with pytest.raises(asyncpg.InsufficientPrivilegeError, match="row-level security"):
-                await conn.execute(
-                    "INSERT INTO memories (bucket, id, namespace, agent, content, content_sha256, dimension, "
-                    "embedding) VALUES ($1, gen_random_uuid(), $2, $3, 'x', '\\x00', 3, '[1,0,0]')",
-                    new_bucket(),
-                    namespace,
-                    agent,
-                )
-    async with tenant_transaction(pool, a) as conn:  # a tenant's own transaction: its bucket only
-        assert await conn.fetchval("SELECT count(*) FROM memories") == 3
-    with pytest.raises(ValueError, match="tenant settings"):
-        async with tenant_transaction(pool, a, settings={"tokensvc.migration": "on"}):
-            pass
+    async with pool.acquire() as conn:
+        pending = await conn.fetch(
+            "SELECT bucket FROM migration_pending($1, $2, 1, 8, NULL, NULL, 100)", NAMESPACE, a.agent
+        )
+        assert sorted({row[0] for row in pending}) == sorted([a.buckets[0], b.buckets[0]])
+        theirs = await conn.fetch(
+            "SELECT bucket, id, content_sha256 FROM migration_pending($1, $2, 1, 8, NULL, NULL, 100)",
+            NAMESPACE,
+            other.agent,
+        )
+        assert len(theirs) == 2
+        # Told agent a's space, the functions write and clear nothing of another space's rows.
+        written = await conn.fetchval(
+            "SELECT migration_store($1, $2, 1, 3, $3::text[], $4::uuid[], $5::bytea[], $6::vector[])",
+            NAMESPACE,
+            a.agent,
+            [r[0] for r in theirs],
+            [r[1] for r in theirs],
+            [r[2] for r in theirs],
+            [Vector([1, 0, 0]), Vector([0, 1, 0])],
+        )
+        assert written == 0
+        cleared = await conn.fetchval(
+            "SELECT cleared FROM migration_clear($1, $2, 0, NULL, NULL, 100)", f"{NAMESPACE}-nobody", a.agent
+        )
+        assert cleared == 0
+    async with tenant_transaction(pool, other) as conn:
+        assert await conn.fetchval("SELECT count(embedding_b) FROM memories") == 0
+        assert await conn.fetchval("SELECT count(embedding) FROM memories") == 2
 
 
 async def test_a_pinned_memory_space_cannot_be_changed_or_seen_by_another_agent(

@@ -73,8 +73,6 @@ class Tenant:
     knowledge_bases: Sequence[str] = ()
     # A memory write's: the memory-space generation it embedded for (refused if no longer current).
     generation: int | None = None
-    # The re-embedding runner's: every bucket of (namespace, agent), which no tenant may declare.
-    whole_space: bool = False
     # A memory write's: the backfilling migration whose target vectors it also writes (its id).
     dual_write: str | None = None
 
@@ -89,8 +87,6 @@ class Tenant:
                 raise ValueError("not a knowledge base ref")
         if self.generation is not None and self.generation < 0:
             raise ValueError("not a generation")
-        if self.whole_space and not self.agent:
-            raise ValueError("a whole space needs its agent")
         if self.dual_write is not None and not _UUID.fullmatch(self.dual_write):
             raise ValueError("not a migration id")
 

@@ -1,9 +1,10 @@
 """Re-embedding migrations in PostgreSQL (the contract: `tokensvc.storage.ports.EmbeddingMigrationStore`).
 
-The migration row (`embedding_migrations`, migration 0014) is the durable state; the runner's
-transactions declare the space they migrate (`Tenant.whole_space`), which lets them read and
-update every bucket of that one space (the `memories_migration_read` and `_write` policies)
-and nothing else. Every runner statement checks the lease in the same transaction as its work.
+The migration row (`embedding_migrations`, migration 0014) is the durable state. The runner
+reaches every bucket of the one space it migrates through the owner's functions of 0014
+(`migration_pending`, `migration_store`, `migration_clear`, `migration_space_rows`), never
+through a policy of the serving role; every runner call checks the lease in the transaction
+that does its work.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ from tokensvc.storage.records import (
 
 __all__ = ["PostgresEmbeddingMigrationStore"]
 
-_LIVE = "(expires_at IS NULL OR expires_at > now())"
-_SLOTS = (("embedding", "dimension"), ("embedding_b", "dimension_b"))
 _RUNNABLE = [MigrationState.BACKFILLING.value, MigrationState.RETIRING.value, MigrationState.CANCELLING.value]
 _FINISHED = [MigrationState.SUCCEEDED.value, MigrationState.CANCELLED.value]
 # The runner's lease, checked (and renewed) in the transaction that does the work.
@@ -62,14 +61,12 @@ def _migration(row: asyncpg.Record) -> EmbeddingMigration:
 
 
 def _space(migration: EmbeddingMigration) -> Tenant:
-    return Tenant(migration.namespace, migration.agent, whole_space=True)
+    """The space's own rows of memory_spaces (its pin), no bucket."""
+    return Tenant(migration.namespace, migration.agent)
 
 
-def _after(migration: EmbeddingMigration, params: list[Any]) -> str:
-    if migration.cursor is None:
-        return ""
-    params += [migration.cursor[0], migration.cursor[1]]
-    return f" AND (bucket, id) > (${len(params) - 1}, ${len(params)}::uuid)"
+def _cursor(migration: EmbeddingMigration) -> tuple[str | None, str | None]:
+    return (None, None) if migration.cursor is None else migration.cursor
 
 
 @translate_errors
@@ -88,7 +85,7 @@ class PostgresEmbeddingMigrationStore:
                 "from_model, from_dimension, to_embedder, to_model, to_dimension, to_normalized, state, "
                 "rows_total, created_by) "
                 "SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'backfilling', "
-                f"(SELECT count(*) FROM memories WHERE namespace = $2 AND agent = $3 AND {_LIVE}), $12 "
+                "migration_space_rows($2, $3), $12 "
                 "WHERE EXISTS (SELECT 1 FROM memory_spaces WHERE namespace = $2 AND agent = $3 "
                 "AND generation = $4) "
                 "ON CONFLICT DO NOTHING RETURNING *",
@@ -166,15 +163,15 @@ class PostgresEmbeddingMigrationStore:
         return None if row is None else _migration(row)
 
     async def pending(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingMemory]:
-        _, dimension = _SLOTS[migration.target_slot]
-        params: list[Any] = [migration.namespace, migration.agent, migration.target.dimension, limit]
-        after = _after(migration, params)
-        async with tenant_transaction(self._pool, _space(migration)) as conn:
+        async with self._pool.acquire() as conn:
             rows = await conn.fetch(
-                "SELECT bucket, id, content, content_sha256 FROM memories "
-                f"WHERE namespace = $1 AND agent = $2 AND {_LIVE} AND {dimension} IS DISTINCT FROM $3{after} "
-                "ORDER BY bucket, id LIMIT $4",
-                *params,
+                "SELECT * FROM migration_pending($1, $2, $3, $4, $5, $6::uuid, $7)",
+                migration.namespace,
+                migration.agent,
+                migration.target_slot,
+                migration.target.dimension,
+                *_cursor(migration),
+                limit,
             )
         return [PendingMemory(row[0], str(row[1]), row[2], row[3]) for row in rows]
 
@@ -186,9 +183,8 @@ class PostgresEmbeddingMigrationStore:
         *,
         lease_seconds: float,
     ) -> EmbeddingMigration | None:
-        vector, dimension = _SLOTS[migration.target_slot]
         last = rows[-1][0] if rows else None
-        async with tenant_transaction(self._pool, _space(migration)) as conn:
+        async with self._pool.acquire() as conn, conn.transaction():
             held = await conn.fetchval(
                 f"SELECT 1 FROM embedding_migrations WHERE {_LEASED} AND state = 'backfilling' FOR UPDATE",
                 migration.id,
@@ -196,20 +192,17 @@ class PostgresEmbeddingMigrationStore:
             )
             if held is None:
                 return None
-            result = await conn.execute(
-                f"UPDATE memories m SET {vector} = u.embedding, {dimension} = $7 "
-                "FROM unnest($3::text[], $4::uuid[], $5::bytea[], $6::vector[]) AS u(bucket, id, sha, embedding) "
-                "WHERE m.bucket = u.bucket AND m.id = u.id AND m.content_sha256 = u.sha "
-                "AND m.namespace = $1 AND m.agent = $2",
+            written = await conn.fetchval(
+                "SELECT migration_store($1, $2, $3, $4, $5::text[], $6::uuid[], $7::bytea[], $8::vector[])",
                 migration.namespace,
                 migration.agent,
+                migration.target_slot,
+                migration.target.dimension,
                 [pending.bucket for pending, _ in rows],
                 [pending.id for pending, _ in rows],
                 [pending.content_sha256 for pending, _ in rows],
                 [Vector(v) for _, v in rows],
-                migration.target.dimension,
             )
-            written = int(result.split()[-1])
             row = await conn.fetchrow(
                 "UPDATE embedding_migrations SET rows_done = rows_done + $2, "
                 "rows_total = greatest(rows_total, rows_done + $2), failures = 0, reason = '', "
@@ -259,10 +252,7 @@ class PostgresEmbeddingMigrationStore:
             if migration.state is MigrationState.RETIRING
             else migration.target_slot
         )
-        vector, dimension = _SLOTS[slot]
-        params: list[Any] = [migration.id, migration.namespace, migration.agent, limit, lease_seconds]
-        after = _after(migration, params)
-        async with tenant_transaction(self._pool, _space(migration)) as conn:
+        async with self._pool.acquire() as conn, conn.transaction():
             held = await conn.fetchval(
                 f"SELECT 1 FROM embedding_migrations WHERE {_LEASED} AND state = $3 FOR UPDATE",
                 migration.id,
@@ -273,17 +263,19 @@ class PostgresEmbeddingMigrationStore:
                 return None
             # The cursor moves to the batch's last row in the database's own order (its collation).
             row = await conn.fetchrow(
-                "WITH batch AS (SELECT bucket, id FROM memories WHERE namespace = $2 AND agent = $3 "
-                f"AND {dimension} IS NOT NULL{after} ORDER BY bucket, id LIMIT $4), "
-                f"cleared AS (UPDATE memories m SET {vector} = NULL, {dimension} = NULL FROM batch "
-                "WHERE m.bucket = batch.bucket AND m.id = batch.id RETURNING 1), "
-                "last AS (SELECT bucket, id FROM batch ORDER BY bucket DESC, id DESC LIMIT 1) "
+                "WITH batch AS (SELECT * FROM migration_clear($2, $3, $4, $5, $6::uuid, $7)) "
                 "UPDATE embedding_migrations SET updated_at = clock_timestamp(), "
-                "lease_until = clock_timestamp() + make_interval(secs => $5), "
-                "cursor_bucket = coalesce((SELECT bucket FROM last), cursor_bucket), "
-                "cursor_id = coalesce((SELECT id FROM last), cursor_id) "
-                "WHERE id = $1 RETURNING (SELECT count(*) FROM cleared) AS cleared, *",
-                *params,
+                "lease_until = clock_timestamp() + make_interval(secs => $8), "
+                "cursor_bucket = coalesce((SELECT last_bucket FROM batch), cursor_bucket), "
+                "cursor_id = coalesce((SELECT last_id FROM batch), cursor_id) "
+                "WHERE id = $1 RETURNING (SELECT cleared FROM batch) AS cleared, *",
+                migration.id,
+                migration.namespace,
+                migration.agent,
+                slot,
+                *_cursor(migration),
+                limit,
+                lease_seconds,
             )
         assert row is not None
         return int(row["cleared"]), _migration(row)

@@ -63,8 +63,6 @@ def _begin(
     }
     if tenant.generation is not None:
         values["tokensvc.generation"] = str(tenant.generation)
-    if tenant.whole_space:
-        values["tokensvc.migration"] = "on"
     if tenant.dual_write is not None:
         values["tokensvc.dual_write"] = tenant.dual_write
     # The caller's deadline bounds every statement; without one the server default stays.

@@ -112,20 +112,91 @@ REVOKE ALL ON FUNCTION tokensvc.memories_generation_guard() FROM PUBLIC;
 CREATE TRIGGER memories_generation_guard BEFORE INSERT OR UPDATE ON tokensvc.memories
     FOR EACH ROW EXECUTE FUNCTION tokensvc.memories_generation_guard();
 
--- The migration runner reads and writes every bucket of the one space it migrates: it declares
--- the space and `tokensvc.migration = 'on'`, which no tenant transaction declares.
--- It reads and updates vectors only: no insert, no delete.
-CREATE POLICY memories_migration_read ON tokensvc.memories FOR SELECT
-    USING (current_setting('tokensvc.migration', true) = 'on'
-           AND namespace = current_setting('tokensvc.namespace', true)
-           AND agent = current_setting('tokensvc.agent', true));
-CREATE POLICY memories_migration_write ON tokensvc.memories FOR UPDATE
-    USING (current_setting('tokensvc.migration', true) = 'on'
-           AND namespace = current_setting('tokensvc.namespace', true)
-           AND agent = current_setting('tokensvc.agent', true))
-    WITH CHECK (current_setting('tokensvc.migration', true) = 'on'
-                AND namespace = current_setting('tokensvc.namespace', true)
-                AND agent = current_setting('tokensvc.agent', true));
+-- The migration runner reads and writes every bucket of the one space it migrates, through these
+-- owner functions: a policy for it would be OR-ed into every tenant query's row-level security,
+-- which then could no longer be an index condition (measured: +0.1 ms on a 400-row bucket's
+-- search). The owner's own UPDATE policy is for them only (the serving role has no such policy).
+DO $$
+BEGIN
+    EXECUTE format('CREATE POLICY memories_owner_migration ON tokensvc.memories FOR UPDATE TO %I '
+                   'USING (true)', current_user);
+END $$;
+
+-- Up to `lim` live memories of (ns, agent) without a vector of dimension `dim` in `slot`, in
+-- (bucket, id) order after the cursor (NULL: from the start).
+CREATE FUNCTION tokensvc.migration_pending(ns text, ag text, slot integer, dim integer,
+                                           after_bucket text, after_id uuid, lim integer)
+RETURNS TABLE (bucket text, id uuid, content text, content_sha256 bytea)
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+    SELECT m.bucket, m.id, m.content, m.content_sha256 FROM tokensvc.memories m
+    WHERE m.namespace = ns AND m.agent = ag AND (m.expires_at IS NULL OR m.expires_at > now())
+      AND CASE WHEN slot = 0 THEN m.dimension ELSE m.dimension_b END IS DISTINCT FROM dim
+      AND (after_bucket IS NULL OR (m.bucket, m.id) > (after_bucket, after_id))
+    ORDER BY m.bucket, m.id LIMIT lim
+$$;
+
+-- The vectors of `slot` for these memories of (ns, agent), each unless its content changed since
+-- it was read (its hash differs); returns how many were written.
+CREATE FUNCTION tokensvc.migration_store(ns text, ag text, slot integer, dim integer, buckets text[],
+                                         ids uuid[], hashes bytea[], vectors vector[])
+RETURNS integer LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    written integer;
+BEGIN
+    IF slot = 0 THEN
+        UPDATE tokensvc.memories m SET embedding = u.v, dimension = dim
+        FROM unnest(buckets, ids, hashes, vectors) AS u(b, i, h, v)
+        WHERE m.bucket = u.b AND m.id = u.i AND m.content_sha256 = u.h AND m.namespace = ns AND m.agent = ag;
+    ELSE
+        UPDATE tokensvc.memories m SET embedding_b = u.v, dimension_b = dim
+        FROM unnest(buckets, ids, hashes, vectors) AS u(b, i, h, v)
+        WHERE m.bucket = u.b AND m.id = u.i AND m.content_sha256 = u.h AND m.namespace = ns AND m.agent = ag;
+    END IF;
+    GET DIAGNOSTICS written = ROW_COUNT;
+    RETURN written;
+END $$;
+
+-- Empties `slot` in the next `lim` memories of (ns, agent) after the cursor that have a vector
+-- there (expired ones too); returns how many and the last one, in (bucket, id) order.
+CREATE FUNCTION tokensvc.migration_clear(ns text, ag text, slot integer, after_bucket text,
+                                         after_id uuid, lim integer)
+RETURNS TABLE (cleared integer, last_bucket text, last_id uuid) LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+BEGIN
+    RETURN QUERY EXECUTE format(
+        'WITH batch AS (SELECT bucket, id FROM tokensvc.memories WHERE namespace = $1 AND agent = $2 '
+        '  AND %1$I IS NOT NULL AND ($3::text IS NULL OR (bucket, id) > ($3, $4)) '
+        '  ORDER BY bucket, id LIMIT $5), '
+        'done AS (UPDATE tokensvc.memories m SET %2$I = NULL, %1$I = NULL FROM batch '
+        '  WHERE m.bucket = batch.bucket AND m.id = batch.id RETURNING 1) '
+        'SELECT (SELECT count(*)::integer FROM done), b.bucket, b.id FROM (SELECT 1) AS one '
+        'LEFT JOIN (SELECT bucket, id FROM batch ORDER BY bucket DESC, id DESC LIMIT 1) AS b ON true',
+        CASE WHEN slot = 0 THEN 'dimension' ELSE 'dimension_b' END,
+        CASE WHEN slot = 0 THEN 'embedding' ELSE 'embedding_b' END)
+    USING ns, ag, after_bucket, after_id, lim;
+END $$;
+
+-- The live memories of (ns, agent): what a new migration has to embed.
+CREATE FUNCTION tokensvc.migration_space_rows(ns text, ag text) RETURNS bigint
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+    SELECT count(*) FROM tokensvc.memories m
+    WHERE m.namespace = ns AND m.agent = ag AND (m.expires_at IS NULL OR m.expires_at > now())
+$$;
+DO $$
+DECLARE
+    f text;
+BEGIN
+    FOREACH f IN ARRAY ARRAY[
+        'migration_pending(text, text, integer, integer, text, uuid, integer)',
+        'migration_store(text, text, integer, integer, text[], uuid[], bytea[], vector[])',
+        'migration_clear(text, text, integer, text, uuid, integer)',
+        'migration_space_rows(text, text)']
+    LOOP
+        EXECUTE format('REVOKE ALL ON FUNCTION tokensvc.%s FROM PUBLIC', f);
+        EXECUTE format('GRANT EXECUTE ON FUNCTION tokensvc.%s TO {app_role}', f);
+    END LOOP;
+END $$;
 
 -- One row per migration: what it moves to, where it is, and who runs it (a lease, so one replica
 -- runs it at a time and another takes over when the runner dies).
