@@ -10,6 +10,7 @@ import base64
 import hashlib
 import os
 import re
+import secrets
 import uuid
 from collections.abc import AsyncIterator
 
@@ -439,6 +440,29 @@ async def test_the_serving_role_has_the_tenant_policy_alone_and_the_runner_funct
     async with tenant_transaction(pool, other) as conn:
         assert await conn.fetchval("SELECT count(embedding_b) FROM memories") == 0
         assert await conn.fetchval("SELECT count(embedding) FROM memories") == 2
+
+
+async def test_a_new_dimensions_index_is_built_partition_by_partition_and_only_the_canonical_one(
+    pool: asyncpg.Pool, store: PostgresMemoryStore, database: SharedDatabase
+) -> None:
+    """The serving role asks for a (slot, dimension) index one partition per call (each call its
+    own transaction, so a build holds up one partition's writes); it cannot build anything else."""
+    dim = 40 + secrets.randbelow(900)
+    await store.ensure_vector_index(dim, slot=1)
+    async with superuser(database) as conn:
+        built = await conn.fetchval(
+            "SELECT count(*) FROM pg_class WHERE relnamespace = 'tokensvc'::regnamespace AND relname ~ $1",
+            rf"^memories_p\d{{3}}_hnsw_b_{dim}$",
+        )
+        valid = await conn.fetchval(
+            "SELECT indisvalid FROM pg_index WHERE indexrelid = $1::regclass",
+            f"tokensvc.memories_hnsw_b_{dim}",
+        )
+    assert (built, valid) == (256, True)
+    async with pool.acquire() as conn:
+        assert await conn.fetchval("SELECT memory_vector_index_ready($1, 1)", dim)
+        for args in ((dim, 2, 0), (dim, 1, 256), (0, 1, 0), (dim, 1, -1)):
+            assert not await conn.fetchval("SELECT ensure_memory_partition_index($1, $2, $3)", *args)
 
 
 async def test_a_pinned_memory_space_cannot_be_changed_or_seen_by_another_agent(

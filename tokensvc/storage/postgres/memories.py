@@ -35,7 +35,7 @@ from tokensvc.storage.records import (
     Tenant,
 )
 
-__all__ = ["PostgresMemoryStore", "search_statement"]
+__all__ = ["PostgresMemoryStore", "ensure_vector_index", "search_statement"]
 
 _LIVE = "(expires_at IS NULL OR expires_at > now())"
 _COLUMNS = "id, content, metadata, created_at, updated_at, expires_at"
@@ -112,6 +112,18 @@ def _bucket_predicate(bucket: str, filter_: Filter | None) -> Callable[[list[Any
     return where
 
 
+async def ensure_vector_index(
+    conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy, dimension: int, slot: int
+) -> None:
+    """The HNSW indexes of (slot, dimension) on every partition, built one partition per
+    statement (each its own transaction: a build holds up writes to one partition at a time)."""
+    if await conn.fetchval("SELECT memory_vector_index_ready($1, $2)", dimension, slot):
+        return
+    part = 0
+    while await conn.fetchval("SELECT ensure_memory_partition_index($1, $2, $3)", dimension, slot, part):
+        part += 1
+
+
 @translate_errors
 class PostgresMemoryStore:
     def __init__(self, pool: asyncpg.Pool):
@@ -147,9 +159,8 @@ class PostgresMemoryStore:
         return pinned
 
     async def ensure_vector_index(self, dimension: int, *, slot: int = 0) -> None:
-        function = "ensure_memory_vector_index_b" if slot else "ensure_memory_vector_index"
         async with self._pool.acquire() as conn:
-            await conn.execute(f"SELECT {function}($1)", dimension)
+            await ensure_vector_index(conn, dimension, slot)
 
     # --- writes -----------------------------------------------------------------------------
 

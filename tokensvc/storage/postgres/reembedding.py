@@ -18,6 +18,7 @@ import numpy as np
 from pgvector import Vector
 
 from tokensvc.storage.postgres.errors import translate_errors
+from tokensvc.storage.postgres.memories import ensure_vector_index
 from tokensvc.storage.postgres.tenant import tenant_transaction
 from tokensvc.storage.records import (
     EmbedderSpec,
@@ -75,9 +76,8 @@ class PostgresEmbeddingMigrationStore:
         self._pool = pool
 
     async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
-        function = "ensure_memory_vector_index_b" if migration.target_slot else "ensure_memory_vector_index"
         async with self._pool.acquire() as conn:
-            await conn.execute(f"SELECT {function}($1)", migration.target.dimension)
+            await ensure_vector_index(conn, migration.target.dimension, migration.target_slot)
         source, target = migration.source, migration.target
         async with tenant_transaction(self._pool, _space(migration)) as conn:
             row = await conn.fetchrow(

@@ -22,39 +22,53 @@ ALTER TABLE tokensvc.memories
 ALTER TABLE tokensvc.memory_spaces ADD COLUMN generation integer NOT NULL DEFAULT 0
     CHECK (generation >= 0);
 
--- HNSW on the second slot, named memories_pNNN_hnsw_b_D, attached to memories_hnsw_b_D; built
--- when a migration to dimension D starts (before any row has it, so the build reads no vectors).
-CREATE FUNCTION tokensvc.ensure_memory_vector_index_b(dim integer) RETURNS boolean
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+-- HNSW for a (slot, dimension), one partition at a time: the serving role calls this for
+-- partition 0, 1, ... each in a transaction of its own (it returns false past the last one), so a
+-- build locks one partition's writes for that partition's build, never the whole table's. Names:
+-- memories_pNNN_hnsw_D (first slot, as 0013 builds them) and memories_pNNN_hnsw_b_D (second),
+-- attached to memories_hnsw_D / memories_hnsw_b_D, which becomes valid when the last is attached.
+CREATE FUNCTION tokensvc.ensure_memory_partition_index(dim integer, slot integer, part integer)
+RETURNS boolean LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
 DECLARE
-    part record;
+    suffix text := CASE WHEN slot = 1 THEN 'b_' ELSE '' END;
+    vec text := CASE WHEN slot = 1 THEN 'embedding_b' ELSE 'embedding' END;
+    dimcol text := CASE WHEN slot = 1 THEN 'dimension_b' ELSE 'dimension' END;
+    parent text := 'memories_hnsw_' || suffix || dim;
+    partition text := 'memories_p' || lpad(part::text, 3, '0');
+    child text := 'memories_p' || lpad(part::text, 3, '0') || '_hnsw_' || suffix || dim;
 BEGIN
-    IF dim < 1 OR dim > 2000 THEN
+    IF dim < 1 OR dim > 2000 OR slot NOT IN (0, 1) OR part < 0 OR part > 999
+       OR to_regclass('tokensvc.' || partition) IS NULL THEN
         RETURN false;
     END IF;
-    PERFORM pg_advisory_xact_lock(hashtextextended('tokensvc.memories_hnsw_b_' || dim, 0));
-    IF to_regclass(format('tokensvc.memories_hnsw_b_%s', dim)) IS NOT NULL THEN
-        RETURN true;
+    PERFORM pg_advisory_xact_lock(hashtextextended('tokensvc.' || parent, 0));
+    IF to_regclass('tokensvc.' || parent) IS NULL THEN
+        EXECUTE format(
+            'CREATE INDEX %I ON ONLY tokensvc.memories '
+            'USING hnsw ((%I::vector(%s)) vector_ip_ops) WITH (m = 16, ef_construction = 64) '
+            'WHERE %I = %s', parent, vec, dim, dimcol, dim);
     END IF;
-    EXECUTE format(
-        'CREATE INDEX %I ON ONLY tokensvc.memories '
-        'USING hnsw ((embedding_b::vector(%s)) vector_ip_ops) WITH (m = 16, ef_construction = 64) '
-        'WHERE dimension_b = %s', 'memories_hnsw_b_' || dim, dim, dim);
-    FOR part IN
-        SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-        WHERE i.inhparent = 'tokensvc.memories'::regclass ORDER BY c.relname
-    LOOP
+    IF to_regclass('tokensvc.' || child) IS NULL THEN
         EXECUTE format(
             'CREATE INDEX %I ON tokensvc.%I '
-            'USING hnsw ((embedding_b::vector(%s)) vector_ip_ops) WITH (m = 16, ef_construction = 64) '
-            'WHERE dimension_b = %s', part.relname || '_hnsw_b_' || dim, part.relname, dim, dim);
-        EXECUTE format('ALTER INDEX tokensvc.%I ATTACH PARTITION tokensvc.%I',
-                       'memories_hnsw_b_' || dim, part.relname || '_hnsw_b_' || dim);
-    END LOOP;
+            'USING hnsw ((%I::vector(%s)) vector_ip_ops) WITH (m = 16, ef_construction = 64) '
+            'WHERE %I = %s', child, partition, vec, dim, dimcol, dim);
+        EXECUTE format('ALTER INDEX tokensvc.%I ATTACH PARTITION tokensvc.%I', parent, child);
+    END IF;
     RETURN true;
 END $$;
-REVOKE ALL ON FUNCTION tokensvc.ensure_memory_vector_index_b(integer) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION tokensvc.ensure_memory_vector_index_b(integer) TO {app_role};
+REVOKE ALL ON FUNCTION tokensvc.ensure_memory_partition_index(integer, integer, integer) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION tokensvc.ensure_memory_partition_index(integer, integer, integer) TO {app_role};
+
+-- Whether (slot, dimension) is indexed on every partition (or needs no HNSW index: too wide).
+CREATE FUNCTION tokensvc.memory_vector_index_ready(dim integer, slot integer) RETURNS boolean
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+    SELECT dim > 2000 OR coalesce((SELECT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass(
+        'tokensvc.memories_hnsw_' || CASE WHEN slot = 1 THEN 'b_' ELSE '' END || dim)), false)
+$$;
+REVOKE ALL ON FUNCTION tokensvc.memory_vector_index_ready(integer, integer) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION tokensvc.memory_vector_index_ready(integer, integer) TO {app_role};
 
 -- The generation guard. A writer declares the generation it embedded for
 -- (`tokensvc.generation`); its row is refused (SQLSTATE TK001) when the space has moved on, so a
