@@ -162,6 +162,14 @@ async def test_a_write_for_a_generation_that_is_gone_is_refused_and_writes_nothi
     stale = tenants[0]  # still declares generation 0
     with pytest.raises(StaleMemorySpace):
         await memories.insert(stale, stale.buckets[0], [memory("embedded by the old model", axis(0))])
+    existing = (
+        await memories.list_page(stale, stale.buckets[0], limit=1, after=None, filter_=None, embedder="x")
+    )[0]
+    with pytest.raises(StaleMemorySpace):  # an update embedded by the old model, likewise
+        await memories.update(
+            stale, stale.buckets[0], existing.id, content=("fact 0.0, edited", b"z" * 32, axis(4)),
+            metadata=None, ttl_seconds=None, embedder="x",
+        )  # fmt: skip
     current = replace(stale, generation=1)
     assert await memories.find_existing(current, stale.buckets[0], [], []) == []
     rows = await memories.list_page(

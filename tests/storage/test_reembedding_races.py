@@ -1,0 +1,196 @@
+"""The cutover against writes in flight, in PostgreSQL (migration 0014's locks, raced for real).
+
+A write holds a share lock on its space's row from its first row to its commit; the cutover takes
+that row FOR UPDATE. So a cutover waits for a write in flight and then sees its memory (which has
+no target vector yet: the cutover refuses), and a write that starts while a cutover holds the row
+waits, then finds the new generation and is refused (SQLSTATE TK001), never committing a memory
+the new generation cannot find.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import uuid
+from collections.abc import AsyncIterator
+
+import asyncpg
+import numpy as np
+import pytest
+
+from tests.storage.migration_support import connect
+from tests.storage.test_memory_rls import new_bucket, open_pool
+from tests.support import SharedDatabase
+from tokensvc.auth.devpki import DevPaths
+from tokensvc.storage.ports import StaleMemorySpace
+from tokensvc.storage.postgres.memories import PostgresMemoryStore
+from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
+from tokensvc.storage.postgres.tenant import declare_settings
+from tokensvc.storage.records import (
+    EmbedderSpec,
+    EmbeddingMigration,
+    MemorySpace,
+    MigrationState,
+    NewMemory,
+    Tenant,
+)
+
+NAMESPACE = "races"
+SPACE = MemorySpace(EmbedderSpec("hash", "hash-v1", 8, True), "simple")
+TARGET = EmbedderSpec("target", "target-model", 4, True)
+
+
+@pytest.fixture
+async def pool(
+    database: SharedDatabase, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[asyncpg.Pool]:
+    db, pool = await open_pool(database, dev, tmp_path_factory)
+    try:
+        yield pool
+    finally:
+        await db.close()
+
+
+def one_memory(content: str) -> NewMemory:
+    vector = np.zeros(8, dtype=np.float32)
+    vector[0] = 1.0
+    return NewMemory(
+        str(uuid.uuid4()), content, hashlib.sha256(content.encode()).digest(), {}, None, None, vector
+    )
+
+
+async def ready_to_cut_over(
+    pool: asyncpg.Pool,
+) -> tuple[Tenant, EmbeddingMigration, PostgresEmbeddingMigrationStore]:
+    """A space of one memory, fully backfilled, its runner holding the lease."""
+    memories, migrations = PostgresMemoryStore(pool), PostgresEmbeddingMigrationStore(pool)
+    agent = f"agent-{uuid.uuid4().hex[:12]}"
+    tenant = Tenant(NAMESPACE, agent, (new_bucket(),), generation=0)
+    await memories.pin_space(Tenant(NAMESPACE, agent), SPACE)
+    await memories.insert(tenant, tenant.buckets[0], [one_memory("before the migration")])
+    created = await migrations.create(
+        EmbeddingMigration(
+            id=str(uuid.uuid4()),
+            namespace=NAMESPACE,
+            agent=agent,
+            from_generation=0,
+            source=SPACE.embedder,
+            target=TARGET,
+            state=MigrationState.BACKFILLING,
+            created_by="test",
+        )
+    )
+    assert created is not None
+    for _ in range(200):  # other tests' migrations share the database: finish them
+        claimed = await migrations.claim(
+            "racer", lease_seconds=60, embedders=["target"], retire_after_seconds=0
+        )
+        assert claimed is not None
+        if claimed.id == created.id:
+            break
+        await migrations.transition(claimed.id, expect=[claimed.state], state=MigrationState.CANCELLED)
+    pending = await migrations.pending(claimed, limit=10)
+    stored = await migrations.store_vectors(
+        claimed, "racer", [(p, np.array([1, 0, 0, 0], dtype=np.float32)) for p in pending], lease_seconds=60
+    )
+    assert stored is not None
+    return tenant, stored, migrations
+
+
+async def waiting_for_a_lock(watcher: asyncpg.Connection, pid: int) -> bool:
+    for _ in range(200):
+        if (
+            await watcher.fetchval("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1", pid)
+            == "Lock"
+        ):
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_a_cutover_waits_for_a_write_in_flight_and_then_refuses_to_switch(
+    pool: asyncpg.Pool, database: SharedDatabase
+) -> None:
+    tenant, migration, migrations = await ready_to_cut_over(pool)
+    writer = await pool.acquire()
+    watcher = await connect(database, "superuser", database.dsn.rsplit("/", 1)[1])
+    try:
+        settings = {
+            "tokensvc.buckets": tenant.buckets[0],
+            "tokensvc.namespace": tenant.namespace,
+            "tokensvc.agent": tenant.agent,
+            "tokensvc.generation": "0",
+        }
+        await writer.execute(f"BEGIN; {declare_settings(settings)}")
+        await writer.execute(
+            "INSERT INTO memories (bucket, id, namespace, agent, content, content_sha256, dimension, embedding) "
+            "VALUES ($1, gen_random_uuid(), $2, $3, 'written during the cutover', '\\x01', 8, $4)",
+            tenant.buckets[0],
+            tenant.namespace,
+            tenant.agent,
+            np.eye(8, dtype=np.float32)[1],
+        )
+        async with pool.acquire() as cutting:
+            pid = cutting.get_server_pid()
+            cut = asyncio.create_task(
+                cutting.fetchval(
+                    "SELECT cut_over_memory_space($1, 'racer')", migration.id
+                )  # what cut_over runs
+            )
+            assert await waiting_for_a_lock(watcher, pid), "the cutover did not wait for the write"
+            await writer.execute("COMMIT")
+            assert await cut is False  # the new memory has no target vector: no switch
+    finally:
+        await pool.release(writer)
+        await watcher.close()
+    waiting = await migrations.pending(dataclasses.replace(migration, cursor=None), limit=10)
+    assert [p.content for p in waiting] == ["written during the cutover"]
+
+
+async def test_a_write_that_waited_for_a_cutover_is_refused_as_stale(
+    pool: asyncpg.Pool, database: SharedDatabase
+) -> None:
+    tenant, _, _ = await ready_to_cut_over(pool)
+    owner = await connect(database, "owner", database.dsn.rsplit("/", 1)[1])
+    watcher = await connect(database, "superuser", database.dsn.rsplit("/", 1)[1])
+    memories = PostgresMemoryStore(pool)
+    try:
+        # The owner holds the space row as a cutover does, and bumps its generation.
+        await owner.execute(
+            f"BEGIN; {declare_settings({'tokensvc.namespace': tenant.namespace, 'tokensvc.agent': tenant.agent})}"
+        )
+        await owner.execute(
+            "UPDATE tokensvc.memory_spaces SET generation = 1 WHERE namespace = $1 AND agent = $2",
+            tenant.namespace,
+            tenant.agent,
+        )
+        write = asyncio.create_task(
+            memories.insert(tenant, tenant.buckets[0], [one_memory("an old-model write")])
+        )
+        waiting = await watcher.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        )
+        for _ in range(200):
+            if waiting:
+                break
+            await asyncio.sleep(0.02)
+            waiting = await watcher.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            )
+        assert waiting, "the write did not wait for the cutover's lock"
+        await owner.execute("COMMIT")
+        with pytest.raises(StaleMemorySpace):
+            await write
+    finally:
+        await owner.close()
+        await watcher.close()
+    rows = await memories.list_page(
+        Tenant(tenant.namespace, tenant.agent, tenant.buckets, generation=1),
+        tenant.buckets[0],
+        limit=10,
+        after=None,
+        filter_=None,
+        embedder="x",
+    )
+    assert [r.content for r in rows] == ["before the migration"]
