@@ -252,7 +252,6 @@ class Service:
             migrations=EmbeddingMigrations(
                 migration_store,
                 memories,
-                PostgresStatistics(pool),
                 self.embedders,
                 self.audit,
                 wake=self.migration_runner.wake,

@@ -29,7 +29,6 @@ from tokensvc.memory.service import LongTermMemory, RememberItem, SearchMode, Se
 from tokensvc.storage.memory import (
     InMemoryAuditStore,
     InMemoryEmbeddingMigrationStore,
-    InMemoryMemoryStatistics,
     InMemoryMemoryStore,
 )
 
@@ -81,9 +80,7 @@ def world() -> tuple[LongTermMemory, EmbeddingMigrations, MigrationRunner, Flaky
         audit,
         RunnerSettings(pause_after=2, backoff_seconds=0.001, retire_seconds=0, batch_size=2),
     )
-    service = EmbeddingMigrations(
-        migrations, memories, InMemoryMemoryStatistics(memories), embedders, audit, wake=runner.wake
-    )
+    service = EmbeddingMigrations(migrations, memories, embedders, audit, wake=runner.wake)
     memory = LongTermMemory(memories, embedders, default_embedder="hash", space_cache_seconds=0.000_001)
     return memory, service, runner, target, audit_store
 

@@ -10,14 +10,12 @@ import base64
 import hashlib
 import os
 import re
-import secrets
 import uuid
 from collections.abc import AsyncIterator
 
 import asyncpg
 import numpy as np
 import pytest
-from pgvector import Vector
 
 from tests.storage.migration_support import APP_ROLE
 from tests.storage.search_support import bucket_size, vector_search
@@ -390,14 +388,15 @@ async def test_repeated_bucket_statements_lock_one_partition_not_all(
     assert {row[0] for row in locked} == {partition}
 
 
-async def test_the_serving_role_has_the_tenant_policy_alone_and_the_runner_functions_stay_in_their_space(
+async def test_the_serving_role_has_the_tenant_policy_alone_and_the_runner_functions_need_a_lease(
     pool: asyncpg.Pool,
     store: PostgresMemoryStore,
     two_buckets: tuple[Tenant, Tenant],
     database: SharedDatabase,
 ) -> None:
     """No policy is OR-ed into a tenant query's row-level security (it would stop being an index
-    condition); the re-embedding runner's owner functions reach the one space they are given."""
+    condition); the re-embedding runner's owner functions act only for a migration whose lease
+    the caller holds (its space, slot and dimension come from the migration's row)."""
     async with superuser(database) as conn:
         policies = await conn.fetch(
             "SELECT polname FROM pg_policy WHERE polrelid = 'tokensvc.memories'::regclass "
@@ -406,40 +405,28 @@ async def test_the_serving_role_has_the_tenant_policy_alone_and_the_runner_funct
         )
     assert [row[0] for row in policies] == ["memories_tenant"]
 
-    a, b = two_buckets
-    other = Tenant(NAMESPACE, f"other-{uuid.uuid4().hex[:12]}", (new_bucket(),))
-    await store.insert(other, other.buckets[0], rows(2, "other"))
-    elsewhere = Tenant(f"{NAMESPACE}-other", a.agent, (new_bucket(),))  # the same agent name
-    await store.insert(elsewhere, elsewhere.buckets[0], rows(1, "elsewhere"))
+    a, _ = two_buckets
+    unknown = str(uuid.uuid4())
     async with pool.acquire() as conn:
-        pending = await conn.fetch(
-            "SELECT bucket FROM migration_pending($1, $2, 1, 8, NULL, NULL, 100)", NAMESPACE, a.agent
+        # No migration, or one whose lease the caller does not hold: refused, whatever space.
+        for call in (
+            "SELECT * FROM migration_pending($1::uuid, 'runner', NULL, NULL, 10)",
+            "SELECT migration_clear($1::uuid, 'runner', 10, 5)",
+            "SELECT migration_store($1::uuid, 'runner', '{}'::text[], '{}'::uuid[], '{}'::bytea[], '{}'::vector[])",
+        ):
+            with pytest.raises(asyncpg.PostgresError) as refused:
+                await conn.execute(call, unknown)
+            assert refused.value.sqlstate == "TK002", call
+        # Counts only, never content, for a dry run.
+        size = await conn.fetchrow("SELECT * FROM migration_space_size($1, $2)", NAMESPACE, a.agent)
+        assert size["live"] == 5
+    async with superuser(database) as conn:
+        # The whole-table index build of 0013 is the owner's alone now.
+        can_build = await conn.fetchval(
+            "SELECT has_function_privilege($1, 'tokensvc.ensure_memory_vector_index(integer)', 'EXECUTE')",
+            APP_ROLE,
         )
-        assert sorted({row[0] for row in pending}) == sorted([a.buckets[0], b.buckets[0]])
-        theirs = await conn.fetch(
-            "SELECT bucket, id, content_sha256 FROM migration_pending($1, $2, 1, 8, NULL, NULL, 100)",
-            NAMESPACE,
-            other.agent,
-        )
-        assert len(theirs) == 2
-        # Told agent a's space, the functions write and clear nothing of another space's rows.
-        written = await conn.fetchval(
-            "SELECT migration_store($1, $2, 1, 3, $3::text[], $4::uuid[], $5::bytea[], $6::vector[])",
-            NAMESPACE,
-            a.agent,
-            [r[0] for r in theirs],
-            [r[1] for r in theirs],
-            [r[2] for r in theirs],
-            [Vector([1, 0, 0]), Vector([0, 1, 0])],
-        )
-        assert written == 0
-        cleared = await conn.fetchval(
-            "SELECT cleared FROM migration_clear($1, $2, 0, NULL, NULL, 100)", f"{NAMESPACE}-nobody", a.agent
-        )
-        assert cleared == 0
-    async with tenant_transaction(pool, other) as conn:
-        assert await conn.fetchval("SELECT count(embedding_b) FROM memories") == 0
-        assert await conn.fetchval("SELECT count(embedding) FROM memories") == 2
+    assert can_build is False
 
 
 async def test_a_new_dimensions_index_is_built_partition_by_partition_and_only_the_canonical_one(
@@ -447,18 +434,19 @@ async def test_a_new_dimensions_index_is_built_partition_by_partition_and_only_t
 ) -> None:
     """The serving role asks for a (slot, dimension) index one partition per call (each call its
     own transaction, so a build holds up one partition's writes); it cannot build anything else."""
-    dim = 40 + secrets.randbelow(900)
+    dim = 1999  # no other test uses it
     await store.ensure_vector_index(dim, slot=1)
     async with superuser(database) as conn:
-        built = await conn.fetchval(
-            "SELECT count(*) FROM pg_class WHERE relnamespace = 'tokensvc'::regnamespace AND relname ~ $1",
+        built, transactions = await conn.fetchrow(
+            "SELECT count(*), count(DISTINCT xmin::text) FROM pg_class "
+            "WHERE relnamespace = 'tokensvc'::regnamespace AND relname ~ $1",
             rf"^memories_p\d{{3}}_hnsw_b_{dim}$",
         )
         valid = await conn.fetchval(
             "SELECT indisvalid FROM pg_index WHERE indexrelid = $1::regclass",
             f"tokensvc.memories_hnsw_b_{dim}",
         )
-    assert (built, valid) == (256, True)
+    assert (built, transactions, valid) == (256, 256, True)  # one transaction per partition
     async with pool.acquire() as conn:
         assert await conn.fetchval("SELECT memory_vector_index_ready($1, 1)", dim)
         for args in ((dim, 2, 0), (dim, 1, 256), (0, 1, 0), (dim, 1, -1)):

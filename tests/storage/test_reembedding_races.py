@@ -23,7 +23,6 @@ from tests.storage.migration_support import connect
 from tests.storage.test_memory_rls import new_bucket, open_pool
 from tests.support import SharedDatabase
 from tokensvc.auth.devpki import DevPaths
-from tokensvc.storage.ports import StaleMemorySpace
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
 from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
 from tokensvc.storage.postgres.tenant import declare_settings
@@ -151,41 +150,44 @@ async def test_a_cutover_waits_for_a_write_in_flight_and_then_refuses_to_switch(
 async def test_a_write_that_waited_for_a_cutover_is_refused_as_stale(
     pool: asyncpg.Pool, database: SharedDatabase
 ) -> None:
-    tenant, _, _ = await ready_to_cut_over(pool)
-    owner = await connect(database, "owner", database.dsn.rsplit("/", 1)[1])
+    tenant, migration, _ = await ready_to_cut_over(pool)
+    cutting = await pool.acquire()
+    writer = await pool.acquire()
     watcher = await connect(database, "superuser", database.dsn.rsplit("/", 1)[1])
-    memories = PostgresMemoryStore(pool)
     try:
-        # The owner holds the space row as a cutover does, and bumps its generation.
-        await owner.execute(
-            f"BEGIN; {declare_settings({'tokensvc.namespace': tenant.namespace, 'tokensvc.agent': tenant.agent})}"
-        )
-        await owner.execute(
-            "UPDATE tokensvc.memory_spaces SET generation = 1 WHERE namespace = $1 AND agent = $2",
-            tenant.namespace,
-            tenant.agent,
-        )
+        # The cutover runs to its commit; its transaction is held open meanwhile.
+        await cutting.execute("BEGIN")
+        assert await cutting.fetchval("SELECT cut_over_memory_space($1, 'racer')", migration.id)
+        settings = {
+            "tokensvc.buckets": tenant.buckets[0],
+            "tokensvc.namespace": tenant.namespace,
+            "tokensvc.agent": tenant.agent,
+            "tokensvc.generation": "0",  # what a replica with the old pin declares
+        }
+        await writer.execute(f"BEGIN; {declare_settings(settings)}")
         write = asyncio.create_task(
-            memories.insert(tenant, tenant.buckets[0], [one_memory("an old-model write")])
-        )
-        waiting = await watcher.fetchval(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
-        )
-        for _ in range(200):
-            if waiting:
-                break
-            await asyncio.sleep(0.02)
-            waiting = await watcher.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            writer.execute(
+                "INSERT INTO memories (bucket, id, namespace, agent, content, content_sha256, dimension, "
+                "embedding) VALUES ($1, gen_random_uuid(), $2, $3, 'an old-model write', '\\x02', 8, $4)",
+                tenant.buckets[0],
+                tenant.namespace,
+                tenant.agent,
+                np.eye(8, dtype=np.float32)[2],
             )
-        assert waiting, "the write did not wait for the cutover's lock"
-        await owner.execute("COMMIT")
-        with pytest.raises(StaleMemorySpace):
+        )
+        assert await waiting_for_a_lock(watcher, writer.get_server_pid()), (
+            "the write did not wait for the cutover"
+        )
+        await cutting.execute("COMMIT")
+        with pytest.raises(asyncpg.PostgresError) as refused:
             await write
+        assert refused.value.sqlstate == "TK001"  # StaleMemorySpace, to the store's caller
+        await writer.execute("ROLLBACK")
     finally:
-        await owner.close()
+        await pool.release(cutting)
+        await pool.release(writer)
         await watcher.close()
-    rows = await memories.list_page(
+    rows = await PostgresMemoryStore(pool).list_page(
         Tenant(tenant.namespace, tenant.agent, tenant.buckets, generation=1),
         tenant.buckets[0],
         limit=10,

@@ -37,10 +37,10 @@ from opentelemetry import trace
 
 from tokensvc.audit import SYSTEM_ACTOR, AuditKind, AuditLog, AuditOutcome
 from tokensvc.embedders import Embedder, EmbedderRegistry, EmbedderSpec
-from tokensvc.errors import InvalidArgument, NotFound, Reason, TokensvcError
+from tokensvc.errors import EmbedderUnavailable, InvalidArgument, NotFound, Reason, TokensvcError
 from tokensvc.observability.metrics import METRICS
 from tokensvc.retrieval import unit_vector
-from tokensvc.storage.ports import EmbeddingMigrationStore, MemoryStatistics, MemoryStore
+from tokensvc.storage.ports import EmbeddingMigrationStore, MemoryStore
 from tokensvc.storage.records import EmbeddingMigration, MigrationState, PendingMemory, Tenant
 
 __all__ = [
@@ -57,6 +57,19 @@ __all__ = [
 _log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("tokensvc.memory.reembedding")
 _DEFAULT_BATCH = 64
+# The dry run's sample text: words of a typical length (5 letters and a space), not the space's.
+_WORDS = (
+    "memory",
+    "agent",
+    "deploy",
+    "window",
+    "prefers",
+    "answers",
+    "weekly",
+    "review",
+    "staging",
+    "budget",
+)
 _CLEAR_BATCH = 1000
 
 
@@ -109,7 +122,6 @@ class EmbeddingMigrations:
         self,
         store: EmbeddingMigrationStore,
         memories: MemoryStore,
-        statistics: MemoryStatistics,
         embedders: EmbedderRegistry,
         audit: AuditLog,
         *,
@@ -117,7 +129,6 @@ class EmbeddingMigrations:
     ):
         self._store = store
         self._memories = memories
-        self._statistics = statistics
         self._embedders = embedders
         self._audit = audit
         self._wake = wake  # this replica's runner: start on it now, not at its next poll
@@ -169,10 +180,16 @@ class EmbeddingMigrations:
         return created, estimate
 
     async def _estimate(self, planned: EmbeddingMigration, embedder: Embedder) -> MigrationEstimate:
-        rows = (await self._statistics.rows_by_space()).get((planned.namespace, planned.agent), 0)
-        sample = [p.content for p in await self._store.pending(planned, limit=batch_size_of(embedder))]
+        """Rows and throughput: one batch of texts as long as the space's memories on average,
+        embedded by the target (the space's own content is read by its migration only)."""
+        rows, average_chars = await self._store.space_size(planned.namespace, planned.agent)
         rate = 0.0
-        if sample:
+        if rows:
+            words = max(1, average_chars // 6)
+            sample = [
+                " ".join(_WORDS[(i + w) % len(_WORDS)] for w in range(words))
+                for i in range(batch_size_of(embedder))
+            ]
             began = time.perf_counter()
             await embedder.embed_documents(sample)
             rate = len(sample) / max(time.perf_counter() - began, 1e-6)
@@ -380,6 +397,12 @@ class MigrationRunner:
         with _tracer.start_as_current_span("reembedding.batch") as span:
             span.set_attribute("tokensvc.embed.count", len(batch))
             vectors = await embedder.embed_documents([p.content for p in batch])
+            if vectors.ndim != 2 or vectors.shape[1] != embedder.spec.dimension:
+                # Counted as the embedder's failure (it pauses the migration if it persists).
+                raise EmbedderUnavailable(
+                    f"the embedder returned vectors of shape {vectors.shape}, not "
+                    f"{embedder.spec.dimension} dimensions"
+                )
             return np.stack([unit_vector(v, "embedding") for v in vectors])
 
     async def _cut_over(self, migration: EmbeddingMigration) -> bool:

@@ -214,7 +214,12 @@ class EmbeddingMigrationStore(Protocol):
 
     async def pending(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingMemory]:
         """Up to `limit` live memories of the space without a vector in the target slot, in
-        (bucket, id) order strictly after `migration.cursor` (from the start when None)."""
+        (bucket, id) order strictly after `migration.cursor` (from the start when None); for the
+        runner holding the BACKFILLING migration's lease (`migration.lease_owner`) only: nothing
+        otherwise."""
+
+    async def space_size(self, namespace: str, agent: str) -> tuple[int, int]:
+        """The space's live memories and their average length in characters (no content)."""
 
     async def store_vectors(
         self,

@@ -243,8 +243,24 @@ async def test_a_write_keeps_target_vectors_only_for_the_migration_backfilling_n
     await memories.insert(replace(tenant, dual_write=str(uuid.uuid4())), tenant.buckets[0], [stale])
     plain = replace(memory("no migration declared", axis(3)), next_embedding=target_vector(3))
     await memories.insert(tenant, tenant.buckets[0], [plain])
-    waiting = {p.content for p in await migrations.pending(created, limit=10)}
-    assert waiting == {"fact 0.0", "dual-written for a migration that is gone", "no migration declared"}
+    # Paused, the same migration is no longer backfilling: a write naming it keeps nothing either.
+    paused = await migrations.transition(
+        created.id, expect=(MigrationState.BACKFILLING,), state=MigrationState.PAUSED
+    )
+    assert paused is not None
+    during_pause = replace(
+        memory("dual-written while it was paused", axis(4)), next_embedding=target_vector(0)
+    )
+    await memories.insert(replace(tenant, dual_write=created.id), tenant.buckets[0], [during_pause])
+    await migrations.transition(created.id, expect=(MigrationState.PAUSED,), state=MigrationState.BACKFILLING)
+    claimed = await claim(migrations, "runner-g", created.id)
+    waiting = {p.content for p in await migrations.pending(claimed, limit=10)}
+    assert waiting == {
+        "fact 0.0",
+        "dual-written for a migration that is gone",
+        "no migration declared",
+        "dual-written while it was paused",
+    }
 
 
 async def test_one_runner_at_a_time_and_another_takes_over_an_expired_lease(
@@ -335,7 +351,8 @@ async def test_cancel_before_the_cutover_clears_the_target_slot_and_changes_noth
     # Nothing is left to embed for a new migration's backfill... it starts from nothing again.
     again = await migrations.create(planned(agent))
     assert again is not None
-    assert len(await migrations.pending(again, limit=10)) == 6
+    assert await migrations.pending(again, limit=10) == []  # nobody holds its lease: nothing
+    assert len(await migrations.pending(await claim(migrations, runner, again.id), limit=10)) == 6
 
 
 async def test_a_migration_pauses_after_repeated_failures_and_lists_newest_first(

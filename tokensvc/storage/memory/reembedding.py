@@ -144,7 +144,20 @@ class InMemoryEmbeddingMigrationStore:
                 return self._save(replace(migration, lease_owner=runner))
             return None
 
+    async def space_size(self, namespace: str, agent: str) -> tuple[int, int]:
+        now = self._now()
+        lengths = [
+            len(row.content)
+            for table in self._memories._rows.values()
+            for row in table.values()
+            if (row.namespace, row.agent) == (namespace, agent) and row.live(now)
+        ]
+        return len(lengths), round(sum(lengths) / len(lengths)) if lengths else 0
+
     async def pending(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingMemory]:
+        held = self._held(migration, migration.lease_owner or "")
+        if held is None or held.state is not MigrationState.BACKFILLING:
+            return []
         now = self._now()
         slot = migration.target_slot
         out = []

@@ -2,9 +2,8 @@
 
 The migration row (`embedding_migrations`, migration 0014) is the durable state. The runner
 reaches every bucket of the one space it migrates through the owner's functions of 0014
-(`migration_pending`, `migration_store`, `migration_clear`, `migration_space_rows`), never
-through a policy of the serving role; every runner call checks the lease in the transaction
-that does its work.
+(`migration_pending`, `migration_store`, `migration_clear`), each bound to one migration whose
+lease the caller holds, never through a policy of the serving role.
 """
 
 from __future__ import annotations
@@ -66,6 +65,10 @@ def _space(migration: EmbeddingMigration) -> Tenant:
     return Tenant(migration.namespace, migration.agent)
 
 
+# Raised by tokensvc.leased_migration (0014): the runner does not hold the migration's lease.
+_NOT_LEASED = "TK002"
+
+
 def _cursor(migration: EmbeddingMigration) -> tuple[str | None, str | None]:
     return (None, None) if migration.cursor is None else migration.cursor
 
@@ -85,7 +88,7 @@ class PostgresEmbeddingMigrationStore:
                 "from_model, from_dimension, to_embedder, to_model, to_dimension, to_normalized, state, "
                 "rows_total, created_by) "
                 "SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'backfilling', "
-                "migration_space_rows($2, $3), $12 "
+                "(SELECT live FROM migration_space_size($2, $3)), $12 "
                 "WHERE EXISTS (SELECT 1 FROM memory_spaces WHERE namespace = $2 AND agent = $3 "
                 "AND generation = $4) "
                 "ON CONFLICT DO NOTHING RETURNING *",
@@ -163,17 +166,26 @@ class PostgresEmbeddingMigrationStore:
         return None if row is None else _migration(row)
 
     async def pending(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingMemory]:
-        async with self._pool.acquire() as conn:
-            rows = await conn.fetch(
-                "SELECT * FROM migration_pending($1, $2, $3, $4, $5, $6::uuid, $7)",
-                migration.namespace,
-                migration.agent,
-                migration.target_slot,
-                migration.target.dimension,
-                *_cursor(migration),
-                limit,
-            )
+        try:
+            async with self._pool.acquire() as conn:
+                rows = await conn.fetch(
+                    "SELECT * FROM migration_pending($1, $2, $3, $4::uuid, $5)",
+                    migration.id,
+                    migration.lease_owner,
+                    *_cursor(migration),
+                    limit,
+                )
+        except asyncpg.PostgresError as exc:
+            if exc.sqlstate == _NOT_LEASED:
+                return []  # the lease is gone: the runner finds out at its next step
+            raise
         return [PendingMemory(row[0], str(row[1]), row[2], row[3]) for row in rows]
+
+    async def space_size(self, namespace: str, agent: str) -> tuple[int, int]:
+        async with self._pool.acquire() as conn:
+            row = await conn.fetchrow("SELECT * FROM migration_space_size($1, $2)", namespace, agent)
+        assert row is not None
+        return int(row[0]), int(row[1])
 
     async def store_vectors(
         self,
@@ -193,11 +205,9 @@ class PostgresEmbeddingMigrationStore:
             if held is None:
                 return None
             written = await conn.fetchval(
-                "SELECT migration_store($1, $2, $3, $4, $5::text[], $6::uuid[], $7::bytea[], $8::vector[])",
-                migration.namespace,
-                migration.agent,
-                migration.target_slot,
-                migration.target.dimension,
+                "SELECT migration_store($1, $2, $3::text[], $4::uuid[], $5::bytea[], $6::vector[])",
+                migration.id,
+                runner,
                 [pending.bucket for pending, _ in rows],
                 [pending.id for pending, _ in rows],
                 [pending.content_sha256 for pending, _ in rows],
@@ -247,38 +257,18 @@ class PostgresEmbeddingMigrationStore:
     async def clear_slot(
         self, migration: EmbeddingMigration, runner: str, *, limit: int, lease_seconds: float
     ) -> tuple[int, EmbeddingMigration] | None:
-        slot = (
-            migration.from_generation % 2
-            if migration.state is MigrationState.RETIRING
-            else migration.target_slot
-        )
-        async with self._pool.acquire() as conn, conn.transaction():
-            held = await conn.fetchval(
-                f"SELECT 1 FROM embedding_migrations WHERE {_LEASED} AND state = $3 FOR UPDATE",
-                migration.id,
-                runner,
-                migration.state.value,
-            )
-            if held is None:
+        try:
+            async with self._pool.acquire() as conn, conn.transaction():
+                cleared = await conn.fetchval(
+                    "SELECT migration_clear($1, $2, $3, $4)", migration.id, runner, limit, lease_seconds
+                )
+                row = await conn.fetchrow("SELECT * FROM embedding_migrations WHERE id = $1", migration.id)
+        except asyncpg.PostgresError as exc:
+            if exc.sqlstate == _NOT_LEASED:
                 return None
-            # The cursor moves to the batch's last row in the database's own order (its collation).
-            row = await conn.fetchrow(
-                "WITH batch AS (SELECT * FROM migration_clear($2, $3, $4, $5, $6::uuid, $7)) "
-                "UPDATE embedding_migrations SET updated_at = clock_timestamp(), "
-                "lease_until = clock_timestamp() + make_interval(secs => $8), "
-                "cursor_bucket = coalesce((SELECT last_bucket FROM batch), cursor_bucket), "
-                "cursor_id = coalesce((SELECT last_id FROM batch), cursor_id) "
-                "WHERE id = $1 RETURNING (SELECT cleared FROM batch) AS cleared, *",
-                migration.id,
-                migration.namespace,
-                migration.agent,
-                slot,
-                *_cursor(migration),
-                limit,
-                lease_seconds,
-            )
+            raise
         assert row is not None
-        return int(row["cleared"]), _migration(row)
+        return int(cleared), _migration(row)
 
     async def record_failure(
         self, migration: EmbeddingMigration, runner: str, reason: str, *, pause_after: int

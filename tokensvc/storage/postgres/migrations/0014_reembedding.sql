@@ -89,6 +89,8 @@ DECLARE
     current_generation integer;
     backfilling uuid;
     other_written boolean;
+    other_present boolean;
+    keep boolean := false;
 BEGIN
     IF declared IS NULL OR declared = '' THEN
         RETURN NEW;  -- not a tenant write: a bucket move, the migration runner, the sweep
@@ -100,18 +102,22 @@ BEGIN
             current_generation, declared USING ERRCODE = 'TK001';
     END IF;
     IF current_generation % 2 = 0 THEN
-        other_written := NEW.embedding_b IS NOT NULL
-            AND (TG_OP = 'INSERT' OR NEW.embedding_b IS DISTINCT FROM OLD.embedding_b);
+        other_written := TG_OP = 'INSERT' OR NEW.embedding_b IS DISTINCT FROM OLD.embedding_b;
+        other_present := NEW.embedding_b IS NOT NULL;
     ELSE
-        other_written := NEW.embedding IS NOT NULL
-            AND (TG_OP = 'INSERT' OR NEW.embedding IS DISTINCT FROM OLD.embedding);
+        other_written := TG_OP = 'INSERT' OR NEW.embedding IS DISTINCT FROM OLD.embedding;
+        other_present := NEW.embedding IS NOT NULL;
     END IF;
-    IF other_written THEN
+    IF other_written AND other_present THEN
+        -- FOR SHARE: a cancel (an UPDATE of this row) waits for the write, and a write after it
+        -- sees the migration is no longer backfilling.
         SELECT m.id INTO backfilling FROM tokensvc.embedding_migrations m
-        WHERE m.namespace = NEW.namespace AND m.agent = NEW.agent AND m.state = 'backfilling';
-        other_written := backfilling IS NOT NULL AND backfilling::text = dual_write;
+        WHERE m.namespace = NEW.namespace AND m.agent = NEW.agent AND m.state = 'backfilling' FOR SHARE;
+        keep := backfilling IS NOT NULL AND backfilling::text = dual_write;
     END IF;
-    IF NOT other_written AND (TG_OP = 'INSERT' OR NEW.content IS DISTINCT FROM OLD.content) THEN
+    -- Emptied: another slot vector this write may not keep, or one of the content it replaces.
+    IF (other_written AND NOT keep)
+       OR (TG_OP = 'UPDATE' AND NEW.content IS DISTINCT FROM OLD.content AND NOT (other_written AND keep)) THEN
         IF current_generation % 2 = 0 THEN
             NEW.embedding_b := NULL;
             NEW.dimension_b := NULL;
@@ -134,82 +140,6 @@ DO $$
 BEGIN
     EXECUTE format('CREATE POLICY memories_owner_migration ON tokensvc.memories FOR UPDATE TO %I '
                    'USING (true)', current_user);
-END $$;
-
--- Up to `lim` live memories of (ns, agent) without a vector of dimension `dim` in `slot`, in
--- (bucket, id) order after the cursor (NULL: from the start).
-CREATE FUNCTION tokensvc.migration_pending(ns text, ag text, slot integer, dim integer,
-                                           after_bucket text, after_id uuid, lim integer)
-RETURNS TABLE (bucket text, id uuid, content text, content_sha256 bytea)
-LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
-    SELECT m.bucket, m.id, m.content, m.content_sha256 FROM tokensvc.memories m
-    WHERE m.namespace = ns AND m.agent = ag AND (m.expires_at IS NULL OR m.expires_at > now())
-      AND CASE WHEN slot = 0 THEN m.dimension ELSE m.dimension_b END IS DISTINCT FROM dim
-      AND (after_bucket IS NULL OR (m.bucket, m.id) > (after_bucket, after_id))
-    ORDER BY m.bucket, m.id LIMIT lim
-$$;
-
--- The vectors of `slot` for these memories of (ns, agent), each unless its content changed since
--- it was read (its hash differs); returns how many were written.
-CREATE FUNCTION tokensvc.migration_store(ns text, ag text, slot integer, dim integer, buckets text[],
-                                         ids uuid[], hashes bytea[], vectors vector[])
-RETURNS integer LANGUAGE plpgsql SECURITY DEFINER
-SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
-DECLARE
-    written integer;
-BEGIN
-    IF slot = 0 THEN
-        UPDATE tokensvc.memories m SET embedding = u.v, dimension = dim
-        FROM unnest(buckets, ids, hashes, vectors) AS u(b, i, h, v)
-        WHERE m.bucket = u.b AND m.id = u.i AND m.content_sha256 = u.h AND m.namespace = ns AND m.agent = ag;
-    ELSE
-        UPDATE tokensvc.memories m SET embedding_b = u.v, dimension_b = dim
-        FROM unnest(buckets, ids, hashes, vectors) AS u(b, i, h, v)
-        WHERE m.bucket = u.b AND m.id = u.i AND m.content_sha256 = u.h AND m.namespace = ns AND m.agent = ag;
-    END IF;
-    GET DIAGNOSTICS written = ROW_COUNT;
-    RETURN written;
-END $$;
-
--- Empties `slot` in the next `lim` memories of (ns, agent) after the cursor that have a vector
--- there (expired ones too); returns how many and the last one, in (bucket, id) order.
-CREATE FUNCTION tokensvc.migration_clear(ns text, ag text, slot integer, after_bucket text,
-                                         after_id uuid, lim integer)
-RETURNS TABLE (cleared integer, last_bucket text, last_id uuid) LANGUAGE plpgsql SECURITY DEFINER
-SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
-BEGIN
-    RETURN QUERY EXECUTE format(
-        'WITH batch AS (SELECT bucket, id FROM tokensvc.memories WHERE namespace = $1 AND agent = $2 '
-        '  AND %1$I IS NOT NULL AND ($3::text IS NULL OR (bucket, id) > ($3, $4)) '
-        '  ORDER BY bucket, id LIMIT $5), '
-        'done AS (UPDATE tokensvc.memories m SET %2$I = NULL, %1$I = NULL FROM batch '
-        '  WHERE m.bucket = batch.bucket AND m.id = batch.id RETURNING 1) '
-        'SELECT (SELECT count(*)::integer FROM done), b.bucket, b.id FROM (SELECT 1) AS one '
-        'LEFT JOIN (SELECT bucket, id FROM batch ORDER BY bucket DESC, id DESC LIMIT 1) AS b ON true',
-        CASE WHEN slot = 0 THEN 'dimension' ELSE 'dimension_b' END,
-        CASE WHEN slot = 0 THEN 'embedding' ELSE 'embedding_b' END)
-    USING ns, ag, after_bucket, after_id, lim;
-END $$;
-
--- The live memories of (ns, agent): what a new migration has to embed.
-CREATE FUNCTION tokensvc.migration_space_rows(ns text, ag text) RETURNS bigint
-LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
-    SELECT count(*) FROM tokensvc.memories m
-    WHERE m.namespace = ns AND m.agent = ag AND (m.expires_at IS NULL OR m.expires_at > now())
-$$;
-DO $$
-DECLARE
-    f text;
-BEGIN
-    FOREACH f IN ARRAY ARRAY[
-        'migration_pending(text, text, integer, integer, text, uuid, integer)',
-        'migration_store(text, text, integer, integer, text[], uuid[], bytea[], vector[])',
-        'migration_clear(text, text, integer, text, uuid, integer)',
-        'migration_space_rows(text, text)']
-    LOOP
-        EXECUTE format('REVOKE ALL ON FUNCTION tokensvc.%s FROM PUBLIC', f);
-        EXECUTE format('GRANT EXECUTE ON FUNCTION tokensvc.%s TO {app_role}', f);
-    END LOOP;
 END $$;
 
 -- One row per migration: what it moves to, where it is, and who runs it (a lease, so one replica
@@ -250,6 +180,137 @@ CREATE INDEX embedding_migrations_active ON tokensvc.embedding_migrations (creat
     WHERE state IN ('backfilling', 'retiring', 'cancelling');
 REVOKE DELETE, TRUNCATE ON tokensvc.embedding_migrations FROM {app_role};
 
+-- Each runner function acts for one migration only: it takes the migration's id and the runner's
+-- name, refuses (raises) unless the migration is in the state that work belongs to and the runner
+-- holds its lease, and derives the space, the slot and the dimension from the migration's row, so
+-- nothing a caller passes can point it at another space or at the slot a space reads.
+CREATE FUNCTION tokensvc.leased_migration(migration uuid, runner text, wanted text[])
+RETURNS tokensvc.embedding_migrations LANGUAGE plpgsql
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    m tokensvc.embedding_migrations;
+BEGIN
+    SELECT * INTO m FROM tokensvc.embedding_migrations WHERE id = migration FOR UPDATE;
+    IF NOT FOUND OR m.state <> ALL (wanted) OR runner IS NULL OR m.lease_owner IS DISTINCT FROM runner
+       OR m.lease_until IS NULL OR m.lease_until < clock_timestamp() THEN
+        RAISE EXCEPTION 'migration % is not leased to this runner in state %', migration, wanted
+            USING ERRCODE = 'TK002';
+    END IF;
+    RETURN m;
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.leased_migration(uuid, text, text[]) FROM PUBLIC;
+
+-- Up to `lim` (1..10000) live memories of the migration's space without a vector of its target
+-- dimension in its target slot, in (bucket, id) order after the cursor (both NULL: the start).
+CREATE FUNCTION tokensvc.migration_pending(migration uuid, runner text, after_bucket text,
+                                           after_id uuid, lim integer)
+RETURNS TABLE (bucket text, id uuid, content text, content_sha256 bytea)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    m tokensvc.embedding_migrations := tokensvc.leased_migration(migration, runner, ARRAY['backfilling']);
+    slot integer := (m.from_generation + 1) % 2;
+BEGIN
+    IF lim IS NULL OR lim < 1 OR lim > 10000 OR (after_bucket IS NULL) <> (after_id IS NULL) THEN
+        RAISE EXCEPTION 'a batch of 1 to 10000 memories after a whole cursor';
+    END IF;
+    RETURN QUERY
+    SELECT x.bucket, x.id, x.content, x.content_sha256 FROM tokensvc.memories x
+    WHERE x.namespace = m.namespace AND x.agent = m.agent AND (x.expires_at IS NULL OR x.expires_at > now())
+      AND CASE WHEN slot = 0 THEN x.dimension ELSE x.dimension_b END IS DISTINCT FROM m.to_dimension
+      AND (after_bucket IS NULL OR (x.bucket, x.id) > (after_bucket, after_id))
+    ORDER BY x.bucket, x.id LIMIT lim;
+END $$;
+
+-- The target vectors of these memories of the migration's space, each unless its content changed
+-- since it was read (its hash differs); returns how many were written.
+CREATE FUNCTION tokensvc.migration_store(migration uuid, runner text, buckets text[], ids uuid[],
+                                         hashes bytea[], vectors vector[])
+RETURNS integer LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    m tokensvc.embedding_migrations := tokensvc.leased_migration(migration, runner, ARRAY['backfilling']);
+    written integer;
+BEGIN
+    IF EXISTS (SELECT 1 FROM unnest(vectors) v WHERE vector_dims(v) <> m.to_dimension) THEN
+        RAISE EXCEPTION 'a vector is not of the migration''s dimension %', m.to_dimension;
+    END IF;
+    IF (m.from_generation + 1) % 2 = 0 THEN
+        UPDATE tokensvc.memories x SET embedding = u.v, dimension = m.to_dimension
+        FROM unnest(buckets, ids, hashes, vectors) AS u(b, i, h, v)
+        WHERE x.bucket = u.b AND x.id = u.i AND x.content_sha256 = u.h
+          AND x.namespace = m.namespace AND x.agent = m.agent;
+    ELSE
+        UPDATE tokensvc.memories x SET embedding_b = u.v, dimension_b = m.to_dimension
+        FROM unnest(buckets, ids, hashes, vectors) AS u(b, i, h, v)
+        WHERE x.bucket = u.b AND x.id = u.i AND x.content_sha256 = u.h
+          AND x.namespace = m.namespace AND x.agent = m.agent;
+    END IF;
+    GET DIAGNOSTICS written = ROW_COUNT;
+    RETURN written;
+END $$;
+
+-- Empties the slot the migration leaves behind (RETIRING: the old generation's; CANCELLING: its
+-- target's) in the next `lim` memories of its space after its cursor (expired ones too), moves
+-- the cursor past them and renews the lease; returns how many memories the batch held (0: done).
+CREATE FUNCTION tokensvc.migration_clear(migration uuid, runner text, lim integer, lease_seconds float8)
+RETURNS integer LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    m tokensvc.embedding_migrations :=
+        tokensvc.leased_migration(migration, runner, ARRAY['retiring', 'cancelling']);
+    slot integer := CASE WHEN m.state = 'retiring' THEN m.from_generation % 2
+                         ELSE (m.from_generation + 1) % 2 END;
+    held integer;
+    last_bucket text;
+    last_id uuid;
+BEGIN
+    IF lim IS NULL OR lim < 1 OR lim > 10000 THEN
+        RAISE EXCEPTION 'a batch of 1 to 10000 memories';
+    END IF;
+    EXECUTE format(
+        'WITH batch AS (SELECT bucket, id FROM tokensvc.memories WHERE namespace = $1 AND agent = $2 '
+        '  AND %1$I IS NOT NULL AND ($3::text IS NULL OR (bucket, id) > ($3, $4)) '
+        '  ORDER BY bucket, id LIMIT $5), '
+        'done AS (UPDATE tokensvc.memories x SET %2$I = NULL, %1$I = NULL FROM batch '
+        '  WHERE x.bucket = batch.bucket AND x.id = batch.id) '
+        'SELECT (SELECT count(*)::integer FROM batch), b.bucket, b.id FROM (SELECT 1) AS one '
+        'LEFT JOIN (SELECT bucket, id FROM batch ORDER BY bucket DESC, id DESC LIMIT 1) AS b ON true',
+        CASE WHEN slot = 0 THEN 'dimension' ELSE 'dimension_b' END,
+        CASE WHEN slot = 0 THEN 'embedding' ELSE 'embedding_b' END)
+    INTO held, last_bucket, last_id
+    USING m.namespace, m.agent, m.cursor_bucket, m.cursor_id, lim;
+    UPDATE tokensvc.embedding_migrations
+    SET cursor_bucket = coalesce(last_bucket, cursor_bucket), cursor_id = coalesce(last_id, cursor_id),
+        lease_until = clock_timestamp() + make_interval(secs => lease_seconds), updated_at = clock_timestamp()
+    WHERE id = migration;
+    RETURN held;
+END $$;
+
+-- The live memories of a space and their average length: what a migration of it has to embed
+-- (counts only, never content).
+CREATE FUNCTION tokensvc.migration_space_size(ns text, ag text, OUT live bigint, OUT average_chars integer)
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+    SELECT count(*), coalesce(avg(length(x.content)), 0)::integer FROM tokensvc.memories x
+    WHERE x.namespace = ns AND x.agent = ag AND (x.expires_at IS NULL OR x.expires_at > now())
+$$;
+DO $$
+DECLARE
+    f text;
+BEGIN
+    FOREACH f IN ARRAY ARRAY[
+        'migration_pending(uuid, text, text, uuid, integer)',
+        'migration_store(uuid, text, text[], uuid[], bytea[], vector[])',
+        'migration_clear(uuid, text, integer, float8)',
+        'migration_space_size(text, text)']
+    LOOP
+        EXECUTE format('REVOKE ALL ON FUNCTION tokensvc.%s FROM PUBLIC', f);
+        EXECUTE format('GRANT EXECUTE ON FUNCTION tokensvc.%s TO {app_role}', f);
+    END LOOP;
+END $$;
+-- The whole-table index build of 0013 is the owner's now: the serving role builds one partition
+-- per transaction (ensure_memory_partition_index).
+REVOKE EXECUTE ON FUNCTION tokensvc.ensure_memory_vector_index(integer) FROM {app_role};
+
 -- The cutover, as the owner (the serving role cannot change a pin): with the space row locked, so
 -- no write is in flight, it checks that every live memory of the space has a vector in the target
 -- slot, then pins the target and bumps the generation. Returns false (and changes nothing) when a
@@ -261,8 +322,8 @@ DECLARE
     current_generation integer;
 BEGIN
     SELECT * INTO m FROM tokensvc.embedding_migrations WHERE id = migration FOR UPDATE;
-    IF NOT FOUND OR m.state <> 'backfilling' OR m.lease_owner IS DISTINCT FROM runner
-       OR m.lease_until < clock_timestamp() THEN
+    IF NOT FOUND OR m.state <> 'backfilling' OR runner IS NULL OR m.lease_owner IS DISTINCT FROM runner
+       OR m.lease_until IS NULL OR m.lease_until < clock_timestamp() THEN
         RETURN false;
     END IF;
     PERFORM set_config('tokensvc.namespace', m.namespace, true);
