@@ -234,7 +234,9 @@ class MigrationEstimate(_message.Message):
     rows: _builtins.int
     """The space's live memories now."""
     embedder_items_per_second: _builtins.float
-    """The target embedder's throughput, measured on one batch of the space's own memories."""
+    """The target embedder's throughput, measured on one batch of texts as long as the space's
+    memories are on average.
+    """
     estimated_seconds: _builtins.float
     """Estimated backfill time at that throughput, in seconds."""
     @_builtins.property
