@@ -106,14 +106,15 @@ def backend(request: pytest.FixtureRequest) -> Backend:
             PostgresEmbeddingMigrationStore(pool),
         )
     memories = InMemoryMemoryStore()
+    audit = InMemoryAuditStore()
     return Backend(
         "inmemory",
         memories,
         InMemoryKnowledgeStore(),
         InMemoryRevocationStore(),
-        InMemoryAuditStore(),
+        audit,
         InMemoryMemoryStatistics(memories),
-        InMemoryEmbeddingMigrationStore(memories),
+        InMemoryEmbeddingMigrationStore(memories, audit),
     )
 
 

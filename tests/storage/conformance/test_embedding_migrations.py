@@ -14,6 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from tests.storage.conformance.conftest import Backend
 from tests.storage.conformance.support import (
     DIM,
     NAMESPACE,
@@ -383,3 +384,21 @@ async def test_a_migration_pauses_after_repeated_failures_and_lists_newest_first
     stamps = [(m.created_at, m.id) for m in page]
     assert stamps == sorted(stamps, reverse=True)
     assert await migrations.get(str(uuid.uuid4())) is None
+
+
+async def test_the_cutover_is_audited_with_it(backend: Backend) -> None:
+    memories, migrations = backend.memories, backend.migrations
+    agent, _ = await space_with(memories, buckets=1, per_bucket=2)
+    created = await migrations.create(planned(agent))
+    assert created is not None
+    runner = "runner-h"
+    migration = await backfill(migrations, await claim(migrations, runner, created.id), runner)
+    before = await backend.audit.page(before_id=None, kinds=[], since=None, until=None, limit=1000)
+    assert not [e for e in before if created.id in e.target]
+    assert await migrations.cut_over(migration, runner)
+    events = await backend.audit.page(before_id=None, kinds=[], since=None, until=None, limit=1000)
+    mine = [e for e in events if created.id in e.target]
+    assert [(e.kind, e.action, e.outcome) for e in mine] == [
+        ("embedding_migration", "cut over embedding migration", "succeeded")
+    ]
+    assert f"space:{NAMESPACE}/{agent}" in mine[0].target
