@@ -103,7 +103,7 @@ class MigrationProgress:
     eta_seconds: float | None  # None: not backfilling, or no rate yet
 
 
-def progress_of(migration: EmbeddingMigration, now: datetime | None = None) -> MigrationProgress:
+def progress_of(migration: EmbeddingMigration) -> MigrationProgress:
     """Rate over the migration's life so far (created to last progress), ETA from it."""
     rate = 0.0
     if migration.created_at is not None and migration.updated_at is not None and migration.rows_done:
