@@ -220,8 +220,9 @@ class Service:
             settings.knowledge_extract_seconds,
             settings.knowledge_extract_memory_bytes,
         )
+        knowledge = PostgresKnowledgeStore(pool)
         self.knowledge = KnowledgeBases(
-            PostgresKnowledgeStore(pool),
+            knowledge,
             self.embedders,
             audit=self.audit,
             extraction=self.extraction,
@@ -254,6 +255,7 @@ class Service:
                 memories,
                 self.embedders,
                 self.audit,
+                knowledge=knowledge,
                 wake=self.migration_runner.wake,
             ),
         )

@@ -20,6 +20,7 @@ __all__ = [
     "decode_query",
     "decode_top_k",
     "encode_base",
+    "encode_chunking",
     "encode_document",
     "encode_passage",
 ]
@@ -80,17 +81,20 @@ def decode_query(value: str) -> str:
     return value
 
 
+def encode_chunking(kind: str, size: int, overlap: int) -> knowledge_pb2.ChunkingStrategy:
+    """A stored chunking strategy (kind name, size, overlap)."""
+    return knowledge_pb2.ChunkingStrategy(
+        kind=_KIND_TO_PROTO[ChunkingKind(kind)], chunk_size=size, chunk_overlap=overlap
+    )
+
+
 def encode_base(base: BaseRow) -> knowledge_pb2.KnowledgeBase:
     return knowledge_pb2.KnowledgeBase(
         namespace=base.namespace,
         ref=base.ref,
         display_name=base.display_name,
         embedder=base.embedder,
-        chunking=knowledge_pb2.ChunkingStrategy(
-            kind=_KIND_TO_PROTO[ChunkingKind(base.chunking)],
-            chunk_size=base.chunk_size,
-            chunk_overlap=base.chunk_overlap,
-        ),
+        chunking=encode_chunking(base.chunking, base.chunk_size, base.chunk_overlap),
         dimension=base.dimension,
         document_count=base.document_count,
         created_at=timestamp(base.created_at),

@@ -47,7 +47,7 @@ from tokensvc.knowledge.extract import extract_text
 from tokensvc.observability.deadlines import current_deadline
 from tokensvc.observability.metrics import METRICS
 
-__all__ = ["ExtractionPool"]
+__all__ = ["Extraction", "ExtractionPool"]
 
 _log = logging.getLogger("tokensvc.knowledge")
 _NEEDS_MORE_MEMORY = "needs more memory to extract than knowledge_extract_memory_bytes allows"
@@ -105,12 +105,21 @@ def _ready() -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class Extraction:
+    """A document's extracted text and its chunks under each strategy asked for, in order."""
+
+    text: str
+    chunkings: tuple[list[Chunk], ...]
+
+
 def _extract_and_chunk(
-    content: bytes, content_type: str, strategy: ChunkingStrategy
-) -> list[Chunk] | _Refused:
-    """What a worker runs: the document's chunks, or why its content is refused."""
+    content: bytes, content_type: str, strategies: tuple[ChunkingStrategy, ...]
+) -> Extraction | _Refused:
+    """What a worker runs: the document's text and chunks, or why its content is refused."""
     try:
-        return chunk_document(extract_text(content, content_type), strategy)
+        text = extract_text(content, content_type)
+        return Extraction(text, tuple(chunk_document(text, strategy) for strategy in strategies))
     except InvalidArgument as error:
         message = error.message.removeprefix(f"{error.field}: ")
         return _Refused(error.field or "content", message, too_large=isinstance(error, PayloadTooLarge))
@@ -133,7 +142,14 @@ class ExtractionPool:
         self._lock = threading.Lock()  # close() runs in a thread; so does the first start
 
     async def chunks(self, content: bytes, content_type: str, strategy: ChunkingStrategy) -> list[Chunk]:
-        """The document's chunks. InvalidArgument for content that cannot be extracted (as
+        """The document's chunks (as `extract`, with one strategy)."""
+        return (await self.extract(content, content_type, (strategy,))).chunkings[0]
+
+    async def extract(
+        self, content: bytes, content_type: str, strategies: tuple[ChunkingStrategy, ...]
+    ) -> Extraction:
+        """The document's text and its chunks under each of `strategies` (an upload during a
+        re-chunking migration asks for two). InvalidArgument for content that cannot be extracted (as
         `extract_text`), PayloadTooLarge when it takes longer than the server's limit or kills its
         worker, DeadlineExceeded when the caller's deadline passes first; a cancelled call stops
         the work too (and so does `close`, which cancels the calls still in flight)."""
@@ -144,11 +160,11 @@ class ExtractionPool:
             METRICS.extractions.labels(outcome="deadline").inc()
             raise DeadlineExceeded("the call's deadline passed before the document was extracted")
         pool = self._pool if self._pool is not None else await asyncio.to_thread(self._start)
-        future = self._schedule(pool, content, content_type, strategy, timeout)
+        future = self._schedule(pool, content, content_type, strategies, timeout)
         try:
             # Cancelling this await (gRPC cancelled the call) cancels `future`, and pebble kills
             # the worker that runs it.
-            result: list[Chunk] | _Refused = await asyncio.wrap_future(future)
+            result: Extraction | _Refused = await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             METRICS.extractions.labels(outcome="cancelled").inc()
             raise
@@ -188,13 +204,13 @@ class ExtractionPool:
         pool: pebble.ProcessPool,
         content: bytes,
         content_type: str,
-        strategy: ChunkingStrategy,
+        strategies: tuple[ChunkingStrategy, ...],
         timeout: float,
     ) -> concurrent.futures.Future[Any]:
         with self._lock:
             if self._closed:
                 raise _closed()
-            future = pool.schedule(_extract_and_chunk, (content, content_type, strategy), timeout=timeout)
+            future = pool.schedule(_extract_and_chunk, (content, content_type, strategies), timeout=timeout)
             self._running.add(future)
             return future
 

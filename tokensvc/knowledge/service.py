@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +20,15 @@ from opentelemetry import trace
 from tokensvc.audit import AuditKind, AuditLog
 from tokensvc.auth.scope import TenantScope
 from tokensvc.embedders import Embedder, EmbedderRegistry, EmbedderSpec
-from tokensvc.errors import InvalidArgument, NotFound, PermissionDenied, PinnedConfiguration, Reason
-from tokensvc.knowledge.chunking import ChunkingStrategy
+from tokensvc.errors import (
+    DatabaseUnavailable,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    PinnedConfiguration,
+    Reason,
+)
+from tokensvc.knowledge.chunking import Chunk, ChunkingStrategy
 from tokensvc.knowledge.extraction import ExtractionPool
 from tokensvc.memory.filters import Filter
 from tokensvc.memory.metadata import MetadataScalar
@@ -57,6 +64,9 @@ __all__ = ["KnowledgeBases", "Passage", "UploadResult"]
 _tracer = trace.get_tracer("tokensvc.knowledge")
 _EMBED_BATCH = 64
 _MAX_SEARCH_REFS = 16
+# A cutover between reading the base and writing the version makes the upload start over; two
+# cutovers in a row of one base cannot happen (the old generation is retired first).
+_UPLOAD_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -204,9 +214,6 @@ class KnowledgeBases:
             span.set_attribute("tokensvc.namespace", namespace)
             span.set_attribute("tokensvc.upload.bytes", len(content))
             tenant = _management(namespace)
-            base, current = await self._store.document_state(tenant, kb_ref, doc_ref)
-            if base is None:
-                raise _no_base(namespace, kb_ref)
             digest = hashlib.sha256(content).digest()
             replace = functools.partial(
                 self._store.replace_document,
@@ -218,28 +225,70 @@ class KnowledgeBases:
                 size_bytes=len(content),
                 metadata=metadata,
             )
-            if current is not None and current.content_sha256 == digest:
-                if current.metadata == metadata:
-                    return UploadResult(current, unchanged=True)
-                # Same bytes, new metadata: no chunking or embedding. None: the content changed
-                # meanwhile (a concurrent upload), so this one is chunked after all.
-                replaced = await replace(chunks=None)
-                if replaced is not None:
-                    return UploadResult(replaced[0], unchanged=True)
-            strategy = ChunkingStrategy.from_stored(base.chunking, base.chunk_size, base.chunk_overlap)
-            # In a worker process, stopped when this call ends (see knowledge/extraction.py).
-            chunks = await self._extraction.chunks(content, content_type, strategy)
-            embedder = self._embedder(base)
-            vectors = await self._embed(embedder, [chunk.text for chunk in chunks])
-            rows = [
-                ChunkRow(c.index, c.text, c.start, c.end, tuple(c.heading_path), vector)
-                for c, vector in zip(chunks, vectors, strict=True)
-            ]
-            replaced = await replace(chunks=rows)
-            assert replaced is not None  # with chunks, a version or the same content is stored
-            document, written = replaced
-            span.set_attribute("tokensvc.result_count", len(rows))
-            return UploadResult(document, unchanged=not written)
+            for _ in range(_UPLOAD_ATTEMPTS):
+                base, current = await self._store.document_state(tenant, kb_ref, doc_ref)
+                if base is None:
+                    raise _no_base(namespace, kb_ref)
+                if current is not None and current.content_sha256 == digest:
+                    if current.metadata == metadata:
+                        return UploadResult(current, unchanged=True)
+                    # Same bytes, new metadata: no chunking or embedding. None: the content
+                    # changed meanwhile (a concurrent upload), so this one is chunked after all.
+                    replaced = await replace(chunks=None)
+                    if replaced is not None:
+                        return UploadResult(replaced[0], unchanged=True)
+                try:
+                    return await self._write_version(base, content, content_type, replace, span)
+                except StaleKnowledgeBases:
+                    # A migration cut over since `base` was read: chunk and embed for the new pins.
+                    span.set_attribute("tokensvc.upload.stale_generation", True)
+        raise DatabaseUnavailable("the knowledge base changed embedder while uploading; retry")
+
+    async def _write_version(
+        self,
+        base: BaseRow,
+        content: bytes,
+        content_type: str,
+        replace: Callable[..., Awaitable[tuple[DocumentRow, bool] | None]],
+        span: trace.Span,
+    ) -> UploadResult:
+        strategy = ChunkingStrategy.from_stored(base.chunking, base.chunk_size, base.chunk_overlap)
+        # During the base's migration, the target's chunks too (when this replica has its embedder).
+        target = self._migration_target(base)
+        strategies = (strategy,) if target is None or target[1] == strategy else (strategy, target[1])
+        # In a worker process, stopped when this call ends (see knowledge/extraction.py).
+        extraction = await self._extraction.extract(content, content_type, strategies)
+        rows = await self._embedded(self._embedder(base), extraction.chunkings[0])
+        next_rows = None
+        if target is not None:
+            next_rows = await self._embedded(target[0], extraction.chunkings[-1])
+        replaced = await replace(
+            chunks=rows,
+            generation=base.generation,
+            text=extraction.text,
+            next_chunks=next_rows,
+            migration_id=base.migration_id if next_rows is not None else None,
+        )
+        assert replaced is not None  # with chunks, a version or the same content is stored
+        document, written = replaced
+        span.set_attribute("tokensvc.result_count", len(rows))
+        return UploadResult(document, unchanged=not written)
+
+    def _migration_target(self, base: BaseRow) -> tuple[Embedder, ChunkingStrategy] | None:
+        spec, chunking = base.migrating_to, base.migrating_chunking
+        if spec is None or chunking is None or spec.name not in self._embedders.names:
+            return None
+        embedder = self._embedders.get(spec.name)
+        if embedder.spec != spec:
+            return None  # configured differently here: the runner embeds it for the target
+        return embedder, ChunkingStrategy.from_stored(chunking.kind, chunking.size, chunking.overlap)
+
+    async def _embedded(self, embedder: Embedder, chunks: list[Chunk]) -> list[ChunkRow]:
+        vectors = await self._embed(embedder, [chunk.text for chunk in chunks])
+        return [
+            ChunkRow(c.index, c.text, c.start, c.end, tuple(c.heading_path), vector)
+            for c, vector in zip(chunks, vectors, strict=True)
+        ]
 
     async def _embed(self, embedder: Embedder, texts: list[str]) -> list[np.ndarray]:
         vectors: list[np.ndarray] = []
@@ -304,7 +353,9 @@ class KnowledgeBases:
             remembered = self._pins.get(key)
             ranked: list[Ranked[PassageRow]] | None = None
             if remembered is not None:
-                pins = KnowledgePins(tuple(refs), tuple((b.ref, b.created_at) for b in remembered))
+                pins = KnowledgePins(
+                    tuple(refs), tuple((b.ref, b.created_at, b.generation) for b in remembered)
+                )
                 try:
                     ranked = await self._search_bases(tenant, remembered, pins, *wanted)
                 except StaleKnowledgeBases:
@@ -329,9 +380,9 @@ class KnowledgeBases:
         mode: SearchMode,
     ) -> list[Ranked[PassageRow]]:
         # One search per (embedder, text config): vectors and lexemes compare only within one.
-        groups: dict[tuple[EmbedderSpec, str], list[str]] = {}
+        groups: dict[tuple[EmbedderSpec, str], list[BaseRow]] = {}
         for base in bases:
-            groups.setdefault((_spec(base), base.text_config), []).append(base.ref)
+            groups.setdefault((_spec(base), base.text_config), []).append(base)
         ranked: list[Ranked[PassageRow]] = []
         for (spec, text_config), group in groups.items():
             ranked += await self._search_group(
@@ -346,7 +397,7 @@ class KnowledgeBases:
         tenant: Tenant,
         spec: EmbedderSpec,
         text_config: str,
-        refs: list[str],
+        bases: list[BaseRow],
         pins: KnowledgePins | None,
         query: str,
         top_k: int,
@@ -377,10 +428,18 @@ class KnowledgeBases:
                 tuning=tuning,
             )
 
+        refs = [base.ref for base in bases]
         key = f"{tenant.namespace}/{','.join(refs)}"
         cached = self._sizes.get(key)
         outcome = await self._store.search(
-            tenant, refs, plan, row_count=cached, count_cap=tuning.count_cap, filter_=filter_, expect=pins
+            tenant,
+            refs,
+            plan,
+            row_count=cached,
+            count_cap=tuning.count_cap,
+            filter_=filter_,
+            generations=[base.generation for base in bases],
+            expect=pins,
         )
         if cached is None:
             self._sizes.put(key, outcome.row_count)

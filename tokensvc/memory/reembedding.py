@@ -1,4 +1,5 @@
-"""Re-embedding migrations: a memory space moves to another embedder while it serves (issue 16).
+"""Re-embedding migrations: a memory space or a knowledge base moves to another embedder (a
+knowledge base optionally to another chunking strategy too) while it serves (issue 16).
 
 `EmbeddingMigrations` is what operators call (start, dry run, status, list, cancel, resume);
 `MigrationRunner` is the background worker every replica runs. The state lives in PostgreSQL
@@ -17,8 +18,12 @@ off, that nothing is missing, pins the target and bumps the space's generation i
 transaction. Until then searches read the current slot only; from then on, the target slot only.
 RETIRING is claimed `retire_seconds` after the cutover (longer than any replica caches a pin, so
 a search that embedded its query with the old model still finds the old vectors), then empties
-the old slot. CANCELLING
-empties the target slot: nothing a search reads ever changed.
+the old slot. CANCELLING empties the target slot: nothing a search reads ever changed.
+
+A knowledge base's migration is the same machine over documents instead of memories: its
+backfill writes every current document's chunks of the base's next generation (re-chunked from
+the document's stored text when the chunking changes), uploads meanwhile write both generations,
+and the cutover pins the target and bumps the base's generation; searches read one generation.
 """
 
 from __future__ import annotations
@@ -38,12 +43,24 @@ from opentelemetry import trace
 from tokensvc.audit import SYSTEM_ACTOR, AuditKind, AuditLog, AuditOutcome
 from tokensvc.embedders import Embedder, EmbedderRegistry, EmbedderSpec
 from tokensvc.errors import EmbedderUnavailable, InvalidArgument, NotFound, Reason, TokensvcError
+from tokensvc.knowledge.chunking import ChunkingStrategy, chunk_document
 from tokensvc.observability.metrics import METRICS
 from tokensvc.retrieval import unit_vector
-from tokensvc.storage.ports import EmbeddingMigrationStore, MemoryStore
-from tokensvc.storage.records import EmbeddingMigration, MigrationState, PendingMemory, Tenant
+from tokensvc.storage.ports import EmbeddingMigrationStore, KnowledgeStore, MemoryStore
+from tokensvc.storage.records import (
+    ALL_KNOWLEDGE_BASES,
+    ChunkingSpec,
+    ChunkRow,
+    EmbeddingMigration,
+    MigrationState,
+    PendingDocument,
+    PendingMemory,
+    StoredChunk,
+    Tenant,
+)
 
 __all__ = [
+    "ChunkingSpec",
     "EmbeddingMigration",
     "EmbeddingMigrations",
     "MigrationConflict",
@@ -71,6 +88,8 @@ _WORDS = (
     "budget",
 )
 _CLEAR_BATCH = 1000
+# Documents read per knowledge-base batch; their chunks are embedded in the embedder's batches.
+_DOCUMENT_BATCH = 16
 
 
 class MigrationConflict(TokensvcError):
@@ -125,10 +144,12 @@ class EmbeddingMigrations:
         embedders: EmbedderRegistry,
         audit: AuditLog,
         *,
+        knowledge: KnowledgeStore | None = None,
         wake: Callable[[], None] = lambda: None,
     ):
         self._store = store
         self._memories = memories
+        self._knowledge = knowledge
         self._embedders = embedders
         self._audit = audit
         self._wake = wake  # this replica's runner: start on it now, not at its next poll
@@ -139,12 +160,7 @@ class EmbeddingMigrations:
         space = await self._memories.get_space(Tenant(namespace, agent))
         if space is None:
             raise NotFound(f"no memory space {namespace}/{agent}: nothing has been remembered there")
-        if embedder_name not in self._embedders.names:
-            raise InvalidArgument(
-                "embedder",
-                f"{embedder_name!r} is not configured (configured: {', '.join(self._embedders.names)})",
-            )
-        embedder = self._embedders.get(embedder_name)
+        embedder = self._configured(embedder_name)
         if embedder.spec == space.embedder:
             raise InvalidArgument("embedder", f"the memory space is already pinned to {embedder_name!r}")
         planned = EmbeddingMigration(
@@ -157,44 +173,97 @@ class EmbeddingMigrations:
             state=MigrationState.BACKFILLING,
             created_by=actor,
         )
-        estimate = await self._estimate(planned, embedder)
+        rows, average_chars = await self._store.space_size(namespace, agent)
+        estimate = await _estimate(planned, embedder, rows, rows, average_chars)
         if dry_run:
             return None, estimate
+        return await self._create(planned, estimate, f"memory space {namespace}/{agent}", "memories")
+
+    async def start_knowledge_base(
+        self,
+        namespace: str,
+        kb_ref: str,
+        embedder_name: str,
+        chunking: ChunkingSpec | None,
+        *,
+        dry_run: bool,
+        actor: str,
+    ) -> tuple[EmbeddingMigration | None, MigrationEstimate]:
+        """As `start`, for a knowledge base; `chunking` None keeps the base's chunking strategy."""
+        assert self._knowledge is not None, "knowledge-base migrations need the knowledge store"
+        bases = await self._knowledge.get_bases(
+            Tenant(namespace, knowledge_bases=(ALL_KNOWLEDGE_BASES,)), [kb_ref]
+        )
+        if not bases:
+            raise NotFound(f"no knowledge base {kb_ref!r} in namespace {namespace!r}")
+        base = bases[0]
+        embedder = self._configured(embedder_name)
+        source = EmbedderSpec(base.embedder, base.model, base.dimension, base.normalized)
+        before = ChunkingSpec(base.chunking, base.chunk_size, base.chunk_overlap)
+        after = chunking or before
+        if embedder.spec == source and after == before:
+            raise InvalidArgument(
+                "embedder", f"the knowledge base is already pinned to {embedder_name!r} with this chunking"
+            )
+        documents, chunks, average_chars, without_text = await self._store.base_size(namespace, kb_ref)
+        if after != before and without_text:
+            raise MigrationConflict(
+                f"{without_text} documents of knowledge base {kb_ref!r} were uploaded before tokensvc "
+                "kept document texts, so they cannot be re-chunked: upload them again, or migrate "
+                "without a new chunking"
+            )
+        planned = EmbeddingMigration(
+            id=str(uuid.uuid4()),
+            namespace=namespace,
+            agent=None,
+            kb_ref=kb_ref,
+            from_generation=base.generation,
+            source=source,
+            target=embedder.spec,
+            source_chunking=before,
+            target_chunking=after,
+            state=MigrationState.BACKFILLING,
+            created_by=actor,
+        )
+        # Re-chunked, a base has about as many chunks as its text holds chunks of the new size.
+        expected_chunks = round(chunks * before.size / after.size) if after != before else chunks
+        estimate = await _estimate(planned, embedder, documents, expected_chunks, average_chars)
+        if dry_run:
+            return None, estimate
+        return await self._create(planned, estimate, f"knowledge base {namespace}/{kb_ref}", "documents")
+
+    def _configured(self, embedder_name: str) -> Embedder:
+        if embedder_name not in self._embedders.names:
+            raise InvalidArgument(
+                "embedder",
+                f"{embedder_name!r} is not configured (configured: {', '.join(self._embedders.names)})",
+            )
+        return self._embedders.get(embedder_name)
+
+    async def _create(
+        self, planned: EmbeddingMigration, estimate: MigrationEstimate, subject: str, rows: str
+    ) -> tuple[EmbeddingMigration, MigrationEstimate]:
         created = await self._store.create(planned)
         if created is None:
             raise MigrationConflict(
-                f"memory space {namespace}/{agent} already has a migration that has not finished "
-                "(tokensvc admin migrate list)"
+                f"{subject} already has a migration that has not finished (tokensvc admin migrate list)"
             )
         self._wake()
         METRICS.migration_events.labels("started").inc()
+        chunking = ""
+        if created.rechunks and created.target_chunking is not None:
+            target = created.target_chunking
+            chunking = f", re-chunked {target.kind} ({target.size}/{target.overlap})"
         await self._audit.record(
             AuditKind.EMBEDDING_MIGRATION,
-            actor=actor,
+            actor=planned.created_by,
             action="start embedding migration",
             target=_target(created),
             outcome=AuditOutcome.STARTED,
             detail=f"{created.source.name} ({created.source.dimension}) -> {created.target.name} "
-            f"({created.target.dimension}), {created.rows_total} memories",
+            f"({created.target.dimension}){chunking}, {created.rows_total} {rows}",
         )
         return created, estimate
-
-    async def _estimate(self, planned: EmbeddingMigration, embedder: Embedder) -> MigrationEstimate:
-        """Rows and throughput: one batch of texts as long as the space's memories on average,
-        embedded by the target (the space's own content is read by its migration only)."""
-        rows, average_chars = await self._store.space_size(planned.namespace, planned.agent)
-        rate = 0.0
-        if rows:
-            words = max(1, average_chars // 6)
-            sample = [
-                " ".join(_WORDS[(i + w) % len(_WORDS)] for w in range(words))
-                for i in range(batch_size_of(embedder))
-            ]
-            began = time.perf_counter()
-            await embedder.embed_documents(sample)
-            rate = len(sample) / max(time.perf_counter() - began, 1e-6)
-        seconds = rows / rate if rate else 0.0
-        return MigrationEstimate(rows, planned.source, planned.target, rate, seconds)
 
     async def get(self, migration_id: str) -> MigrationProgress:
         migration = await self._store.get(migration_id)
@@ -248,8 +317,27 @@ class EmbeddingMigrations:
         return progress_of(changed)
 
 
+async def _estimate(
+    planned: EmbeddingMigration, embedder: Embedder, rows: int, texts: int, average_chars: int
+) -> MigrationEstimate:
+    """`rows` to migrate, `texts` to embed: throughput from one batch of texts as long as the
+    subject's on average, embedded by the target (its own content is read by its migration only)."""
+    rate = 0.0
+    if texts:
+        words = max(1, average_chars // 6)
+        sample = [
+            " ".join(_WORDS[(i + w) % len(_WORDS)] for w in range(words))
+            for i in range(batch_size_of(embedder))
+        ]
+        began = time.perf_counter()
+        await embedder.embed_documents(sample)
+        rate = len(sample) / max(time.perf_counter() - began, 1e-6)
+    seconds = texts / rate if rate else 0.0
+    return MigrationEstimate(rows, planned.source, planned.target, rate, seconds)
+
+
 def _target(migration: EmbeddingMigration) -> str:
-    return f"migration:{migration.id} space:{migration.namespace}/{migration.agent}"
+    return f"migration:{migration.id} {migration.subject}"
 
 
 @dataclass(frozen=True)
@@ -316,7 +404,9 @@ class MigrationRunner:
         )
         if migration is None:
             return False
-        if migration.state is MigrationState.BACKFILLING:
+        if migration.state is MigrationState.BACKFILLING and migration.kb_ref is not None:
+            await self._backfill_base(migration)
+        elif migration.state is MigrationState.BACKFILLING:
             await self._backfill(migration)
         elif migration.state is MigrationState.RETIRING:
             await self._retire(migration)
@@ -324,7 +414,8 @@ class MigrationRunner:
             await self._clear(migration, MigrationState.CANCELLED, "cancelled")
         return True
 
-    async def _backfill(self, migration: EmbeddingMigration) -> None:
+    async def _target_embedder(self, migration: EmbeddingMigration) -> Embedder | None:
+        """The configured target embedder; None (the migration paused) when it differs."""
         embedder = self._embedders.get(migration.target.name)
         if embedder.spec != migration.target:
             await self._pause(
@@ -332,6 +423,65 @@ class MigrationRunner:
                 f"the configured embedder {migration.target.name!r} is not the migration's target "
                 f"(model {migration.target.model!r}, {migration.target.dimension} dimensions)",
             )
+            return None
+        return embedder
+
+    async def _backfill_base(self, migration: EmbeddingMigration) -> None:
+        """A knowledge base's backfill: documents in batches, each written whole with its chunks."""
+        embedder = await self._target_embedder(migration)
+        if embedder is None:
+            return
+        size = self._settings.batch_size or batch_size_of(embedder)
+        while True:
+            documents = await self._store.pending_documents(migration, limit=_DOCUMENT_BATCH)
+            if not documents:
+                after = await self._end_of_pass(migration)
+                if after is None:
+                    return
+                migration = after
+                continue
+            if migration.rechunks and any(document.text is None for document in documents):
+                # Refused at the start; only a replica that keeps no texts could have written one.
+                await self._pause(migration, "a document has no stored text to re-chunk; upload it again")
+                return
+            spans = [await _chunks_of(migration, document) for document in documents]
+            texts = [chunk.text for chunks in spans for chunk in chunks]
+            try:
+                vectors = [
+                    v
+                    for start in range(0, len(texts), size)
+                    for v in await self._embed_texts(embedder, texts[start : start + size])
+                ]
+            except Exception as exc:
+                failed = await self._embedder_failed(migration, exc)
+                if failed is None:
+                    return
+                migration = failed
+                continue  # the same documents again
+            rows: list[tuple[PendingDocument, list[ChunkRow]]] = []
+            at = 0
+            for document, chunks in zip(documents, spans, strict=True):
+                rows.append(
+                    (
+                        document,
+                        [
+                            ChunkRow(c.index, c.text, c.start, c.end, c.heading_path, vectors[at + i])
+                            for i, c in enumerate(chunks)
+                        ],
+                    )
+                )
+                at += len(chunks)
+            stored = await self._store.store_documents(
+                migration, self.runner_id, rows, lease_seconds=self._settings.lease_seconds
+            )
+            if stored is None:
+                return  # the lease was lost, or the migration was cancelled
+            METRICS.migration_rows.labels(migration.target.name).inc(len(texts))
+            migration = stored
+
+    async def _backfill(self, migration: EmbeddingMigration) -> None:
+        embedder = await self._target_embedder(migration)
+        if embedder is None:
             return
         size = self._settings.batch_size or batch_size_of(embedder)
         # Pipelined: the next batch is read and embedded while this one is written, so the
@@ -379,9 +529,9 @@ class MigrationRunner:
         # A long pass may have outlived the lease with nobody taking it: extend it before acting.
         if not await self._store.renew(migration, self.runner_id, lease_seconds=self._settings.lease_seconds):
             return None
-        if migration.cursor is not None:
+        if not migration.at_start:
             return (
-                replace(migration, cursor=None)
+                replace(migration, cursor=None, document_cursor=None)
                 if await self._store.rewind(migration, self.runner_id)
                 else None
             )
@@ -394,9 +544,12 @@ class MigrationRunner:
         return migration
 
     async def _embed(self, embedder: Embedder, batch: list[PendingMemory]) -> np.ndarray:
+        return await self._embed_texts(embedder, [p.content for p in batch])
+
+    async def _embed_texts(self, embedder: Embedder, texts: list[str]) -> np.ndarray:
         with _tracer.start_as_current_span("reembedding.batch") as span:
-            span.set_attribute("tokensvc.embed.count", len(batch))
-            vectors = await embedder.embed_documents([p.content for p in batch])
+            span.set_attribute("tokensvc.embed.count", len(texts))
+            vectors = await embedder.embed_documents(texts)
             if vectors.ndim != 2 or vectors.shape[1] != embedder.spec.dimension:
                 # Counted as the embedder's failure (it pauses the migration if it persists).
                 raise EmbedderUnavailable(
@@ -441,7 +594,7 @@ class MigrationRunner:
             action=f"finish embedding migration ({end.value})",
             target=_target(finished),
             outcome=AuditOutcome.SUCCEEDED,
-            detail=f"{finished.rows_done} memories re-embedded",
+            detail=f"{finished.rows_done} {'documents' if finished.kb_ref else 'memories'} re-embedded",
         )
 
     async def _embedder_failed(
@@ -483,3 +636,21 @@ class MigrationRunner:
             reason=Reason.EMBEDDER_UNAVAILABLE,
             detail=reason,
         )
+
+
+async def _chunks_of(migration: EmbeddingMigration, document: PendingDocument) -> tuple[StoredChunk, ...]:
+    """The document's chunks under the target chunking: cut again from its stored text when the
+    migration changes the chunking (in a thread: chunking a large text takes a while), else the
+    chunks it has."""
+    if not migration.rechunks:
+        return document.chunks
+    assert migration.target_chunking is not None
+    target = migration.target_chunking
+    if document.text is None:
+        # Refused at the start; a document from a replica that keeps no texts would be this.
+        raise EmbedderUnavailable(
+            f"document {document.ref!r} has no stored text to re-chunk; upload it again"
+        )
+    strategy = ChunkingStrategy.from_stored(target.kind, target.size, target.overlap)
+    chunks = await asyncio.to_thread(chunk_document, document.text, strategy)
+    return tuple(StoredChunk(c.index, c.text, c.start, c.end, tuple(c.heading_path)) for c in chunks)

@@ -35,6 +35,7 @@ from tokensvc.storage.records import (
     MigrationState,
     NewMemory,
     PassageRow,
+    PendingDocument,
     PendingMemory,
     Revocation,
     RevocationKind,
@@ -186,9 +187,11 @@ class EmbeddingMigrationStore(Protocol):
 
     async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
         """Record `migration` (state BACKFILLING, no lease) with `rows_total` set to the space's
-        live memories now, after making sure the target slot's dimension can be indexed. None
-        (nothing recorded) when the space already has an active migration
-        (`MigrationState.active`) or its generation is no longer `migration.from_generation`."""
+        live memories now (a knowledge base's: its documents), after making sure the target
+        dimension can be indexed. None (nothing recorded) when the space (base) already has an
+        active migration (`MigrationState.active`) or its generation is no longer
+        `migration.from_generation`. A knowledge base's documents start with no next-generation
+        chunks written (`pending_documents` lists them all)."""
 
     async def get(self, migration_id: str) -> EmbeddingMigration | None:
         """The migration with this id."""
@@ -247,7 +250,12 @@ class EmbeddingMigrationStore(Protocol):
         vector in the target slot, pin the target embedder, bump the space's generation (searches
         and writes use the target slot from then on), move to RETIRING and record the audit event
         (kind `embedding_migration`, action `cut over embedding migration`), all at once. False
-        (nothing changed) when a memory still lacks one, or `runner` does not hold the lease."""
+        (nothing changed) when a memory still lacks one, or `runner` does not hold the lease.
+
+        A knowledge base's: when every document's current version has its next-generation chunks,
+        pin the target embedder and chunking, bump the base's generation and take each document's
+        chunk count from them, with the same state change and audit event; a base deleted since
+        the migration started moves it to CANCELLED instead (and returns False)."""
 
     async def clear_slot(
         self, migration: EmbeddingMigration, runner: str, *, limit: int, lease_seconds: float
@@ -256,7 +264,30 @@ class EmbeddingMigrationStore(Protocol):
         space after `migration.cursor` ((bucket, id) order), expired ones too: RETIRING, the old
         generation's; CANCELLING, the target's. Returns how many (0: none left) and the migration
         with its cursor moved past them, its lease renewed; None when `runner` does not hold the
-        lease."""
+        lease. A knowledge base's: delete up to `limit` chunks of the generation left behind."""
+
+    async def pending_documents(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingDocument]:
+        """A knowledge base's backfill: up to `limit` documents whose current version has no
+        next-generation chunks, in ref order strictly after `migration.document_cursor`, each with
+        its stored text and, when the migration keeps the chunking, its current chunks; for the
+        runner holding the BACKFILLING migration's lease only: nothing otherwise."""
+
+    async def store_documents(
+        self,
+        migration: EmbeddingMigration,
+        runner: str,
+        documents: Sequence[tuple[PendingDocument, Sequence[ChunkRow]]],
+        *,
+        lease_seconds: float,
+    ) -> EmbeddingMigration | None:
+        """In one transaction: each document's next-generation chunks (written whole, unless the
+        document has a newer version or is gone); the cursor moved to the last document; the
+        documents written counted in `rows_done`; failures reset; the lease renewed. None (nothing
+        written) when `runner` does not hold the lease or the migration is not BACKFILLING."""
+
+    async def base_size(self, namespace: str, kb_ref: str) -> tuple[int, int, int, int]:
+        """A knowledge base's documents, their current chunks, the chunks' average length in
+        characters, and how many documents have no stored text (uploaded before texts were kept)."""
 
     async def record_failure(
         self, migration: EmbeddingMigration, runner: str, reason: str, *, pause_after: int
@@ -308,14 +339,25 @@ class KnowledgeStore(Protocol):
         size_bytes: int,
         metadata: dict[str, Any],
         chunks: Sequence[ChunkRow] | None,
+        generation: int = 0,
+        text: str | None = None,
+        next_chunks: Sequence[ChunkRow] | None = None,
+        migration_id: str | None = None,
     ) -> tuple[DocumentRow, bool] | None:
         """Store the next version of a document and swap its chunks atomically (any reader sees
         exactly one version), serialised with other writers of the same document.
 
         When the current version (read under that serialisation) already has this content, only
         the metadata is replaced: returns (document, False). Otherwise, with `chunks`, the next
-        version is written: (document, True); with `chunks=None` (a metadata-only change of
-        content the caller believed current) nothing is written and None is returned."""
+        version is written: (document, True), its chunks in `generation` and its extracted `text`
+        kept; with `chunks=None` (a metadata-only change of content the caller believed current)
+        nothing is written and None is returned.
+
+        A new version is refused with `StaleKnowledgeBases` (nothing written) when the base is no
+        longer at `generation`, ordered with a cutover: the caller re-reads the base. `next_chunks`
+        (the target's chunks of the base's backfilling migration `migration_id`) are written to
+        the next generation, marking the version done for the migration, only while that
+        migration is still the base's BACKFILLING one; otherwise they are dropped."""
 
     async def delete_document(self, tenant: Tenant, kb_ref: str, ref: str) -> int | None:
         """Delete the document and its chunks; its chunk count, None if absent."""
@@ -329,13 +371,15 @@ class KnowledgeStore(Protocol):
         row_count: int | None,
         count_cap: int,
         filter_: Filter | None,
+        generations: Sequence[int],
         expect: KnowledgePins | None = None,
     ) -> SearchOutcome[PassageRow]:
-        """One search over the chunks of `kb_refs` in one transaction (as `MemoryStore.search`,
+        """One search over the chunks of `kb_refs`, each of the generation at the same position
+        of `generations` only, in one transaction (as `MemoryStore.search`,
         counting the visible chunks of `kb_refs`, the filter not applied); a chunk's neighbours are
         the chunks before and after it in the same document version. With `expect`, the
         transaction first checks that exactly those refs of the roster exist, each with that
-        creation time, and raises `StaleKnowledgeBases` (searching nothing) when not."""
+        creation time and generation, and raises `StaleKnowledgeBases` (searching nothing) when not."""
 
 
 class RevocationStore(Protocol):

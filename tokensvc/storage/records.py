@@ -27,6 +27,7 @@ __all__ = [
     "Candidate",
     "CandidateQuery",
     "ChunkRow",
+    "ChunkingSpec",
     "DatabaseCredential",
     "DocumentRow",
     "EmbedderSpec",
@@ -37,12 +38,14 @@ __all__ = [
     "MigrationState",
     "NewMemory",
     "PassageRow",
+    "PendingDocument",
     "PendingMemory",
     "Revocation",
     "RevocationKind",
     "RotationEntry",
     "SearchOutcome",
     "SearchPlan",
+    "StoredChunk",
     "StoredRef",
     "Tenant",
 ]
@@ -195,12 +198,23 @@ class MigrationState(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class ChunkingSpec:
+    """A knowledge base's pinned chunking strategy as stored (kind, size, overlap)."""
+
+    kind: str
+    size: int
+    overlap: int
+
+
+@dataclass(frozen=True)
 class EmbeddingMigration:
-    """One memory space's move from its pinned embedder (`source`) to `target`."""
+    """One memory space's (namespace, agent) or one knowledge base's (namespace, kb_ref) move
+    from its pinned embedder (`source`) to `target`; a knowledge base's from its chunking
+    (`source_chunking`) to `target_chunking` too, the same strategy when only the embedder changes."""
 
     id: str
     namespace: str
-    agent: str
+    agent: str | None
     from_generation: int
     source: EmbedderSpec
     target: EmbedderSpec
@@ -217,6 +231,27 @@ class EmbeddingMigration:
     finished_at: datetime | None = None
     # Where the backfill has got to, in (bucket, id) order (None: from the start).
     cursor: tuple[str, str] | None = None
+    kb_ref: str | None = None
+    source_chunking: ChunkingSpec | None = None
+    target_chunking: ChunkingSpec | None = None
+    # A knowledge base's backfill: the last document done, in ref order (None: from the start).
+    document_cursor: str | None = None
+
+    @property
+    def subject(self) -> str:
+        """What it migrates, as audit targets name it."""
+        if self.kb_ref is not None:
+            return f"knowledge_base:{self.namespace}/{self.kb_ref}"
+        return f"space:{self.namespace}/{self.agent}"
+
+    @property
+    def at_start(self) -> bool:
+        """The backfill's cursor is at the start (of the space or the knowledge base)."""
+        return self.cursor is None and self.document_cursor is None
+
+    @property
+    def rechunks(self) -> bool:
+        return self.target_chunking is not None and self.target_chunking != self.source_chunking
 
     @property
     def target_slot(self) -> int:
@@ -238,6 +273,29 @@ class PendingMemory:
 
 
 @dataclass(frozen=True)
+class PendingDocument:
+    """A document whose current version a knowledge-base migration has not written yet: its
+    stored text (None: uploaded before texts were stored) and its current chunks, embedding-less,
+    when the migration keeps the chunking."""
+
+    ref: str
+    version: int
+    text: str | None
+    chunks: tuple[StoredChunk, ...] = ()
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """A chunk as stored, without its vector."""
+
+    index: int
+    text: str
+    start: int
+    end: int
+    heading_path: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class BaseRow:
     namespace: str
     ref: str
@@ -252,6 +310,12 @@ class BaseRow:
     text_config: str
     created_at: datetime
     document_count: int = 0
+    # Which chunks the base reads; bumped by each migration's cutover.
+    generation: int = 0
+    # The base's backfilling migration, if one runs, and its target: uploads write both.
+    migration_id: str | None = field(default=None, compare=False)
+    migrating_to: EmbedderSpec | None = field(default=None, compare=False)
+    migrating_chunking: ChunkingSpec | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -280,10 +344,11 @@ class ChunkRow:
 
 @dataclass(frozen=True)
 class KnowledgePins:
-    """What a knowledge search assumed: which refs of its roster exist, each created when."""
+    """What a knowledge search assumed: which refs of its roster exist, each created when and
+    at which generation."""
 
     roster: tuple[str, ...]
-    created: tuple[tuple[str, datetime], ...]  # (ref, created_at) of the existing ones
+    created: tuple[tuple[str, datetime, int], ...]  # (ref, created_at, generation) of the existing ones
 
 
 @dataclass(frozen=True)

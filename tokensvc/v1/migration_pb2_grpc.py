@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class MigrationServiceStub:
-    """MigrationService re-embeds a memory space with another embedder while it keeps serving.
+    """MigrationService re-embeds a memory space or a knowledge base with another embedder while it
+    keeps serving.
 
     A memory space is pinned to the embedder of its first write. A migration embeds every memory of
     the space again with a target embedder (of any dimension) in the background, in batches, into a
@@ -36,6 +37,12 @@ class MigrationServiceStub:
     working throughout. The migration's state is durable: it resumes where it was after a crash, with
     one runner at a time across replicas. See docs/operations.md, "Moving from the embedded default
     model to a production embedding server".
+
+    A knowledge base migrates the same way over its documents: every current document's chunks are
+    written again for the base's next generation with the target embedder (re-chunked from the
+    document's stored text when a new chunking strategy is given), uploads meanwhile write both
+    generations, and the cutover switches the base's searches to the new generation at once; its
+    `rows_total` and `rows_done` count documents.
 
     Callers: the control plane and platform admins; no capability is sent. Other callers get
     PERMISSION_DENIED with reason ROLE_NOT_ALLOWED. Every change is recorded in the audit trail
@@ -78,7 +85,8 @@ class MigrationServiceStub:
 
 
 class MigrationServiceServicer:
-    """MigrationService re-embeds a memory space with another embedder while it keeps serving.
+    """MigrationService re-embeds a memory space or a knowledge base with another embedder while it
+    keeps serving.
 
     A memory space is pinned to the embedder of its first write. A migration embeds every memory of
     the space again with a target embedder (of any dimension) in the background, in batches, into a
@@ -89,6 +97,12 @@ class MigrationServiceServicer:
     one runner at a time across replicas. See docs/operations.md, "Moving from the embedded default
     model to a production embedding server".
 
+    A knowledge base migrates the same way over its documents: every current document's chunks are
+    written again for the base's next generation with the target embedder (re-chunked from the
+    document's stored text when a new chunking strategy is given), uploads meanwhile write both
+    generations, and the cutover switches the base's searches to the new generation at once; its
+    `rows_total` and `rows_done` count documents.
+
     Callers: the control plane and platform admins; no capability is sent. Other callers get
     PERMISSION_DENIED with reason ROLE_NOT_ALLOWED. Every change is recorded in the audit trail
     (kind EMBEDDING_MIGRATION). Errors common to every RPC: INVALID_ARGUMENT (reason
@@ -97,14 +111,17 @@ class MigrationServiceServicer:
     """
 
     def StartEmbeddingMigration(self, request, context):
-        """StartEmbeddingMigration starts re-embedding a memory space with another configured embedder,
-        or with `dry_run` reports what it would do without starting it.
+        """StartEmbeddingMigration starts re-embedding a memory space or a knowledge base with another
+        configured embedder, or with `dry_run` reports what it would do without starting it.
 
-        Errors beyond the common ones: NOT_FOUND when the space has no memories yet (it is not pinned);
-        INVALID_ARGUMENT (field `embedder`) when the embedder is not configured or is the one pinned;
-        FAILED_PRECONDITION (reason MIGRATION_CONFLICT) when the space has a migration that has not
-        finished; UNAVAILABLE (reason EMBEDDER_UNAVAILABLE) when the target embedder fails on the batch
-        it is measured with.
+        Errors beyond the common ones: NOT_FOUND when the space has no memories yet (it is not pinned)
+        or the knowledge base does not exist; INVALID_ARGUMENT (field `embedder`) when the embedder is
+        not configured or is the one pinned (for a knowledge base: with the same chunking), (field
+        `chunking`) when given for a memory space or invalid; FAILED_PRECONDITION (reason
+        MIGRATION_CONFLICT) when the space or base has a migration that has not finished, or when a new
+        chunking is asked for a base holding documents uploaded before tokensvc kept document texts;
+        UNAVAILABLE (reason EMBEDDER_UNAVAILABLE) when the target embedder fails on the batch it is
+        measured with.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -181,7 +198,8 @@ def add_MigrationServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class MigrationService:
-    """MigrationService re-embeds a memory space with another embedder while it keeps serving.
+    """MigrationService re-embeds a memory space or a knowledge base with another embedder while it
+    keeps serving.
 
     A memory space is pinned to the embedder of its first write. A migration embeds every memory of
     the space again with a target embedder (of any dimension) in the background, in batches, into a
@@ -191,6 +209,12 @@ class MigrationService:
     working throughout. The migration's state is durable: it resumes where it was after a crash, with
     one runner at a time across replicas. See docs/operations.md, "Moving from the embedded default
     model to a production embedding server".
+
+    A knowledge base migrates the same way over its documents: every current document's chunks are
+    written again for the base's next generation with the target embedder (re-chunked from the
+    document's stored text when a new chunking strategy is given), uploads meanwhile write both
+    generations, and the cutover switches the base's searches to the new generation at once; its
+    `rows_total` and `rows_done` count documents.
 
     Callers: the control plane and platform admins; no capability is sent. Other callers get
     PERMISSION_DENIED with reason ROLE_NOT_ALLOWED. Every change is recorded in the audit trail

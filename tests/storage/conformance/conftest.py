@@ -106,15 +106,16 @@ def backend(request: pytest.FixtureRequest) -> Backend:
             PostgresEmbeddingMigrationStore(pool),
         )
     memories = InMemoryMemoryStore()
+    knowledge = InMemoryKnowledgeStore()
     audit = InMemoryAuditStore()
     return Backend(
         "inmemory",
         memories,
-        InMemoryKnowledgeStore(),
+        knowledge,
         InMemoryRevocationStore(),
         audit,
         InMemoryMemoryStatistics(memories),
-        InMemoryEmbeddingMigrationStore(memories, audit),
+        InMemoryEmbeddingMigrationStore(memories, audit, knowledge),
     )
 
 

@@ -281,7 +281,13 @@ async def search_chunks(
     filter_: Filter | None = None,
 ) -> list[Candidate[PassageRow]]:
     outcome = await store.search(
-        tenant, refs, lambda _rows: query, row_count=query.row_count, count_cap=1, filter_=filter_
+        tenant,
+        refs,
+        lambda _rows: query,
+        row_count=query.row_count,
+        count_cap=1,
+        filter_=filter_,
+        generations=[0] * len(refs),
     )
     assert outcome.row_count == query.row_count
     return outcome.candidates
@@ -294,7 +300,9 @@ async def counted_chunks(store: KnowledgeStore, tenant: Tenant, refs: Sequence[s
         seen.append(rows)
         return text_query("count", k=1, row_count=rows)
 
-    outcome = await store.search(tenant, refs, plan, row_count=None, count_cap=cap, filter_=None)
+    outcome = await store.search(
+        tenant, refs, plan, row_count=None, count_cap=cap, filter_=None, generations=[0] * len(refs)
+    )
     assert seen == [outcome.row_count]
     return outcome.row_count
 

@@ -218,7 +218,7 @@ async def test_a_search_with_pins_that_still_hold_searches(knowledge: KnowledgeS
     ns = new_namespace()
     base = await create_base(knowledge, ns, "kb")
     await upload(knowledge, ns, "kb", "doc", ["pinned text"])
-    pins = KnowledgePins(("kb", "absent"), (("kb", base.created_at),))
+    pins = KnowledgePins(("kb", "absent"), (("kb", base.created_at, 0),))
     outcome = await knowledge.search(
         launcher(ns, "kb", "absent"),
         ["kb"],
@@ -226,6 +226,7 @@ async def test_a_search_with_pins_that_still_hold_searches(knowledge: KnowledgeS
         row_count=1,
         count_cap=1,
         filter_=None,
+        generations=[0],
         expect=pins,
     )
     assert [c.item.text for c in outcome.candidates] == ["pinned text"]
@@ -235,7 +236,7 @@ async def test_a_search_whose_pins_changed_refuses_and_searches_nothing(knowledg
     ns = new_namespace()
     old = await create_base(knowledge, ns, "kb")
     tenant = launcher(ns, "kb", "later")
-    remembered = KnowledgePins(("kb", "later"), (("kb", old.created_at),))
+    remembered = KnowledgePins(("kb", "later"), (("kb", old.created_at, 0),))
     searched: list[int] = []
 
     async def search(pins: KnowledgePins) -> None:
@@ -243,7 +244,9 @@ async def test_a_search_whose_pins_changed_refuses_and_searches_nothing(knowledg
             searched.append(rows)
             return vector_query(axis(0), k=5)
 
-        await knowledge.search(tenant, ["kb"], plan, row_count=None, count_cap=10, filter_=None, expect=pins)
+        await knowledge.search(
+            tenant, ["kb"], plan, row_count=None, count_cap=10, filter_=None, generations=[0], expect=pins
+        )
 
     # A base of the roster created since, the base re-created since, the base gone: each refuses.
     await create_base(knowledge, ns, "later")
@@ -253,10 +256,12 @@ async def test_a_search_whose_pins_changed_refuses_and_searches_nothing(knowledg
     assert await knowledge.delete_base(management(ns), "kb") == 0
     again = await create_base(knowledge, ns, "kb")
     with pytest.raises(StaleKnowledgeBases):
-        await search(KnowledgePins(remembered.roster, (("kb", old.created_at), ("later", later.created_at))))
+        await search(
+            KnowledgePins(remembered.roster, (("kb", old.created_at, 0), ("later", later.created_at, 0)))
+        )
     await knowledge.delete_base(management(ns), "kb")
     with pytest.raises(StaleKnowledgeBases):
         await search(
-            KnowledgePins(remembered.roster, (("kb", again.created_at), ("later", later.created_at)))
+            KnowledgePins(remembered.roster, (("kb", again.created_at, 0), ("later", later.created_at, 0)))
         )
     assert searched == [], "a refused search counts and ranks nothing"

@@ -1,4 +1,5 @@
-"""MigrationService: re-embedding migrations of memory spaces (thin: decode, one call, encode)."""
+"""MigrationService: re-embedding migrations of memory spaces and knowledge bases (thin: decode,
+one call, encode)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,20 @@ import grpc
 
 from tokensvc.api.context import current_call
 from tokensvc.api.convert import timestamp
+from tokensvc.api.knowledge_codec import decode_chunking, encode_chunking
 from tokensvc.api.memory_codec import decode_page_size
 from tokensvc.api.page_tokens import decode_memory_cursor, encode_memory_cursor, listing_binding
 from tokensvc.embedders import EmbedderSpec
 from tokensvc.errors import InvalidArgument
 from tokensvc.memory.paging import PageCursor
 from tokensvc.memory.reembedding import (
+    ChunkingSpec,
     EmbeddingMigrations,
     MigrationEstimate,
     MigrationProgress,
     MigrationState,
 )
-from tokensvc.names import is_dns_label
+from tokensvc.names import is_dns_label, is_kb_ref
 from tokensvc.v1 import migration_pb2, migration_pb2_grpc
 
 __all__ = ["MigrationServicer"]
@@ -46,7 +49,6 @@ def _migration(progress: MigrationProgress) -> migration_pb2.EmbeddingMigration:
     m = progress.migration
     message = migration_pb2.EmbeddingMigration(
         id=m.id,
-        memory_space=migration_pb2.MemorySpaceRef(namespace=m.namespace, agent=m.agent),
         source=_embedder(m.source),
         target=_embedder(m.target),
         phase=_PHASES.get(m.state, migration_pb2.MIGRATION_PHASE_UNSPECIFIED),
@@ -57,6 +59,18 @@ def _migration(progress: MigrationProgress) -> migration_pb2.EmbeddingMigration:
         eta_seconds=progress.eta_seconds or 0.0,
         created_by=m.created_by,
     )
+    if m.kb_ref is not None:
+        message.knowledge_base.CopyFrom(migration_pb2.KnowledgeBaseRef(namespace=m.namespace, ref=m.kb_ref))
+        for name in ("source_chunking", "target_chunking"):
+            chunking = getattr(m, name)
+            if chunking is not None:
+                getattr(message, name).CopyFrom(
+                    encode_chunking(chunking.kind, chunking.size, chunking.overlap)
+                )
+    else:
+        message.memory_space.CopyFrom(
+            migration_pb2.MemorySpaceRef(namespace=m.namespace, agent=m.agent or "")
+        )
     for name in ("created_at", "updated_at", "cut_over_at", "finished_at"):
         value = getattr(m, name)
         if value is not None:
@@ -90,24 +104,38 @@ class MigrationServicer(migration_pb2_grpc.MigrationServiceServicer):
     async def StartEmbeddingMigration(
         self, request: migration_pb2.StartEmbeddingMigrationRequest, context: _Context
     ) -> migration_pb2.StartEmbeddingMigrationResponse:
-        if not request.HasField("memory_space"):
-            raise InvalidArgument("memory_space", "is required")
-        space = request.memory_space
-        if not is_dns_label(space.namespace):
-            raise InvalidArgument("memory_space.namespace", "must be a DNS label")
-        if not is_dns_label(space.agent):
-            raise InvalidArgument("memory_space.agent", "must be a DNS label")
         if not request.embedder or len(request.embedder) > _MAX_EMBEDDER_NAME:
             raise InvalidArgument(
                 "embedder", f"must be a configured embedder's name (1 to {_MAX_EMBEDDER_NAME} characters)"
             )
-        migration, estimate = await self._migrations.start(
-            space.namespace,
-            space.agent,
-            request.embedder,
-            dry_run=request.dry_run,
-            actor=current_call().caller.spiffe_id,
-        )
+        actor = current_call().caller.spiffe_id
+        chosen = request.WhichOneof("target")
+        if chosen == "knowledge_base":
+            base = request.knowledge_base
+            if not is_dns_label(base.namespace):
+                raise InvalidArgument("knowledge_base.namespace", "must be a DNS label")
+            if not is_kb_ref(base.ref):
+                raise InvalidArgument("knowledge_base.ref", "must be a knowledge base ref")
+            chunking = None
+            if request.HasField("chunking"):
+                strategy = decode_chunking(request.chunking, True)
+                chunking = ChunkingSpec(str(strategy.kind.value), strategy.chunk_size, strategy.chunk_overlap)
+            migration, estimate = await self._migrations.start_knowledge_base(
+                base.namespace, base.ref, request.embedder, chunking, dry_run=request.dry_run, actor=actor
+            )
+        elif chosen == "memory_space":
+            space = request.memory_space
+            if not is_dns_label(space.namespace):
+                raise InvalidArgument("memory_space.namespace", "must be a DNS label")
+            if not is_dns_label(space.agent):
+                raise InvalidArgument("memory_space.agent", "must be a DNS label")
+            if request.HasField("chunking"):
+                raise InvalidArgument("chunking", "only a knowledge base has a chunking strategy")
+            migration, estimate = await self._migrations.start(
+                space.namespace, space.agent, request.embedder, dry_run=request.dry_run, actor=actor
+            )
+        else:
+            raise InvalidArgument("memory_space", "is required (or knowledge_base)")
         response = migration_pb2.StartEmbeddingMigrationResponse(estimate=_estimate(estimate))
         if migration is not None:
             response.migration.CopyFrom(_migration(MigrationProgress(migration, 0.0, None)))

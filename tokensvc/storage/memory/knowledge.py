@@ -15,7 +15,7 @@ same writers); reads never yield, so each sees one state.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,8 +29,10 @@ from tokensvc.storage.ports import StaleKnowledgeBases
 from tokensvc.storage.records import (
     ALL_KNOWLEDGE_BASES,
     BaseRow,
+    ChunkingSpec,
     ChunkRow,
     DocumentRow,
+    EmbedderSpec,
     KnowledgePins,
     PassageRow,
     SearchOutcome,
@@ -52,10 +54,14 @@ class _Chunk:
 
 @dataclass(frozen=True)
 class _Version:
-    """A document's current version with its chunks: replaced whole, never edited in place."""
+    """A document's current version with its chunks by generation: replaced whole, never edited
+    in place. `migrated_chunk_count` is set when the next generation's chunks of this version
+    are written (PostgreSQL's `migrated_version` equal to `version`)."""
 
     document: DocumentRow
-    chunks: tuple[_Chunk, ...]
+    chunks: Mapping[int, tuple[_Chunk, ...]]
+    text: str | None = None
+    migrated_chunk_count: int | None = None
 
 
 def _visible(tenant: Tenant, namespace: str, kb_ref: str) -> bool:
@@ -82,6 +88,10 @@ class InMemoryKnowledgeStore:
         self._lock = asyncio.Lock()
         self._bases: dict[tuple[str, str], BaseRow] = {}
         self._documents: dict[_DocKey, _Version] = {}
+        # Kept by the re-embedding store: each base's backfilling migration (id, target, chunking),
+        # and what ends a base's migrations when the base is deleted.
+        self._migrating: dict[tuple[str, str], tuple[str, EmbedderSpec, ChunkingSpec]] = {}
+        self._end_migrations: Callable[[str, str], None] = lambda namespace, ref: None
 
     def _count(self, namespace: str, ref: str) -> int:
         return sum(1 for ns, kb, _ in self._documents if (ns, kb) == (namespace, ref))
@@ -122,6 +132,7 @@ class InMemoryKnowledgeStore:
             del self._bases[(tenant.namespace, ref)]
             for key in [k for k in self._documents if k[:2] == (tenant.namespace, ref)]:
                 del self._documents[key]
+            self._end_migrations(tenant.namespace, ref)
             return base.document_count
 
     # --- documents --------------------------------------------------------------------------
@@ -137,6 +148,11 @@ class InMemoryKnowledgeStore:
         """The base comes without its document count (0), as PostgreSQL's snapshot reads it."""
         base = self._base(tenant, kb_ref, counted=False)
         current = None if base is None else self._current(tenant, kb_ref, doc_ref)
+        migrating = self._migrating.get((tenant.namespace, kb_ref))
+        if base is not None and migrating is not None:
+            base = replace(
+                base, migration_id=migrating[0], migrating_to=migrating[1], migrating_chunking=migrating[2]
+            )
         return base, None if current is None else _copy(current.document)
 
     async def list_documents(
@@ -166,6 +182,10 @@ class InMemoryKnowledgeStore:
         size_bytes: int,
         metadata: dict[str, Any],
         chunks: Sequence[ChunkRow] | None,
+        generation: int = 0,
+        text: str | None = None,
+        next_chunks: Sequence[ChunkRow] | None = None,
+        migration_id: str | None = None,
     ) -> tuple[DocumentRow, bool] | None:
         """Serialised with every other writer (the contract asks: writers of the same document)."""
         _check_writable(tenant, tenant.namespace, kb_ref)
@@ -175,12 +195,15 @@ class InMemoryKnowledgeStore:
             await _round_trip()
             if stored is not None and stored.document.content_sha256 == content_sha256:
                 document = replace(stored.document, metadata=dict(metadata))
-                self._documents[key] = _Version(document, stored.chunks)
+                self._documents[key] = replace(stored, document=document)
                 return _copy(document), False
             if chunks is None:
                 return None  # the content changed meanwhile: the caller chunks the new one
-            if (tenant.namespace, kb_ref) not in self._bases:
+            base = self._bases.get((tenant.namespace, kb_ref))
+            if base is None:
                 raise LookupError("no such knowledge base")  # PostgreSQL: a foreign-key violation
+            if base.generation != generation:
+                raise StaleKnowledgeBases()
             document = DocumentRow(
                 namespace=tenant.namespace,
                 kb_ref=kb_ref,
@@ -194,7 +217,15 @@ class InMemoryKnowledgeStore:
                 # The document's creation: its first version's (an update keeps it).
                 created_at=self._clock.now() if stored is None else stored.document.created_at,
             )
-            self._documents[key] = _Version(document, tuple(_chunk(document, c) for c in chunks))
+            written = {generation: tuple(_chunk(document, c) for c in chunks)}
+            migrating = self._migrating.get((tenant.namespace, kb_ref))
+            dual = next_chunks is not None and migrating is not None and migrating[0] == migration_id
+            if dual:
+                assert next_chunks is not None
+                written[generation + 1] = tuple(_chunk(document, c) for c in next_chunks)
+            self._documents[key] = _Version(
+                document, written, text, len(next_chunks) if dual and next_chunks is not None else None
+            )
             return _copy(document), True
 
     async def delete_document(self, tenant: Tenant, kb_ref: str, ref: str) -> int | None:
@@ -216,25 +247,34 @@ class InMemoryKnowledgeStore:
         row_count: int | None,
         count_cap: int,
         filter_: Filter | None,
+        generations: Sequence[int],
         expect: KnowledgePins | None = None,
     ) -> SearchOutcome[PassageRow]:
         """Counts the chunks of `kb_refs` up to `count_cap` (the filter not applied)."""
+        if len(generations) != len(kb_refs):
+            raise ValueError("one generation per knowledge base")
         if expect is not None:
             held = {
-                (b.ref, b.created_at) for ref in expect.roster if (b := self._base(tenant, ref)) is not None
+                (b.ref, b.created_at, b.generation)
+                for ref in expect.roster
+                if (b := self._base(tenant, ref)) is not None
             }
             if held != set(expect.created):
                 raise StaleKnowledgeBases()
-        refs = {ref for ref in kb_refs if _visible(tenant, tenant.namespace, ref)}
+        generation_of = {
+            ref: generation
+            for ref, generation in zip(kb_refs, generations, strict=True)
+            if _visible(tenant, tenant.namespace, ref)
+        }
         versions = [
-            version
+            (version, version.chunks.get(generation_of[kb], ()))
             for (ns, kb, _), version in self._documents.items()
-            if ns == tenant.namespace and kb in refs
+            if ns == tenant.namespace and kb in generation_of
         ]
         if row_count is None:
-            row_count = min(count_cap, sum(len(version.chunks) for version in versions))
+            row_count = min(count_cap, sum(len(chunks) for _, chunks in versions))
         query = plan(row_count)
-        wanted = [v for v in versions if filter_ is None or matches(filter_, v.document.metadata)]
+        wanted = [(v, c) for v, c in versions if filter_ is None or matches(filter_, v.document.metadata)]
         return SearchOutcome(query.row_count, candidates(list(_indexed(wanted)), query))
 
 
@@ -258,12 +298,14 @@ def _copy(document: DocumentRow) -> DocumentRow:
     return replace(document, metadata=dict(document.metadata))
 
 
-def _indexed(versions: Iterable[_Version]) -> Iterable[Searchable[PassageRow]]:
+def _indexed(
+    versions: Iterable[tuple[_Version, tuple[_Chunk, ...]]],
+) -> Iterable[Searchable[PassageRow]]:
     # A chunk's neighbours are the chunks before and after it in the same document version.
-    for version in versions:
+    for version, chunks in versions:
         document = version.document
         partition = (document.namespace, document.kb_ref, document.ref, document.version)
-        for chunk in version.chunks:
+        for chunk in chunks:
             yield Searchable(
                 item=chunk.passage,
                 key=(*partition, chunk.passage.chunk_index),

@@ -17,16 +17,31 @@ from datetime import datetime, timedelta
 
 import numpy as np
 
+from tokensvc.storage.memory.knowledge import InMemoryKnowledgeStore, _chunk, _Version
 from tokensvc.storage.memory.ledgers import InMemoryAuditStore
 from tokensvc.storage.memory.memories import InMemoryMemoryStore, _Row, _vector, _with_vector
-from tokensvc.storage.records import EmbeddingMigration, MigrationState, PendingMemory
+from tokensvc.storage.records import (
+    ChunkRow,
+    EmbeddingMigration,
+    MigrationState,
+    PendingDocument,
+    PendingMemory,
+    StoredChunk,
+)
 
 __all__ = ["InMemoryEmbeddingMigrationStore"]
 
 
 class InMemoryEmbeddingMigrationStore:
-    def __init__(self, memories: InMemoryMemoryStore, audit: InMemoryAuditStore | None = None):
+    def __init__(
+        self,
+        memories: InMemoryMemoryStore,
+        audit: InMemoryAuditStore | None = None,
+        knowledge: InMemoryKnowledgeStore | None = None,
+    ):
         self._memories = memories
+        self._knowledge = knowledge or InMemoryKnowledgeStore()
+        self._knowledge._end_migrations = self._base_deleted
         self._audit = audit or InMemoryAuditStore()  # where the cutover's audit event goes
         self._migrations: dict[str, EmbeddingMigration] = {}
         self._leases: dict[str, datetime] = {}
@@ -59,6 +74,15 @@ class InMemoryEmbeddingMigrationStore:
     def _save(self, migration: EmbeddingMigration) -> EmbeddingMigration:
         saved = replace(migration, updated_at=self._now())
         self._migrations[saved.id] = saved
+        if saved.kb_ref is not None:
+            assert saved.target_chunking is not None
+            base = (saved.namespace, saved.kb_ref)
+            if saved.state is MigrationState.BACKFILLING:
+                self._knowledge._migrating[base] = (saved.id, saved.target, saved.target_chunking)
+            elif self._knowledge._migrating.get(base, ("",))[0] == saved.id:
+                del self._knowledge._migrating[base]
+            return saved
+        assert saved.agent is not None
         key = (saved.namespace, saved.agent)
         if saved.state is MigrationState.BACKFILLING:
             self._memories._migrating[key] = (saved.id, saved.target)
@@ -66,9 +90,26 @@ class InMemoryEmbeddingMigrationStore:
             del self._memories._migrating[key]
         return saved
 
+    def _base_deleted(self, namespace: str, kb_ref: str) -> None:
+        """The knowledge base is gone, and its unfinished migration with it."""
+        for migration in list(self._migrations.values()):
+            if (migration.namespace, migration.kb_ref) == (namespace, kb_ref) and migration.state.active:
+                self._leases.pop(migration.id, None)
+                self._save(
+                    replace(
+                        migration,
+                        state=MigrationState.CANCELLED,
+                        reason="the knowledge base was deleted",
+                        lease_owner=None,
+                        finished_at=self._now(),
+                    )
+                )
+
     async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
+        if migration.kb_ref is not None:
+            return await self._create_for_base(migration)
         async with self._memories._lock:
-            space = self._memories._spaces.get((migration.namespace, migration.agent))
+            space = self._memories._spaces.get((migration.namespace, migration.agent or ""))
             if space is None or space.generation != migration.from_generation:
                 return None
             if any(
@@ -91,6 +132,44 @@ class InMemoryEmbeddingMigrationStore:
                 cursor=None,
             )
             return self._save(created)
+
+    async def _create_for_base(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
+        async with self._memories._lock, self._knowledge._lock:
+            key = (migration.namespace, migration.kb_ref)
+            base = self._knowledge._bases.get((migration.namespace, migration.kb_ref or ""))
+            if base is None or base.generation != migration.from_generation:
+                return None
+            if any((m.namespace, m.kb_ref) == key and m.state.active for m in self._migrations.values()):
+                return None
+            documents = self._base_documents(migration)
+            for doc_key, version in documents:
+                self._knowledge._documents[doc_key] = replace(version, migrated_chunk_count=None)
+            return self._save(
+                replace(
+                    migration,
+                    id=str(uuid.UUID(migration.id)),
+                    state=MigrationState.BACKFILLING,
+                    rows_total=len(documents),
+                    rows_done=0,
+                    failures=0,
+                    lease_owner=None,
+                    reason="",
+                    created_at=self._now(),
+                    cursor=None,
+                    document_cursor=None,
+                )
+            )
+
+    def _base_documents(self, migration: EmbeddingMigration) -> list[tuple[tuple[str, str, str], _Version]]:
+        """The base's documents in ref order (code points: PostgreSQL's C collation)."""
+        return sorted(
+            (
+                (key, version)
+                for key, version in self._knowledge._documents.items()
+                if key[:2] == (migration.namespace, migration.kb_ref)
+            ),
+            key=lambda item: item[0][2],
+        )
 
     async def get(self, migration_id: str) -> EmbeddingMigration | None:
         return self._migrations.get(str(uuid.UUID(migration_id)))
@@ -119,6 +198,7 @@ class InMemoryEmbeddingMigrationStore:
                     lease_owner=None,
                     finished_at=self._now() if finished else None,
                     cursor=None if state is MigrationState.CANCELLING else stored.cursor,
+                    document_cursor=None if state is MigrationState.CANCELLING else stored.document_cursor,
                 )
             )
 
@@ -217,15 +297,17 @@ class InMemoryEmbeddingMigrationStore:
             stored = self._held(migration, runner)
             if stored is None:
                 return False
-            self._save(replace(stored, cursor=None))
+            self._save(replace(stored, cursor=None, document_cursor=None))
             return True
 
     async def cut_over(self, migration: EmbeddingMigration, runner: str) -> bool:
+        if migration.kb_ref is not None:
+            return await self._cut_over_base(migration, runner)
         async with self._memories._lock:
             stored = self._held(migration, runner)
             if stored is None or stored.state is not MigrationState.BACKFILLING:
                 return False
-            key = (stored.namespace, stored.agent)
+            key = (stored.namespace, stored.agent or "")
             space = self._memories._spaces[key]
             if space.generation != stored.from_generation:
                 raise RuntimeError("the memory space moved on without this migration")
@@ -249,9 +331,159 @@ class InMemoryEmbeddingMigrationStore:
             )
             return True
 
+    async def _cut_over_base(self, migration: EmbeddingMigration, runner: str) -> bool:
+        async with self._memories._lock, self._knowledge._lock:
+            stored = self._held(migration, runner)
+            if stored is None or stored.state is not MigrationState.BACKFILLING:
+                return False
+            assert stored.kb_ref is not None
+            assert stored.target_chunking is not None
+            key = (stored.namespace, stored.kb_ref)
+            base = self._knowledge._bases.get(key)
+            if base is None:
+                self._base_deleted(*key)
+                return False
+            if base.generation != stored.from_generation:
+                raise RuntimeError("the knowledge base moved on without this migration")
+            documents = self._base_documents(stored)
+            if any(version.migrated_chunk_count is None for _, version in documents):
+                return False
+            target, chunking = stored.target, stored.target_chunking
+            self._knowledge._bases[key] = replace(
+                base,
+                embedder=target.name,
+                model=target.model,
+                dimension=target.dimension,
+                normalized=target.normalized,
+                chunking=chunking.kind,
+                chunk_size=chunking.size,
+                chunk_overlap=chunking.overlap,
+                generation=base.generation + 1,
+            )
+            for doc_key, version in documents:
+                assert version.migrated_chunk_count is not None
+                document = replace(version.document, chunk_count=version.migrated_chunk_count)
+                self._knowledge._documents[doc_key] = replace(version, document=document)
+            self._save(
+                replace(stored, state=MigrationState.RETIRING, cut_over_at=self._now(), document_cursor=None)
+            )
+            await self._audit.append(
+                kind="embedding_migration",
+                actor="system:tokensvc",
+                action="cut over embedding migration",
+                target=f"migration:{stored.id} {stored.subject}",
+                outcome="succeeded",
+                reason="",
+                detail=f"the knowledge base now reads {target.name} ({target.dimension}), {chunking.kind} "
+                f"chunking ({chunking.size}/{chunking.overlap})",
+            )
+            return True
+
+    async def _clear_base(
+        self, migration: EmbeddingMigration, runner: str, *, limit: int, lease_seconds: float
+    ) -> tuple[int, EmbeddingMigration] | None:
+        async with self._memories._lock, self._knowledge._lock:
+            stored = self._held(migration, runner)
+            if stored is None or stored.state is not migration.state:
+                return None
+            retiring = stored.state is MigrationState.RETIRING
+            gone = stored.from_generation if retiring else stored.from_generation + 1
+            cleared = 0
+            for doc_key, version in self._base_documents(stored):
+                chunks = version.chunks.get(gone, ())
+                if not chunks:
+                    continue
+                taken = min(len(chunks), limit - cleared)
+                kept = {g: c for g, c in version.chunks.items() if g != gone}
+                if taken < len(chunks):
+                    kept[gone] = chunks[taken:]
+                self._knowledge._documents[doc_key] = replace(version, chunks=kept)
+                cleared += taken
+                if cleared == limit:
+                    break
+            self._leases[stored.id] = self._now() + timedelta(seconds=lease_seconds)
+            return cleared, self._save(stored)
+
+    async def pending_documents(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingDocument]:
+        held = self._held(migration, migration.lease_owner or "")
+        if held is None or held.state is not MigrationState.BACKFILLING or held.kb_ref is None:
+            return []
+        out = []
+        for (_, _, ref), version in self._base_documents(held):
+            if migration.document_cursor is not None and ref <= migration.document_cursor:
+                continue
+            if version.migrated_chunk_count is not None:
+                continue
+            chunks = () if migration.rechunks else version.chunks.get(held.from_generation, ())
+            stored = tuple(
+                StoredChunk(
+                    c.passage.chunk_index,
+                    c.passage.text,
+                    c.passage.start,
+                    c.passage.end,
+                    c.passage.heading_path,
+                )
+                for c in chunks
+            )
+            out.append(PendingDocument(ref, version.document.version, version.text, stored))
+            if len(out) == limit:
+                break
+        return out
+
+    async def store_documents(
+        self,
+        migration: EmbeddingMigration,
+        runner: str,
+        documents: Sequence[tuple[PendingDocument, Sequence[ChunkRow]]],
+        *,
+        lease_seconds: float,
+    ) -> EmbeddingMigration | None:
+        async with self._memories._lock, self._knowledge._lock:
+            stored = self._held(migration, runner)
+            if stored is None or stored.state is not MigrationState.BACKFILLING or stored.kb_ref is None:
+                return None
+            written = 0
+            for pending, chunks in documents:
+                key = (stored.namespace, stored.kb_ref, pending.ref)
+                version = self._knowledge._documents.get(key)
+                if (
+                    version is None
+                    or version.document.version != pending.version
+                    or version.migrated_chunk_count is not None
+                ):
+                    continue
+                generations = dict(version.chunks)
+                generations[stored.from_generation + 1] = tuple(_chunk(version.document, c) for c in chunks)
+                self._knowledge._documents[key] = replace(
+                    version, chunks=generations, migrated_chunk_count=len(chunks)
+                )
+                written += 1
+            self._leases[stored.id] = self._now() + timedelta(seconds=lease_seconds)
+            done = stored.rows_done + written
+            return self._save(
+                replace(
+                    stored,
+                    rows_done=done,
+                    rows_total=max(stored.rows_total, done),
+                    failures=0,
+                    reason="",
+                    document_cursor=documents[-1][0].ref if documents else stored.document_cursor,
+                )
+            )
+
+    async def base_size(self, namespace: str, kb_ref: str) -> tuple[int, int, int, int]:
+        base = self._knowledge._bases.get((namespace, kb_ref))
+        generation = 0 if base is None else base.generation
+        versions = [v for key, v in self._knowledge._documents.items() if key[:2] == (namespace, kb_ref)]
+        lengths = [len(c.passage.text) for v in versions for c in v.chunks.get(generation, ())]
+        average = round(sum(lengths) / len(lengths)) if lengths else 0
+        return len(versions), len(lengths), average, sum(1 for v in versions if v.text is None)
+
     async def clear_slot(
         self, migration: EmbeddingMigration, runner: str, *, limit: int, lease_seconds: float
     ) -> tuple[int, EmbeddingMigration] | None:
+        if migration.kb_ref is not None:
+            return await self._clear_base(migration, runner, limit=limit, lease_seconds=lease_seconds)
         async with self._memories._lock:
             stored = self._held(migration, runner)
             if stored is None or stored.state is not migration.state:

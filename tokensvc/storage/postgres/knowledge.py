@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import asyncpg
@@ -26,8 +27,10 @@ from tokensvc.storage.postgres.ranking import (
 from tokensvc.storage.postgres.tenant import literal, tenant_transaction
 from tokensvc.storage.records import (
     BaseRow,
+    ChunkingSpec,
     ChunkRow,
     DocumentRow,
+    EmbedderSpec,
     KnowledgePins,
     PassageRow,
     SearchOutcome,
@@ -41,7 +44,7 @@ __all__ = ["PostgresKnowledgeStore"]
 # A chunk's neighbours are the chunks before and after it in the same document version.
 _CORPUS = Corpus(
     table="chunks",
-    partition=("namespace", "kb_ref", "doc_ref", "version"),
+    partition=("namespace", "kb_ref", "doc_ref", "generation", "version"),
     local="chunk_index",
     order=("chunk_index",),
     columns=(
@@ -57,30 +60,60 @@ _CORPUS = Corpus(
 )
 
 
-_BASE_COLUMNS = (
+_BASE_INSERTED = (
     "namespace, ref, display_name, embedder, model, dimension, normalized, chunking, chunk_size, "
     "chunk_overlap, text_config, created_at"
 )
+_BASE_COLUMNS = f"{_BASE_INSERTED}, generation"
 # Reads cast the regconfig to its name.
 _BASE_SELECT = _BASE_COLUMNS.replace("text_config", "text_config::text AS text_config")
 _DOC_COLUMNS = "namespace, kb_ref, ref, version, content_type, content_sha256, size_bytes, chunk_count, metadata, created_at"
 _DOC_FIELDS = tuple(_DOC_COLUMNS.split(", "))
 _BASE_FIELDS = (*_BASE_COLUMNS.split(", "), "document_count")
+_MIGRATION_FIELDS = (
+    "id",
+    "to_embedder",
+    "to_model",
+    "to_dimension",
+    "to_normalized",
+    "to_chunking",
+    "to_chunk_size",
+    "to_chunk_overlap",
+)
 _BASE_QUALIFIED = ", ".join(
     f"b.{c}::text AS {c}" if c == "text_config" else f"b.{c}" for c in _BASE_COLUMNS.split(", ")
 )
 
 
-_INSERT_CHUNKS = """
-    INSERT INTO chunks (namespace, kb_ref, doc_ref, version, chunk_index, text, start_offset,
+def _insert_chunks(first: int, generation: str, dimension: str) -> str:
+    """The INSERT of one generation's chunks, their columns in parameters $first.. $first+5."""
+    p = [f"${first + i}" for i in range(6)]
+    return f"""
+    INSERT INTO chunks (namespace, kb_ref, doc_ref, generation, version, chunk_index, text, start_offset,
                         end_offset, heading_path, metadata, dimension, embedding, text_config)
-    SELECT $1, $2, $3, $4, u.idx, u.text, u.start_offset, u.end_offset,
-           ARRAY(SELECT jsonb_array_elements_text(u.heading::jsonb)), $9, $10, u.embedding,
+    SELECT $1, $2, $3, {generation}, $4, u.idx, u.text, u.start_offset, u.end_offset,
+           ARRAY(SELECT jsonb_array_elements_text(u.heading::jsonb)), $9, {dimension}, u.embedding,
            -- The corpus's pinned configuration, read here so no writer can differ.
            (SELECT b.text_config FROM knowledge_bases b WHERE b.namespace = $1 AND b.ref = $2)
-    FROM unnest($11::int[], $12::text[], $13::int[], $14::int[], $15::text[], $16::vector[])
+    FROM unnest({p[0]}::int[], {p[1]}::text[], {p[2]}::int[], {p[3]}::int[], {p[4]}::text[], {p[5]}::vector[])
          AS u(idx, text, start_offset, end_offset, heading, embedding)
 """
+
+
+def _chunk_columns(chunks: Sequence[ChunkRow]) -> list[Any]:
+    return [
+        [c.index for c in chunks],
+        [c.text for c in chunks],
+        [c.start for c in chunks],
+        [c.end for c in chunks],
+        # JSON text per chunk: asyncpg would read a list of lists as a 2-D array.
+        [json.dumps(list(c.heading_path)) for c in chunks],
+        [Vector(c.embedding) for c in chunks],
+    ]
+
+
+def _dimension_of(chunks: Sequence[ChunkRow]) -> int:
+    return max((int(c.embedding.shape[0]) for c in chunks[:1]), default=1)
 
 
 def _base(row: asyncpg.Record) -> BaseRow:
@@ -103,7 +136,7 @@ class PostgresKnowledgeStore:
     async def create_base(self, tenant: Tenant, base: BaseRow) -> tuple[BaseRow, bool]:
         async with tenant_transaction(self._pool, tenant) as conn:
             inserted = await conn.fetchrow(
-                f"INSERT INTO knowledge_bases ({_BASE_COLUMNS}) "
+                f"INSERT INTO knowledge_bases ({_BASE_INSERTED}) "
                 "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::regconfig, now()) "
                 f"ON CONFLICT (namespace, ref) DO NOTHING RETURNING {_BASE_SELECT}",
                 base.namespace,
@@ -159,10 +192,18 @@ class PostgresKnowledgeStore:
 
     async def delete_base(self, tenant: Tenant, ref: str) -> int | None:
         async with tenant_transaction(self._pool, tenant) as conn:
-            # RETURNING reads the statement's snapshot: the documents the cascade deletes.
+            # RETURNING reads the statement's snapshot: the documents the cascade deletes. The
+            # base's unfinished migration goes with it (its chunks go with the documents).
             count = await conn.fetchval(
-                "DELETE FROM knowledge_bases b WHERE namespace = $1 AND ref = $2 RETURNING (SELECT count(*) "
-                "FROM documents d WHERE d.namespace = b.namespace AND d.kb_ref = b.ref)",
+                "WITH gone AS (DELETE FROM knowledge_bases b WHERE namespace = $1 AND ref = $2 "
+                "RETURNING (SELECT count(*) FROM documents d WHERE d.namespace = b.namespace "
+                "AND d.kb_ref = b.ref) AS documents), "
+                "ended AS (UPDATE embedding_migrations SET state = 'cancelled', lease_owner = NULL, "
+                "lease_until = NULL, reason = 'the knowledge base was deleted', "
+                "updated_at = clock_timestamp(), finished_at = clock_timestamp() "
+                "WHERE namespace = $1 AND kb_ref = $2 AND EXISTS (SELECT 1 FROM gone) "
+                "AND state IN ('backfilling', 'paused', 'retiring', 'cancelling')) "
+                "SELECT documents FROM gone",
                 tenant.namespace,
                 ref,
             )
@@ -176,8 +217,12 @@ class PostgresKnowledgeStore:
         async with tenant_transaction(self._pool, tenant) as conn:
             row = await conn.fetchrow(
                 f"SELECT {_BASE_QUALIFIED}, 0::bigint AS document_count, "
-                f"{', '.join(f'd.{c} AS d_{c}' for c in _DOC_FIELDS)} FROM knowledge_bases b "
+                f"{', '.join(f'd.{c} AS d_{c}' for c in _DOC_FIELDS)}, "
+                f"{', '.join(f'm.{c} AS m_{c}' for c in _MIGRATION_FIELDS)} FROM knowledge_bases b "
                 "LEFT JOIN documents d ON d.namespace = b.namespace AND d.kb_ref = b.ref AND d.ref = $3 "
+                # The base's backfilling migration: an upload writes its target's chunks too.
+                "LEFT JOIN embedding_migrations m ON m.namespace = b.namespace AND m.kb_ref = b.ref "
+                "AND m.state = 'backfilling' "
                 "WHERE b.namespace = $1 AND b.ref = $2",
                 tenant.namespace,
                 kb_ref,
@@ -186,6 +231,17 @@ class PostgresKnowledgeStore:
         if row is None:
             return None, None
         base = BaseRow(**{name: row[name] for name in _BASE_FIELDS})
+        if row["m_id"] is not None:
+            base = replace(
+                base,
+                migration_id=str(row["m_id"]),
+                migrating_to=EmbedderSpec(
+                    row["m_to_embedder"], row["m_to_model"], row["m_to_dimension"], row["m_to_normalized"]
+                ),
+                migrating_chunking=ChunkingSpec(
+                    row["m_to_chunking"], row["m_to_chunk_size"], row["m_to_chunk_overlap"]
+                ),
+            )
         document = None if row["d_ref"] is None else _document({c: row[f"d_{c}"] for c in _DOC_FIELDS})
         return base, document
 
@@ -218,18 +274,31 @@ class PostgresKnowledgeStore:
         size_bytes: int,
         metadata: dict[str, Any],
         chunks: Sequence[ChunkRow] | None,
+        generation: int = 0,
+        text: str | None = None,
+        next_chunks: Sequence[ChunkRow] | None = None,
+        migration_id: str | None = None,
     ) -> tuple[DocumentRow, bool] | None:
         """One transaction under the document's advisory lock (contract: the port's): the lock
-        with the transaction's start, the current version read under it, then one write."""
+        with the transaction's start, the current version and the base's generation read under
+        it, then one write."""
         ns = tenant.namespace
         keys = (ns, kb_ref, ref)
         # Serialise writers of the same document; the first writer creates the row.
         async with tenant_transaction(self._pool, tenant, lock=f"{ns}/{kb_ref}/{ref}") as conn:
+            # FOR SHARE orders this write with a cutover (which locks the base FOR UPDATE) and
+            # with a cancel (an UPDATE of the migration row): after either, this sees the change.
             stored = await conn.fetchrow(
-                "SELECT version, content_sha256 FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref = $3",
+                "SELECT knowledge_base_generation($1, $2) AS generation, "
+                "(SELECT true FROM embedding_migrations WHERE id = $4::uuid AND namespace = $1 "
+                "AND kb_ref = $2 AND state = 'backfilling' FOR SHARE) AS dual_write, d.version, "
+                "d.content_sha256 FROM (SELECT 1) AS one LEFT JOIN documents d "
+                "ON d.namespace = $1 AND d.kb_ref = $2 AND d.ref = $3",
                 *keys,
+                migration_id,
             )
-            if stored is not None and stored["content_sha256"] == content_sha256:
+            assert stored is not None
+            if stored["version"] is not None and stored["content_sha256"] == content_sha256:
                 row = await conn.fetchrow(
                     "WITH doc AS (UPDATE documents SET metadata = $4, updated_at = clock_timestamp() "
                     f"WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING {_DOC_COLUMNS}), "
@@ -242,43 +311,54 @@ class PostgresKnowledgeStore:
                 return _document(row), False
             if chunks is None:
                 return None  # the content changed meanwhile: the caller chunks the new one
-            version = 1 if stored is None else stored["version"] + 1
-            if stored is None:
-                document = (
-                    f"INSERT INTO documents ({_DOC_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, "
-                    f"clock_timestamp()) RETURNING {_DOC_COLUMNS}"
-                )
-                old_chunks = ""
-            else:
-                document = (
-                    "UPDATE documents SET version = $4, content_type = $5, content_sha256 = $6, size_bytes = $7, "
-                    "chunk_count = $8, metadata = $9, updated_at = clock_timestamp() "
-                    f"WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING {_DOC_COLUMNS}"
-                )
-                old_chunks = (
-                    ", gone AS (DELETE FROM chunks WHERE namespace = $1 AND kb_ref = $2 AND doc_ref = $3 "
-                    "AND version < $4)"
-                )
-            # One statement: the document row, the old version's chunks gone, the new ones in (the
-            # foreign key is checked at the statement's end, when the document row exists).
-            row = await conn.fetchrow(
-                f"WITH doc AS ({document}){old_chunks}, added AS ({_INSERT_CHUNKS}) SELECT * FROM doc",
+            if stored["generation"] is not None and stored["generation"] != generation:
+                raise StaleKnowledgeBases()  # cut over since the caller read it: it chunks again
+            # Parameters: $1-$3 the document, $4-$10 its columns, $11-$16 the chunks' columns,
+            # $17 the generation, $18 its dimension; dual writes: $19 the next generation's chunk
+            # count, $20-$25 their columns, $26 their dimension.
+            parameters: list[Any] = [
                 *keys,
-                version,
+                1 if stored["version"] is None else stored["version"] + 1,
                 content_type,
                 content_sha256,
                 size_bytes,
                 len(chunks),
                 metadata,
-                max((int(c.embedding.shape[0]) for c in chunks[:1]), default=1),
-                [c.index for c in chunks],
-                [c.text for c in chunks],
-                [c.start for c in chunks],
-                [c.end for c in chunks],
-                # JSON text per chunk: asyncpg would read a list of lists as a 2-D array.
-                [json.dumps(list(c.heading_path)) for c in chunks],
-                [Vector(c.embedding) for c in chunks],
-            )
+                text,
+                *_chunk_columns(chunks),
+                generation,
+                _dimension_of(chunks),
+            ]
+            writes = [f"added AS ({_insert_chunks(11, '$17', '$18')})"]
+            # Marked done for the migration only with its chunks; a new version is not.
+            marker = ("NULL", "NULL")
+            if next_chunks is not None and stored["dual_write"]:
+                parameters += [len(next_chunks), *_chunk_columns(next_chunks), _dimension_of(next_chunks)]
+                writes.append(f"added_next AS ({_insert_chunks(20, '$17 + 1', '$26')})")
+                marker = ("$4", "$19")
+            if stored["version"] is None:
+                document = (
+                    f"INSERT INTO documents ({_DOC_COLUMNS}, text, migrated_version, migrated_chunk_count) "
+                    f"VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, clock_timestamp(), $10, {marker[0]}, "
+                    f"{marker[1]}) RETURNING {_DOC_COLUMNS}"
+                )
+            else:
+                document = (
+                    "UPDATE documents SET version = $4, content_type = $5, content_sha256 = $6, size_bytes = $7, "
+                    f"chunk_count = $8, metadata = $9, text = $10, migrated_version = {marker[0]}, "
+                    f"migrated_chunk_count = {marker[1]}, updated_at = clock_timestamp() "
+                    f"WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING {_DOC_COLUMNS}"
+                )
+                writes.insert(
+                    0,
+                    "gone AS (DELETE FROM chunks WHERE namespace = $1 AND kb_ref = $2 AND doc_ref = $3 "
+                    "AND version < $4)",
+                )
+            # One statement: the document row, the old version's chunks gone (of every
+            # generation), the new ones in (the foreign key is checked at the statement's end,
+            # when the document row exists).
+            statement = f"WITH doc AS ({document}), {', '.join(writes)}"
+            row = await conn.fetchrow(f"{statement} SELECT * FROM doc", *parameters)
         assert row is not None
         return _document(row), True
 
@@ -303,11 +383,19 @@ class PostgresKnowledgeStore:
         row_count: int | None,
         count_cap: int,
         filter_: Filter | None,
+        generations: Sequence[int],
         expect: KnowledgePins | None = None,
     ) -> SearchOutcome[PassageRow]:
+        if len(generations) != len(kb_refs):
+            raise ValueError("one generation per knowledge base")
+
         def where(params: list[Any], searchable: bool) -> str:
-            params += [tenant.namespace, list(kb_refs)]
-            predicate = "namespace = $1 AND kb_ref = ANY($2::text[])"
+            params += [tenant.namespace, list(kb_refs), list(generations)]
+            # Each base's own generation: a row filter (the refs stay the index condition).
+            predicate = (
+                "namespace = $1 AND kb_ref = ANY($2::text[]) "
+                "AND generation = ($3::int[])[array_position($2::text[], kb_ref)]"
+            )
             if searchable and filter_ is not None:
                 predicate += f" AND ({compile_filter(filter_, 'metadata', params)})"
             return predicate
@@ -337,11 +425,12 @@ def _expectation(expect: KnowledgePins) -> str:
     def array(values: list[str], kind: str) -> str:
         return f"ARRAY[{', '.join(literal(v) for v in values)}]::{kind}[]"
 
-    refs = [ref for ref, _ in expect.created]
-    created = [moment.isoformat() for _, moment in expect.created]
+    refs = [ref for ref, _, _ in expect.created]
+    created = [moment.isoformat() for _, moment, _ in expect.created]
+    generations = [str(generation) for _, _, generation in expect.created]
     return (
         f"SELECT expect_knowledge_bases({array(list(expect.roster), 'text')}, {array(refs, 'text')}, "
-        f"{array(created, 'timestamptz')})"
+        f"{array(created, 'timestamptz')}, {array(generations, 'integer')})"
     )
 
 

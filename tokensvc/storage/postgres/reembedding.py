@@ -8,6 +8,7 @@ lease the caller holds, never through a policy of the serving role.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -20,10 +21,14 @@ from tokensvc.storage.postgres.errors import translate_errors
 from tokensvc.storage.postgres.memories import ensure_vector_index
 from tokensvc.storage.postgres.tenant import tenant_transaction
 from tokensvc.storage.records import (
+    ChunkingSpec,
+    ChunkRow,
     EmbedderSpec,
     EmbeddingMigration,
     MigrationState,
+    PendingDocument,
     PendingMemory,
+    StoredChunk,
     Tenant,
 )
 
@@ -57,12 +62,22 @@ def _migration(row: asyncpg.Record) -> EmbeddingMigration:
         cut_over_at=row["cut_over_at"],
         finished_at=row["finished_at"],
         cursor=cursor,
+        kb_ref=row["kb_ref"],
+        source_chunking=_chunking(row, "from"),
+        target_chunking=_chunking(row, "to"),
+        document_cursor=row["cursor_document"],
     )
+
+
+def _chunking(row: asyncpg.Record, side: str) -> ChunkingSpec | None:
+    if row[f"{side}_chunking"] is None:
+        return None
+    return ChunkingSpec(row[f"{side}_chunking"], row[f"{side}_chunk_size"], row[f"{side}_chunk_overlap"])
 
 
 def _space(migration: EmbeddingMigration) -> Tenant:
     """The space's own rows of memory_spaces (its pin), no bucket."""
-    return Tenant(migration.namespace, migration.agent)
+    return Tenant(migration.namespace, migration.agent or "")
 
 
 # Raised by tokensvc.leased_migration (0014): the runner does not hold the migration's lease.
@@ -79,6 +94,8 @@ class PostgresEmbeddingMigrationStore:
         self._pool = pool
 
     async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
+        if migration.kb_ref is not None:
+            return await self._create_for_base(migration)
         async with self._pool.acquire() as conn:
             await ensure_vector_index(conn, migration.target.dimension, migration.target_slot)
         source, target = migration.source, migration.target
@@ -105,6 +122,55 @@ class PostgresEmbeddingMigrationStore:
                 target.normalized,
                 migration.created_by,
             )
+        return None if row is None else _migration(row)
+
+    async def _create_for_base(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
+        assert migration.kb_ref is not None
+        assert migration.source_chunking is not None
+        assert migration.target_chunking is not None
+        async with self._pool.acquire() as conn:
+            await conn.execute("SELECT ensure_chunk_vector_index($1)", migration.target.dimension)
+        source, target = migration.source, migration.target
+        before, after = migration.source_chunking, migration.target_chunking
+        base = Tenant(migration.namespace, knowledge_bases=(migration.kb_ref,))
+        async with tenant_transaction(self._pool, base) as conn:
+            # The base row FOR SHARE: no cutover or deletion races the check of its generation.
+            row = await conn.fetchrow(
+                "INSERT INTO embedding_migrations (id, namespace, kb_ref, from_generation, from_embedder, "
+                "from_model, from_dimension, to_embedder, to_model, to_dimension, to_normalized, "
+                "from_chunking, from_chunk_size, from_chunk_overlap, to_chunking, to_chunk_size, "
+                "to_chunk_overlap, state, rows_total, created_by) "
+                "SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, "
+                "'backfilling', (SELECT count(*) FROM documents WHERE namespace = $2 AND kb_ref = $3), $18 "
+                "WHERE knowledge_base_generation($2, $3) = $4 "
+                "ON CONFLICT DO NOTHING RETURNING *",
+                migration.id,
+                migration.namespace,
+                migration.kb_ref,
+                migration.from_generation,
+                source.name,
+                source.model,
+                source.dimension,
+                target.name,
+                target.model,
+                target.dimension,
+                target.normalized,
+                before.kind,
+                before.size,
+                before.overlap,
+                after.kind,
+                after.size,
+                after.overlap,
+                migration.created_by,
+            )
+            if row is not None:
+                # No document of the base has the new generation's chunks yet.
+                await conn.execute(
+                    "UPDATE documents SET migrated_version = NULL, migrated_chunk_count = NULL "
+                    "WHERE namespace = $1 AND kb_ref = $2 AND migrated_version IS NOT NULL",
+                    migration.namespace,
+                    migration.kb_ref,
+                )
         return None if row is None else _migration(row)
 
     async def get(self, migration_id: str) -> EmbeddingMigration | None:
@@ -135,7 +201,8 @@ class PostgresEmbeddingMigrationStore:
                 "finished_at = CASE WHEN $2 = ANY($5::text[]) THEN clock_timestamp() END, "
                 # The clean-up of a cancelled migration walks the space from the start.
                 "cursor_bucket = CASE WHEN $2 = 'cancelling' THEN NULL ELSE cursor_bucket END, "
-                "cursor_id = CASE WHEN $2 = 'cancelling' THEN NULL ELSE cursor_id END "
+                "cursor_id = CASE WHEN $2 = 'cancelling' THEN NULL ELSE cursor_id END, "
+                "cursor_document = CASE WHEN $2 = 'cancelling' THEN NULL ELSE cursor_document END "
                 "WHERE id = $1 AND state = ANY($4::text[]) RETURNING *",
                 migration_id,
                 state.value,
@@ -242,7 +309,7 @@ class PostgresEmbeddingMigrationStore:
     async def rewind(self, migration: EmbeddingMigration, runner: str) -> bool:
         async with self._pool.acquire() as conn:
             result = await conn.execute(
-                "UPDATE embedding_migrations SET cursor_bucket = NULL, cursor_id = NULL, "
+                "UPDATE embedding_migrations SET cursor_bucket = NULL, cursor_id = NULL, cursor_document = NULL, "
                 f"updated_at = clock_timestamp() WHERE {_LEASED}",
                 migration.id,
                 runner,
@@ -250,8 +317,9 @@ class PostgresEmbeddingMigrationStore:
         return result != "UPDATE 0"
 
     async def cut_over(self, migration: EmbeddingMigration, runner: str) -> bool:
+        function = "cut_over_memory_space" if migration.kb_ref is None else "cut_over_knowledge_base"
         async with self._pool.acquire() as conn:
-            done = await conn.fetchval("SELECT cut_over_memory_space($1, $2)", migration.id, runner)
+            done = await conn.fetchval(f"SELECT {function}($1, $2)", migration.id, runner)
         return bool(done)
 
     async def clear_slot(
@@ -259,8 +327,9 @@ class PostgresEmbeddingMigrationStore:
     ) -> tuple[int, EmbeddingMigration] | None:
         try:
             async with self._pool.acquire() as conn, conn.transaction():
+                function = "migration_clear" if migration.kb_ref is None else "kb_migration_clear"
                 cleared = await conn.fetchval(
-                    "SELECT migration_clear($1, $2, $3, $4)", migration.id, runner, limit, lease_seconds
+                    f"SELECT {function}($1, $2, $3, $4)", migration.id, runner, limit, lease_seconds
                 )
                 row = await conn.fetchrow("SELECT * FROM embedding_migrations WHERE id = $1", migration.id)
         except asyncpg.PostgresError as exc:
@@ -269,6 +338,103 @@ class PostgresEmbeddingMigrationStore:
             raise
         assert row is not None
         return int(cleared), _migration(row)
+
+    async def pending_documents(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingDocument]:
+        try:
+            async with self._pool.acquire() as conn, conn.transaction():
+                documents = await conn.fetch(
+                    "SELECT * FROM kb_migration_pending($1, $2, $3, $4)",
+                    migration.id,
+                    migration.lease_owner,
+                    migration.document_cursor,
+                    limit,
+                )
+                chunks: dict[str, list[StoredChunk]] = {}
+                if documents and not migration.rechunks:
+                    for row in await conn.fetch(
+                        "SELECT * FROM kb_migration_chunks($1, $2, $3::text[], $4::bigint[])",
+                        migration.id,
+                        migration.lease_owner,
+                        [d["ref"] for d in documents],
+                        [d["version"] for d in documents],
+                    ):
+                        chunks.setdefault(row["doc_ref"], []).append(
+                            StoredChunk(
+                                row["chunk_index"],
+                                row["text"],
+                                row["start_offset"],
+                                row["end_offset"],
+                                tuple(row["heading_path"]),
+                            )
+                        )
+        except asyncpg.PostgresError as exc:
+            if exc.sqlstate == _NOT_LEASED:
+                return []
+            raise
+        return [
+            PendingDocument(d["ref"], d["version"], d["text"], tuple(chunks.get(d["ref"], ())))
+            for d in documents
+        ]
+
+    async def store_documents(
+        self,
+        migration: EmbeddingMigration,
+        runner: str,
+        documents: Sequence[tuple[PendingDocument, Sequence[ChunkRow]]],
+        *,
+        lease_seconds: float,
+    ) -> EmbeddingMigration | None:
+        positions = [position for position, (_, chunks) in enumerate(documents, 1) for _ in chunks]
+        chunks = [chunk for _, rows in documents for chunk in rows]
+        async with self._pool.acquire() as conn, conn.transaction():
+            held = await conn.fetchval(
+                f"SELECT 1 FROM embedding_migrations WHERE {_LEASED} AND state = 'backfilling' FOR UPDATE",
+                migration.id,
+                runner,
+            )
+            if held is None:
+                return None
+            written = await conn.fetchval(
+                "SELECT kb_migration_store($1, $2, $3::text[], $4::bigint[], $5::int[], $6::int[], "
+                "$7::text[], $8::int[], $9::int[], $10::text[], $11::vector[])",
+                migration.id,
+                runner,
+                [document.ref for document, _ in documents],
+                [document.version for document, _ in documents],
+                positions,
+                [c.index for c in chunks],
+                [c.text for c in chunks],
+                [c.start for c in chunks],
+                [c.end for c in chunks],
+                [json.dumps(list(c.heading_path)) for c in chunks],
+                [Vector(c.embedding) for c in chunks],
+            )
+            row = await conn.fetchrow(
+                "UPDATE embedding_migrations SET rows_done = rows_done + $2, "
+                "rows_total = greatest(rows_total, rows_done + $2), failures = 0, reason = '', "
+                "cursor_document = coalesce($3, cursor_document), "
+                "lease_until = clock_timestamp() + make_interval(secs => $4), updated_at = clock_timestamp() "
+                "WHERE id = $1 RETURNING *",
+                migration.id,
+                written,
+                documents[-1][0].ref if documents else None,
+                lease_seconds,
+            )
+        return None if row is None else _migration(row)
+
+    async def base_size(self, namespace: str, kb_ref: str) -> tuple[int, int, int, int]:
+        async with tenant_transaction(self._pool, Tenant(namespace, knowledge_bases=(kb_ref,))) as conn:
+            row = await conn.fetchrow(
+                "SELECT (SELECT count(*) FROM documents WHERE namespace = $1 AND kb_ref = $2), "
+                "count(*), coalesce(avg(length(c.text)), 0)::integer, "
+                "(SELECT count(*) FROM documents WHERE namespace = $1 AND kb_ref = $2 AND text IS NULL) "
+                "FROM chunks c JOIN knowledge_bases b ON b.namespace = c.namespace AND b.ref = c.kb_ref "
+                "AND b.generation = c.generation WHERE c.namespace = $1 AND c.kb_ref = $2",
+                namespace,
+                kb_ref,
+            )
+        assert row is not None
+        return int(row[0]), int(row[1]), int(row[2]), int(row[3])
 
     async def record_failure(
         self, migration: EmbeddingMigration, runner: str, reason: str, *, pause_after: int

@@ -1,0 +1,274 @@
+-- Re-embedding migrations of knowledge bases (issue 16): a knowledge base moves to another
+-- embedder, and optionally another chunking strategy, while it serves.
+--
+-- A knowledge base's chunks carry a generation; the base reads the chunks of its own. A migration
+-- writes every current document's chunks of the next generation (re-chunked from the document's
+-- stored text when the chunking changes, else the same chunks re-embedded), then cuts over by
+-- pinning the target and bumping the base's generation: one row, one atomic switch. Searches
+-- filter on (kb_ref, generation) pairs, so no search mixes generations. The old generation's
+-- chunks are deleted afterwards.
+
+ALTER TABLE tokensvc.knowledge_bases ADD COLUMN generation integer NOT NULL DEFAULT 0
+    CHECK (generation >= 0);
+
+-- `text`: the extracted text the chunks were cut from (NULL for documents uploaded before this
+-- migration: they can be re-embedded, not re-chunked). `migrated_version` and
+-- `migrated_chunk_count`: the version whose next-generation chunks the running migration has
+-- written, and how many (reset when a migration starts).
+ALTER TABLE tokensvc.documents
+    ADD COLUMN text text,
+    ADD COLUMN migrated_version bigint,
+    ADD COLUMN migrated_chunk_count integer;
+
+ALTER TABLE tokensvc.chunks ADD COLUMN generation integer NOT NULL DEFAULT 0;
+ALTER TABLE tokensvc.chunks
+    DROP CONSTRAINT chunks_pkey,
+    ADD PRIMARY KEY (namespace, kb_ref, doc_ref, generation, version, chunk_index);
+
+-- A migration moves a memory space (namespace, agent) or a knowledge base (namespace, kb_ref).
+ALTER TABLE tokensvc.embedding_migrations
+    ALTER COLUMN agent DROP NOT NULL,
+    ADD COLUMN kb_ref text,
+    ADD COLUMN from_chunking text,
+    ADD COLUMN from_chunk_size integer,
+    ADD COLUMN from_chunk_overlap integer,
+    ADD COLUMN to_chunking text CHECK (to_chunking IN ('fixed', 'recursive', 'markdown')),
+    ADD COLUMN to_chunk_size integer,
+    ADD COLUMN to_chunk_overlap integer,
+    -- The knowledge-base backfill's cursor: documents in ref order.
+    ADD COLUMN cursor_document text,
+    ADD CONSTRAINT embedding_migrations_subject CHECK ((agent IS NULL) <> (kb_ref IS NULL)),
+    ADD CONSTRAINT embedding_migrations_chunking CHECK (
+        (kb_ref IS NULL) = (to_chunking IS NULL) AND (to_chunking IS NULL) = (to_chunk_size IS NULL)
+        AND (to_chunking IS NULL) = (to_chunk_overlap IS NULL));
+CREATE UNIQUE INDEX embedding_migrations_one_per_knowledge_base
+    ON tokensvc.embedding_migrations (namespace, kb_ref)
+    WHERE kb_ref IS NOT NULL AND state IN ('backfilling', 'paused', 'retiring', 'cancelling');
+
+-- A search that remembered its bases' pins checks them as its transaction starts (0010); the
+-- generation is part of a pin now, so a search that embedded its query for the old generation
+-- re-reads the pins after a cutover. The three-argument form stays for replicas not yet upgraded.
+CREATE FUNCTION tokensvc.expect_knowledge_bases(roster text[], refs text[], created timestamptz[],
+                                                generations integer[])
+RETURNS void LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    existing bigint;
+    matching bigint;
+BEGIN
+    SELECT count(*), count(*) FILTER (WHERE (b.ref, b.created_at, b.generation) IN
+                                      (SELECT * FROM unnest(refs, created, generations)))
+      INTO existing, matching
+      FROM tokensvc.knowledge_bases b
+     WHERE b.namespace = current_setting('tokensvc.namespace', true) AND b.ref = ANY (roster);
+    IF existing <> cardinality(refs) OR matching <> cardinality(refs) THEN
+        RAISE EXCEPTION 'the knowledge bases of this search changed' USING ERRCODE = 'TS001';
+    END IF;
+END $$;
+GRANT EXECUTE ON FUNCTION tokensvc.expect_knowledge_bases(text[], text[], timestamptz[], integer[])
+    TO {app_role};
+
+-- A base's generation, read FOR SHARE: an upload (and a migration's start) orders itself with a
+-- cutover, which locks the row FOR UPDATE. The serving role may not update the table, which FOR
+-- SHARE needs; this runs as the owner under the caller's row-level security (its declared tenant).
+CREATE FUNCTION tokensvc.knowledge_base_generation(ns text, kb text) RETURNS integer
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+    SELECT generation FROM tokensvc.knowledge_bases WHERE namespace = ns AND ref = kb FOR SHARE
+$$;
+REVOKE ALL ON FUNCTION tokensvc.knowledge_base_generation(text, text) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION tokensvc.knowledge_base_generation(text, text) TO {app_role};
+
+-- The runner's functions for knowledge bases, as 0014's for memory spaces: each acts for one
+-- migration whose lease the caller holds, in the state the work belongs to, and takes the base,
+-- the generation and the dimension from the migration's row. They declare that base as the
+-- transaction's tenant, so the tables' own row-level security confines them to it.
+CREATE FUNCTION tokensvc.leased_knowledge_migration(migration uuid, runner text, wanted text[])
+RETURNS tokensvc.embedding_migrations LANGUAGE plpgsql
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    m tokensvc.embedding_migrations := tokensvc.leased_migration(migration, runner, wanted);
+BEGIN
+    IF m.kb_ref IS NULL THEN
+        RAISE EXCEPTION 'migration % is not of a knowledge base', migration USING ERRCODE = 'TK002';
+    END IF;
+    PERFORM set_config('tokensvc.namespace', m.namespace, true);
+    PERFORM set_config('tokensvc.kbs', m.kb_ref, true);
+    RETURN m;
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.leased_knowledge_migration(uuid, text, text[]) FROM PUBLIC;
+
+-- Up to `lim` (1..1000) documents of the base whose current version has no next-generation
+-- chunks yet, in ref order after `after_ref` (NULL: the start), with their stored text.
+CREATE FUNCTION tokensvc.kb_migration_pending(migration uuid, runner text, after_ref text, lim integer)
+RETURNS TABLE (ref text, version bigint, text text)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    m tokensvc.embedding_migrations :=
+        tokensvc.leased_knowledge_migration(migration, runner, ARRAY['backfilling']);
+BEGIN
+    IF lim IS NULL OR lim < 1 OR lim > 1000 THEN
+        RAISE EXCEPTION 'a batch of 1 to 1000 documents';
+    END IF;
+    RETURN QUERY
+    SELECT d.ref, d.version, d.text FROM tokensvc.documents d
+    WHERE d.namespace = m.namespace AND d.kb_ref = m.kb_ref
+      AND d.migrated_version IS DISTINCT FROM d.version AND (after_ref IS NULL OR d.ref > after_ref)
+    ORDER BY d.ref LIMIT lim;
+END $$;
+
+-- The current generation's chunks of these document versions (re-embedded as they are when the
+-- migration keeps the chunking), in (document, chunk) order.
+CREATE FUNCTION tokensvc.kb_migration_chunks(migration uuid, runner text, refs text[], versions bigint[])
+RETURNS TABLE (doc_ref text, chunk_index integer, text text, start_offset integer, end_offset integer,
+               heading_path text[])
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    m tokensvc.embedding_migrations :=
+        tokensvc.leased_knowledge_migration(migration, runner, ARRAY['backfilling']);
+BEGIN
+    RETURN QUERY
+    SELECT c.doc_ref, c.chunk_index, c.text, c.start_offset, c.end_offset, c.heading_path
+    FROM tokensvc.chunks c JOIN unnest(refs, versions) AS u(r, v) ON c.doc_ref = u.r AND c.version = u.v
+    WHERE c.namespace = m.namespace AND c.kb_ref = m.kb_ref AND c.generation = m.from_generation
+    ORDER BY c.doc_ref, c.chunk_index;
+END $$;
+
+-- The next generation's chunks of these document versions, each document written whole with its
+-- marker, unless it has a newer version since it was read or is written already (its row is
+-- locked, so an upload waits or has already moved it on). `chunk_docs` gives each chunk's
+-- document as a position (1-based) in `refs`. Returns how many documents were written. No chunk
+-- of the target generation can exist for a version without its marker: an upload writes both or
+-- neither, a new version deletes the old one's chunks, and a cancel deletes the generation.
+CREATE FUNCTION tokensvc.kb_migration_store(
+    migration uuid, runner text, refs text[], versions bigint[], chunk_docs integer[],
+    indexes integer[], texts text[], starts integer[], ends integer[], headings text[], vectors vector[])
+RETURNS integer LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    m tokensvc.embedding_migrations :=
+        tokensvc.leased_knowledge_migration(migration, runner, ARRAY['backfilling']);
+    written integer;
+BEGIN
+    IF EXISTS (SELECT 1 FROM unnest(vectors) v WHERE vector_dims(v) <> m.to_dimension) THEN
+        RAISE EXCEPTION 'a vector is not of the migration''s dimension %', m.to_dimension;
+    END IF;
+    WITH batch AS MATERIALIZED (
+        SELECT u.p::integer AS position, d.ref, d.version, d.metadata
+        FROM unnest(refs, versions) WITH ORDINALITY AS u(r, v, p)
+        JOIN tokensvc.documents d ON d.namespace = m.namespace AND d.kb_ref = m.kb_ref AND d.ref = u.r
+        WHERE d.version = u.v AND d.migrated_version IS DISTINCT FROM d.version
+        FOR UPDATE OF d
+    ), added AS (
+        INSERT INTO tokensvc.chunks (namespace, kb_ref, doc_ref, generation, version, chunk_index, text,
+                                     start_offset, end_offset, heading_path, metadata, dimension,
+                                     embedding, text_config)
+        SELECT m.namespace, m.kb_ref, b.ref, m.from_generation + 1, b.version, u.idx, u.text, u.s, u.e,
+               ARRAY(SELECT jsonb_array_elements_text(u.heading::jsonb)), b.metadata, m.to_dimension,
+               u.vec, (SELECT k.text_config FROM tokensvc.knowledge_bases k
+                       WHERE k.namespace = m.namespace AND k.ref = m.kb_ref)
+        FROM unnest(chunk_docs, indexes, texts, starts, ends, headings, vectors)
+             AS u(doc, idx, text, s, e, heading, vec)
+        JOIN batch b ON b.position = u.doc
+    ), marked AS (
+        UPDATE tokensvc.documents d SET migrated_version = b.version,
+            migrated_chunk_count = (SELECT count(*) FROM unnest(chunk_docs) AS c(doc) WHERE c.doc = b.position)
+        FROM batch b WHERE d.namespace = m.namespace AND d.kb_ref = m.kb_ref AND d.ref = b.ref
+        RETURNING 1
+    )
+    SELECT count(*) INTO written FROM marked;
+    RETURN written;
+END $$;
+
+-- Deletes up to `lim` chunks of the generation the migration leaves behind (RETIRING: the old
+-- one; CANCELLING: its target) and renews the lease; returns how many (0: done).
+CREATE FUNCTION tokensvc.kb_migration_clear(migration uuid, runner text, lim integer, lease_seconds float8)
+RETURNS integer LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    m tokensvc.embedding_migrations :=
+        tokensvc.leased_knowledge_migration(migration, runner, ARRAY['retiring', 'cancelling']);
+    gone integer := CASE WHEN m.state = 'retiring' THEN m.from_generation ELSE m.from_generation + 1 END;
+    deleted integer;
+BEGIN
+    IF lim IS NULL OR lim < 1 OR lim > 10000 THEN
+        RAISE EXCEPTION 'a batch of 1 to 10000 chunks';
+    END IF;
+    DELETE FROM tokensvc.chunks WHERE ctid = ANY (ARRAY(
+        SELECT ctid FROM tokensvc.chunks
+        WHERE namespace = m.namespace AND kb_ref = m.kb_ref AND generation = gone LIMIT lim));
+    GET DIAGNOSTICS deleted = ROW_COUNT;
+    UPDATE tokensvc.embedding_migrations
+    SET lease_until = clock_timestamp() + make_interval(secs => lease_seconds), updated_at = clock_timestamp()
+    WHERE id = migration;
+    RETURN deleted;
+END $$;
+
+-- The cutover, as the owner (the serving role cannot change a pin): with the base row locked, so
+-- no upload is in flight (an upload reads it FOR SHARE), it checks that every document's current
+-- version has its next-generation chunks, then pins the target and bumps the generation. Returns
+-- false (and changes nothing) when a document lacks them, or the caller no longer holds the
+-- lease. A base deleted meanwhile cancels its migration (nothing is left to clean).
+CREATE FUNCTION tokensvc.cut_over_knowledge_base(migration uuid, runner text) RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    m tokensvc.embedding_migrations;
+    current_generation integer;
+BEGIN
+    SELECT * INTO m FROM tokensvc.embedding_migrations WHERE id = migration FOR UPDATE;
+    IF NOT FOUND OR m.kb_ref IS NULL OR m.state <> 'backfilling' OR runner IS NULL
+       OR m.lease_owner IS DISTINCT FROM runner OR m.lease_until IS NULL OR m.lease_until < clock_timestamp() THEN
+        RETURN false;
+    END IF;
+    PERFORM set_config('tokensvc.namespace', m.namespace, true);
+    PERFORM set_config('tokensvc.kbs', m.kb_ref, true);
+    SELECT generation INTO current_generation FROM tokensvc.knowledge_bases
+    WHERE namespace = m.namespace AND ref = m.kb_ref FOR UPDATE;
+    IF NOT FOUND THEN
+        UPDATE tokensvc.embedding_migrations
+        SET state = 'cancelled', reason = 'the knowledge base was deleted', lease_owner = NULL,
+            lease_until = NULL, updated_at = clock_timestamp(), finished_at = clock_timestamp()
+        WHERE id = migration;
+        RETURN false;
+    END IF;
+    IF current_generation IS DISTINCT FROM m.from_generation THEN
+        RAISE EXCEPTION 'knowledge base %/% is at generation %, the migration started from %',
+            m.namespace, m.kb_ref, current_generation, m.from_generation;
+    END IF;
+    IF EXISTS (SELECT 1 FROM tokensvc.documents WHERE namespace = m.namespace AND kb_ref = m.kb_ref
+               AND migrated_version IS DISTINCT FROM version) THEN
+        RETURN false;
+    END IF;
+    UPDATE tokensvc.knowledge_bases
+    SET embedder = m.to_embedder, model = m.to_model, dimension = m.to_dimension,
+        normalized = m.to_normalized, chunking = m.to_chunking, chunk_size = m.to_chunk_size,
+        chunk_overlap = m.to_chunk_overlap, generation = m.from_generation + 1
+    WHERE namespace = m.namespace AND ref = m.kb_ref;
+    UPDATE tokensvc.documents SET chunk_count = migrated_chunk_count
+    WHERE namespace = m.namespace AND kb_ref = m.kb_ref;
+    UPDATE tokensvc.embedding_migrations
+    SET state = 'retiring', cut_over_at = clock_timestamp(), updated_at = clock_timestamp(),
+        cursor_document = NULL
+    WHERE id = migration;
+    INSERT INTO tokensvc.audit_events (kind, actor, action, target, outcome, detail)
+    VALUES ('embedding_migration', 'system:tokensvc', 'cut over embedding migration',
+            format('migration:%s knowledge_base:%s/%s', m.id, m.namespace, m.kb_ref), 'succeeded',
+            format('the knowledge base now reads %s (%s), %s chunking (%s/%s)', m.to_embedder,
+                   m.to_dimension, m.to_chunking, m.to_chunk_size, m.to_chunk_overlap));
+    RETURN true;
+END $$;
+
+DO $$
+DECLARE
+    f text;
+BEGIN
+    FOREACH f IN ARRAY ARRAY[
+        'kb_migration_pending(uuid, text, text, integer)',
+        'kb_migration_chunks(uuid, text, text[], bigint[])',
+        'kb_migration_store(uuid, text, text[], bigint[], integer[], integer[], text[], integer[], '
+            'integer[], text[], vector[])',
+        'kb_migration_clear(uuid, text, integer, float8)',
+        'cut_over_knowledge_base(uuid, text)']
+    LOOP
+        EXECUTE format('REVOKE ALL ON FUNCTION tokensvc.%s FROM PUBLIC', f);
+        EXECUTE format('GRANT EXECUTE ON FUNCTION tokensvc.%s TO {app_role}', f);
+    END LOOP;
+END $$;
