@@ -7,16 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from tests.api.memory_support import TIMEOUT, Caller, Launchers
+from tests.api.memory_support import TIMEOUT, Caller
 from tests.cli.test_capability_cli import connection, tokensvc
 from tests.support import SharedDatabase, failure_of, role_channel, superuser
-from tokensvc.app import Service
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.v1 import admin_pb2, admin_pb2_grpc, common_pb2, migration_pb2, migration_pb2_grpc
 
@@ -32,29 +30,6 @@ QUESTIONS = {
     "Who signs off on large expenses?": 2,
 }
 E5 = "multilingual-e5-small"
-SETTINGS = {
-    "memory_embedder": "hash64",
-    "memory_space_cache_seconds": 0.2,
-    "migration_retire_seconds": 1.0,
-    "migration_lease_seconds": 5.0,
-}
-
-
-@pytest.fixture
-def embedders_file(tmp_path: Path) -> Path:
-    config = tmp_path / "embedders.toml"
-    config.write_text('[embedders.hash64]\nkind = "hash"\ndimension = 64\n', encoding="utf-8")
-    return config
-
-
-@pytest.fixture
-async def migrating(start_service: Any, embedders_file: Path, dev: DevPaths, tmp_path: Path) -> Any:
-    service: Service = await start_service(embedders_file=embedders_file, **SETTINGS)
-    launchers = Launchers(service, dev, tmp_path / "launchers")
-    channel = role_channel(service.port, dev, "control-plane")
-    yield service, launchers, migration_pb2_grpc.MigrationServiceStub(channel)
-    await launchers.aclose()
-    await channel.close(grace=None)
 
 
 async def wait_for(stub: Any, migration_id: str, phase: int, deadline_s: float = 180.0) -> Any:

@@ -16,10 +16,10 @@ from tokensvc.cli.output import SEARCH_MODES, add_search_mode, output
 from tokensvc.client import TokensvcError
 from tokensvc.v1 import knowledge_pb2
 
-__all__ = ["add_knowledge_commands"]
+__all__ = ["CHUNKING_KINDS", "add_knowledge_commands"]
 
 _PIECE = 1024 * 1024
-_KINDS = {
+CHUNKING_KINDS = {
     "fixed": knowledge_pb2.CHUNKING_KIND_FIXED,
     "recursive": knowledge_pb2.CHUNKING_KIND_RECURSIVE,
     "markdown": knowledge_pb2.CHUNKING_KIND_MARKDOWN,
@@ -36,7 +36,7 @@ def add_knowledge_commands(commands: argparse._SubParsersAction[argparse.Argumen
     )
     create.add_argument("ref", metavar="REF")
     create.add_argument("--embedder", default="", help="a configured embedder (default: the server's)")
-    create.add_argument("--chunking", choices=sorted(_KINDS), required=True)
+    create.add_argument("--chunking", choices=sorted(CHUNKING_KINDS), required=True)
     create.add_argument("--chunk-size", type=int, default=0, help="words per chunk (16..2048, default 256)")
     create.add_argument("--overlap", type=int, default=0, help="words shared by neighbouring chunks")
     create.add_argument("--display-name", default="")
@@ -110,7 +110,7 @@ def _create(args: argparse.Namespace) -> int:
         embedder=args.embedder,
         text_search_config=args.text_search_config,
         chunking=knowledge_pb2.ChunkingStrategy(
-            kind=_KINDS[args.chunking], chunk_size=args.chunk_size, chunk_overlap=args.overlap
+            kind=CHUNKING_KINDS[args.chunking], chunk_size=args.chunk_size, chunk_overlap=args.overlap
         ),
     )
     response = _manage(args, "CreateKnowledgeBase", request)

@@ -1,4 +1,5 @@
-"""`tokensvc admin migrate start|status|list|cancel|resume`: re-embedding migrations of memory spaces.
+"""`tokensvc admin migrate start|status|list|cancel|resume`: re-embedding migrations of memory
+spaces and knowledge bases.
 
 Called with the admin certificate by default (the control plane's works too: `--cert`, `--key`).
 `start --wait` follows the migration to its end with a progress line and exits 1 unless it
@@ -13,8 +14,9 @@ import time
 from typing import Any
 
 from tokensvc.cli.connection import add_connection_flags, call_service
+from tokensvc.cli.knowledge_commands import CHUNKING_KINDS
 from tokensvc.cli.output import output
-from tokensvc.v1 import migration_pb2
+from tokensvc.v1 import knowledge_pb2, migration_pb2
 
 __all__ = ["add_migrate_commands"]
 
@@ -24,14 +26,27 @@ _FINAL = {migration_pb2.MIGRATION_PHASE_SUCCEEDED, migration_pb2.MIGRATION_PHASE
 def add_migrate_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     migrate = sub.add_parser(
         "migrate",
-        help="move a memory space to another embedder without downtime",
+        help="move a memory space or a knowledge base to another embedder without downtime",
         description="Re-embedding migrations (MigrationService); docs/operations.md has the runbook.",
     )
     commands = migrate.add_subparsers(dest="migrate_command", required=True, metavar="COMMAND")
-    start = commands.add_parser("start", help="start (or --dry-run) a migration of one memory space")
-    start.add_argument("--namespace", required=True, help="the memory space's namespace")
-    start.add_argument("--agent", required=True, help="the memory space's agent")
+    start = commands.add_parser(
+        "start", help="start (or --dry-run) a migration of one memory space or one knowledge base"
+    )
+    start.add_argument("--namespace", required=True, help="the memory space's or knowledge base's namespace")
+    subject = start.add_mutually_exclusive_group(required=True)
+    subject.add_argument("--agent", help="migrate this agent's memory space")
+    subject.add_argument("--kb", metavar="REF", help="migrate this knowledge base")
     start.add_argument("--embedder", required=True, help="the target: a configured embedder's name")
+    start.add_argument(
+        "--chunking",
+        choices=sorted(CHUNKING_KINDS),
+        help="with --kb: re-chunk the documents with this strategy (default: keep the base's)",
+    )
+    start.add_argument(
+        "--chunk-size", type=int, default=0, help="with --chunking: words per chunk (default 256)"
+    )
+    start.add_argument("--overlap", type=int, default=0, help="with --chunking: words shared by neighbours")
     start.add_argument("--dry-run", action="store_true", help="estimate only: rows, throughput, dimensions")
     start.add_argument("--wait", action="store_true", help="follow it to the end; exit 1 unless it succeeds")
     start.set_defaults(handler=_start)
@@ -63,27 +78,50 @@ def _phase(migration: migration_pb2.EmbeddingMigration) -> str:
 
 def _describe(m: migration_pb2.EmbeddingMigration) -> str:
     eta = f", about {m.eta_seconds:.0f} s left" if m.eta_seconds else ""
-    lines = [
-        f"migration {m.id}: {_phase(m)}",
-        f"  space:    {m.memory_space.namespace}/{m.memory_space.agent}",
-        f"  embedder: {m.source.name} ({m.source.dimension}) -> {m.target.name} ({m.target.dimension})",
-        f"  progress: {m.rows_done}/{m.rows_total} memories, {m.rows_per_second:.1f}/s{eta}",
-    ]
+    rows = "memories"
+    lines = [f"migration {m.id}: {_phase(m)}"]
+    if m.HasField("knowledge_base"):
+        rows = "documents"
+        lines.append(f"  base:     {m.knowledge_base.namespace}/{m.knowledge_base.ref}")
+    else:
+        lines.append(f"  space:    {m.memory_space.namespace}/{m.memory_space.agent}")
+    lines.append(
+        f"  embedder: {m.source.name} ({m.source.dimension}) -> {m.target.name} ({m.target.dimension})"
+    )
+    if m.HasField("target_chunking") and m.target_chunking != m.source_chunking:
+        lines.append(f"  chunking: {_chunking(m.source_chunking)} -> {_chunking(m.target_chunking)}")
+    lines.append(f"  progress: {m.rows_done}/{m.rows_total} {rows}, {m.rows_per_second:.1f}/s{eta}")
     if m.reason:
         lines.append(f"  reason:   {m.reason}")
     return "\n".join(lines)
 
 
+def _chunking(strategy: knowledge_pb2.ChunkingStrategy) -> str:
+    kind = knowledge_pb2.ChunkingKind.Name(strategy.kind).removeprefix("CHUNKING_KIND_").lower()
+    return f"{kind} ({strategy.chunk_size}/{strategy.chunk_overlap})"
+
+
 def _start(args: argparse.Namespace) -> int:
-    request = migration_pb2.StartEmbeddingMigrationRequest(
-        memory_space=migration_pb2.MemorySpaceRef(namespace=args.namespace, agent=args.agent),
-        embedder=args.embedder,
-        dry_run=args.dry_run,
-    )
+    request = migration_pb2.StartEmbeddingMigrationRequest(embedder=args.embedder, dry_run=args.dry_run)
+    if args.kb is not None:
+        request.knowledge_base.CopyFrom(migration_pb2.KnowledgeBaseRef(namespace=args.namespace, ref=args.kb))
+    else:
+        request.memory_space.CopyFrom(
+            migration_pb2.MemorySpaceRef(namespace=args.namespace, agent=args.agent)
+        )
+    if args.chunking is not None:
+        if args.kb is None:
+            raise SystemExit("tokensvc: --chunking needs --kb (only a knowledge base is chunked)")
+        request.chunking.CopyFrom(
+            knowledge_pb2.ChunkingStrategy(
+                kind=CHUNKING_KINDS[args.chunking], chunk_size=args.chunk_size, chunk_overlap=args.overlap
+            )
+        )
     response = _call(args, "StartEmbeddingMigration", request)
     e = response.estimate
     text = (
-        f"{e.rows} memories, {e.source.name} ({e.source.dimension}) -> {e.target.name} "
+        f"{e.rows} {'documents' if args.kb is not None else 'memories'}, {e.source.name} "
+        f"({e.source.dimension}) -> {e.target.name} "
         f"({e.target.dimension}); the target embeds {e.embedder_items_per_second:.1f}/s: "
         f"about {e.estimated_seconds:.0f} s"
     )
