@@ -176,7 +176,10 @@ class Settings:
         ),
     )
     migration_batch_size: int = field(
-        default=0, metadata=_doc("Memories per migration batch; 0: the target embedder's batch size.")
+        default=0,
+        metadata=_doc(
+            "Texts (memories or chunks) per migration embedding batch; 0: the target embedder's batch size."
+        ),
     )
     migration_pause_after_failures: int = field(
         default=5, metadata=_doc("Consecutive embedder failures after which a migration pauses.")

@@ -2,8 +2,9 @@
 over and the migration completes exactly once, nothing lost, duplicated or embedded twice.
 
 Real `tokensvc serve` processes on the shared database; the first is killed (SIGKILL, no cleanup)
-before its first batch, mid-way, at its last batch, or just after the cutover; a second one,
-started afterwards, finishes the migration once the dead one's lease has expired.
+before its first batch, mid-way, at its last batch, or just after the cutover (a knowledge base's
+migration: mid-way); a second one, started afterwards, finishes the migration once the dead one's
+lease has expired.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from typing import Any
 import asyncpg
 import pytest
 
+from tests.api.knowledge_support import upload_stream
 from tests.api.memory_support import TIMEOUT, Launchers
 from tests.cli.test_cli import ROOT, clean_env, settings_env, wait_for_health
 from tests.support import SharedDatabase, free_port, role_channel, superuser
 from tokensvc.auth.devpki import CONTROL_PLANE_SPIFFE_ID, DevPaths
-from tokensvc.v1 import common_pb2, migration_pb2, migration_pb2_grpc
+from tokensvc.v1 import common_pb2, knowledge_pb2, knowledge_pb2_grpc, migration_pb2, migration_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -168,5 +170,77 @@ async def test_a_runner_killed_at_any_point_leaves_a_migration_that_completes_ex
             assert found[0].memory.content == "user 1 remembers fact number 7"
         finally:
             await launchers.aclose()
+            second.process.send_signal(signal.SIGINT)
+            second.process.wait(30)
+
+
+DOCUMENTS = 48  # three of the runner's 16-document batches
+
+
+async def test_a_runner_killed_mid_way_through_a_knowledge_base_leaves_it_to_complete_once(
+    database: SharedDatabase, dev: DevPaths, tmp_path: Path
+) -> None:
+    embedders = tmp_path / "embedders.toml"
+    embedders.write_text('[embedders.hash64]\nkind = "hash"\ndimension = 64\n', encoding="utf-8")
+    first = await asyncio.to_thread(
+        serve, database, dev, tmp_path / "a", embedders, migration_retire_seconds="60"
+    )
+    kb = f"kb-{os.urandom(4).hex()}"
+    control = role_channel(first.port, dev, "control-plane")
+    manager = knowledge_pb2_grpc.KnowledgeServiceStub(control)
+    await manager.CreateKnowledgeBase(
+        knowledge_pb2.CreateKnowledgeBaseRequest(
+            namespace="default",
+            ref=kb,
+            embedder="hash64",
+            chunking=knowledge_pb2.ChunkingStrategy(kind=knowledge_pb2.CHUNKING_KIND_RECURSIVE),
+        ),
+        timeout=TIMEOUT,
+    )
+    for i in range(DOCUMENTS):
+        await manager.UploadDocument(
+            upload_stream(kb, f"doc-{i:02}", f"document number {i}".encode()), timeout=TIMEOUT
+        )
+    started = await migration_pb2_grpc.MigrationServiceStub(control).StartEmbeddingMigration(
+        migration_pb2.StartEmbeddingMigrationRequest(
+            knowledge_base=migration_pb2.KnowledgeBaseRef(namespace="default", ref=kb),
+            embedder="multilingual-e5-small",
+        ),
+        timeout=TIMEOUT,
+    )
+    migration_id = started.migration.id
+    await control.close(grace=None)
+
+    async with superuser(database) as conn:
+        await wait_until(conn, migration_id, lambda row: row["rows_done"] >= 16)
+        os.kill(first.process.pid, signal.SIGKILL)
+        first.process.wait(30)
+        at_kill = await migration_row(conn, migration_id)
+        assert at_kill["state"] == "backfilling"
+        assert 16 <= at_kill["rows_done"] < DOCUMENTS
+        second = await asyncio.to_thread(
+            serve, database, dev, tmp_path / "b", embedders, migration_retire_seconds="1"
+        )
+        try:
+            done = await wait_until(conn, migration_id, lambda row: row["state"] == "succeeded")
+            # Each document written once: the batch the kill interrupted was redone, none other.
+            assert (done["rows_done"], done["rows_total"]) == (DOCUMENTS, DOCUMENTS)
+            chunks = await conn.fetch(
+                "SELECT generation, dimension, count(*) AS n, count(DISTINCT doc_ref) AS documents "
+                "FROM tokensvc.chunks WHERE kb_ref = $1 GROUP BY 1, 2",
+                kb,
+            )
+            assert [tuple(r) for r in chunks] == [(1, 384, DOCUMENTS, DOCUMENTS)]
+            base = await conn.fetchrow(
+                "SELECT embedder, dimension, generation FROM tokensvc.knowledge_bases WHERE ref = $1", kb
+            )
+            assert tuple(base) == ("multilingual-e5-small", 384, 1)
+            cutovers = await conn.fetchval(
+                "SELECT count(*) FROM tokensvc.audit_events WHERE action = 'cut over embedding migration' "
+                "AND target LIKE $1",
+                f"migration:{migration_id}%",
+            )
+            assert cutovers == 1
+        finally:
             second.process.send_signal(signal.SIGINT)
             second.process.wait(30)
