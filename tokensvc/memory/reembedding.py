@@ -88,8 +88,9 @@ _WORDS = (
     "budget",
 )
 _CLEAR_BATCH = 1000
-# Documents read per knowledge-base batch; their chunks are embedded in the embedder's batches.
-_DOCUMENT_BATCH = 16
+# Documents read per knowledge-base batch (one transaction); their chunks are embedded in the
+# embedder's batches.
+_DOCUMENT_BATCH = 32
 
 
 class MigrationConflict(TokensvcError):
@@ -427,57 +428,70 @@ class MigrationRunner:
         return embedder
 
     async def _backfill_base(self, migration: EmbeddingMigration) -> None:
-        """A knowledge base's backfill: documents in batches, each written whole with its chunks."""
+        """A knowledge base's backfill: documents in batches, each written whole with its chunks;
+        pipelined like `_backfill` (the next batch is read, chunked and embedded meanwhile)."""
         embedder = await self._target_embedder(migration)
         if embedder is None:
             return
         size = self._settings.batch_size or batch_size_of(embedder)
-        while True:
-            documents = await self._store.pending_documents(migration, limit=_DOCUMENT_BATCH)
-            if not documents:
-                after = await self._end_of_pass(migration)
-                if after is None:
+        batch = await self._documents_after(migration)
+        embedding: asyncio.Task[list[np.ndarray]] | None = None
+        try:
+            while True:
+                if batch is None:
+                    await self._pause(migration, "a document has no stored text to re-chunk; upload it again")
                     return
-                migration = after
-                continue
-            if migration.rechunks and any(document.text is None for document in documents):
-                # Refused at the start; only a replica that keeps no texts could have written one.
-                await self._pause(migration, "a document has no stored text to re-chunk; upload it again")
-                return
-            spans = [await _chunks_of(migration, document) for document in documents]
-            texts = [chunk.text for chunks in spans for chunk in chunks]
-            try:
-                vectors = [
-                    v
-                    for start in range(0, len(texts), size)
-                    for v in await self._embed_texts(embedder, texts[start : start + size])
-                ]
-            except Exception as exc:
-                failed = await self._embedder_failed(migration, exc)
-                if failed is None:
-                    return
-                migration = failed
-                continue  # the same documents again
-            rows: list[tuple[PendingDocument, list[ChunkRow]]] = []
-            at = 0
-            for document, chunks in zip(documents, spans, strict=True):
-                rows.append(
-                    (
-                        document,
-                        [
-                            ChunkRow(c.index, c.text, c.start, c.end, c.heading_path, vectors[at + i])
-                            for i, c in enumerate(chunks)
-                        ],
-                    )
+                if not batch:
+                    after = await self._end_of_pass(migration)
+                    if after is None:
+                        return
+                    migration = after
+                    batch = await self._documents_after(migration)
+                    continue
+                if embedding is None:
+                    embedding = asyncio.create_task(self._embed_spans(embedder, batch, size))
+                try:
+                    vectors = await embedding
+                except Exception as exc:
+                    embedding = None
+                    failed = await self._embedder_failed(migration, exc)
+                    if failed is None:
+                        return
+                    migration = failed
+                    continue  # the same documents again
+                rows = _embedded_documents(batch, vectors)
+                ahead = await self._documents_after(replace(migration, document_cursor=batch[-1][0].ref))
+                embedding = asyncio.create_task(self._embed_spans(embedder, ahead, size)) if ahead else None
+                stored = await self._store.store_documents(
+                    migration, self.runner_id, rows, lease_seconds=self._settings.lease_seconds
                 )
-                at += len(chunks)
-            stored = await self._store.store_documents(
-                migration, self.runner_id, rows, lease_seconds=self._settings.lease_seconds
-            )
-            if stored is None:
-                return  # the lease was lost, or the migration was cancelled
-            METRICS.migration_rows.labels(migration.target.name).inc(len(texts))
-            migration = stored
+                if stored is None:
+                    return  # the lease was lost, or the migration was cancelled
+                METRICS.migration_rows.labels(migration.target.name).inc(len(vectors))
+                migration, batch = stored, ahead
+        finally:
+            if embedding is not None:
+                embedding.cancel()
+
+    async def _documents_after(
+        self, migration: EmbeddingMigration
+    ) -> list[tuple[PendingDocument, tuple[StoredChunk, ...]]] | None:
+        """The next pending documents with their chunks under the target chunking; None when one
+        cannot be re-chunked (no stored text: refused at the start, so only a replica that keeps
+        no texts could have written it)."""
+        documents = await self._store.pending_documents(migration, limit=_DOCUMENT_BATCH)
+        if migration.rechunks and any(document.text is None for document in documents):
+            return None
+        return [(document, await _chunks_of(migration, document)) for document in documents]
+
+    async def _embed_spans(
+        self, embedder: Embedder, batch: list[tuple[PendingDocument, tuple[StoredChunk, ...]]], size: int
+    ) -> list[np.ndarray]:
+        texts = [chunk.text for _, chunks in batch for chunk in chunks]
+        vectors: list[np.ndarray] = []
+        for start in range(0, len(texts), size):
+            vectors.extend(await self._embed_texts(embedder, texts[start : start + size]))
+        return vectors
 
     async def _backfill(self, migration: EmbeddingMigration) -> None:
         embedder = await self._target_embedder(migration)
@@ -654,3 +668,23 @@ async def _chunks_of(migration: EmbeddingMigration, document: PendingDocument) -
     strategy = ChunkingStrategy.from_stored(target.kind, target.size, target.overlap)
     chunks = await asyncio.to_thread(chunk_document, document.text, strategy)
     return tuple(StoredChunk(c.index, c.text, c.start, c.end, tuple(c.heading_path)) for c in chunks)
+
+
+def _embedded_documents(
+    batch: list[tuple[PendingDocument, tuple[StoredChunk, ...]]], vectors: list[np.ndarray]
+) -> list[tuple[PendingDocument, list[ChunkRow]]]:
+    """Each document with its chunks and their vectors (`vectors` in the batch's chunk order)."""
+    rows: list[tuple[PendingDocument, list[ChunkRow]]] = []
+    at = 0
+    for document, chunks in batch:
+        rows.append(
+            (
+                document,
+                [
+                    ChunkRow(c.index, c.text, c.start, c.end, c.heading_path, vectors[at + i])
+                    for i, c in enumerate(chunks)
+                ],
+            )
+        )
+        at += len(chunks)
+    return rows

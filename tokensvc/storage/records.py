@@ -280,6 +280,7 @@ class PendingDocument:
 
     ref: str
     version: int
+    content_sha256: bytes
     text: str | None
     chunks: tuple[StoredChunk, ...] = ()
 

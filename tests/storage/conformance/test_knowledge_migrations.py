@@ -388,3 +388,27 @@ async def test_the_base_size_counts_documents_chunks_and_documents_without_text(
     documents, chunks, average, without_text = await migrations.base_size(ns, "kb")
     assert (documents, chunks, without_text) == (3, 7, 1)
     assert average == round((6 * len("doc 0 part 0") + 10) / 7)
+
+
+async def test_a_document_deleted_and_uploaded_again_is_not_written_from_its_old_content(
+    backend: Backend,
+) -> None:
+    knowledge, migrations = backend.knowledge, backend.migrations
+    ns, _ = await base_with(knowledge, documents=1)
+    created = await migrations.create(planned(ns, "kb"))
+    assert created is not None
+    runner = "runner-kb-h"
+    migration = await claim(migrations, runner, created.id)
+    read = await migrations.pending_documents(migration, limit=10)
+    # Deleted and uploaded again: version 1 again, other content, written by a replica that
+    # did not know of the migration.
+    assert await knowledge.delete_document(management(ns), "kb", "doc-0") == 3
+    await upload_text(knowledge, ns, "doc-0", ["brand new text"])
+    stored = await migrations.store_documents(migration, runner, embedded(read), lease_seconds=LEASE)
+    assert stored is not None
+    assert stored.rows_done == 0, "the old content's chunks are not written for the new document"
+    (again,) = await migrations.pending_documents(replace_cursor(stored), limit=10)
+    assert (again.ref, again.version, [c.text for c in again.chunks]) == ("doc-0", 1, ["brand new text"])
+    migration = await backfill(migrations, replace_cursor(stored), runner)
+    assert await migrations.cut_over(migration, runner)
+    assert await texts_of(knowledge, ns, 1, dim=4) == {"brand new text"}

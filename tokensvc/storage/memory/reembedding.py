@@ -425,7 +425,11 @@ class InMemoryEmbeddingMigrationStore:
                 )
                 for c in chunks
             )
-            out.append(PendingDocument(ref, version.document.version, version.text, stored))
+            out.append(
+                PendingDocument(
+                    ref, version.document.version, version.document.content_sha256, version.text, stored
+                )
+            )
             if len(out) == limit:
                 break
         return out
@@ -449,6 +453,7 @@ class InMemoryEmbeddingMigrationStore:
                 if (
                     version is None
                     or version.document.version != pending.version
+                    or version.document.content_sha256 != pending.content_sha256
                     or version.migrated_chunk_count is not None
                 ):
                     continue

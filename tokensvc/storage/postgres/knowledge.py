@@ -286,16 +286,12 @@ class PostgresKnowledgeStore:
         keys = (ns, kb_ref, ref)
         # Serialise writers of the same document; the first writer creates the row.
         async with tenant_transaction(self._pool, tenant, lock=f"{ns}/{kb_ref}/{ref}") as conn:
-            # FOR SHARE orders this write with a cutover (which locks the base FOR UPDATE) and
-            # with a cancel (an UPDATE of the migration row): after either, this sees the change.
+            # In this order: the base's generation FOR SHARE (a cutover or a cancel locks the base
+            # row FOR UPDATE, so this write is ordered with them), the document row FOR UPDATE (a
+            # migration runner's write of it committed before this, or waits), and whether
+            # `migration_id` still backfills; see migration 0015.
             stored = await conn.fetchrow(
-                "SELECT knowledge_base_generation($1, $2) AS generation, "
-                "(SELECT true FROM embedding_migrations WHERE id = $4::uuid AND namespace = $1 "
-                "AND kb_ref = $2 AND state = 'backfilling' FOR SHARE) AS dual_write, d.version, "
-                "d.content_sha256 FROM (SELECT 1) AS one LEFT JOIN documents d "
-                "ON d.namespace = $1 AND d.kb_ref = $2 AND d.ref = $3",
-                *keys,
-                migration_id,
+                "SELECT * FROM document_write_state($1, $2, $3, $4::uuid)", *keys, migration_id
             )
             assert stored is not None
             if stored["version"] is not None and stored["content_sha256"] == content_sha256:
@@ -391,9 +387,10 @@ class PostgresKnowledgeStore:
 
         def where(params: list[Any], searchable: bool) -> str:
             params += [tenant.namespace, list(kb_refs), list(generations)]
-            # Each base's own generation: a row filter (the refs stay the index condition).
+            # Each base's own generation: refs and generations are the index condition (of
+            # chunks_kb_generation), the pairing a filter (it matters only while a base migrates).
             predicate = (
-                "namespace = $1 AND kb_ref = ANY($2::text[]) "
+                "namespace = $1 AND kb_ref = ANY($2::text[]) AND generation = ANY($3::int[]) "
                 "AND generation = ($3::int[])[array_position($2::text[], kb_ref)]"
             )
             if searchable and filter_ is not None:

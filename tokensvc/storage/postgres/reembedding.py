@@ -15,6 +15,7 @@ from typing import Any
 
 import asyncpg
 import numpy as np
+from asyncpg.pool import PoolConnectionProxy
 from pgvector import Vector
 
 from tokensvc.storage.postgres.errors import translate_errors
@@ -82,6 +83,18 @@ def _space(migration: EmbeddingMigration) -> Tenant:
 
 # Raised by tokensvc.leased_migration (0014): the runner does not hold the migration's lease.
 _NOT_LEASED = "TK002"
+
+
+async def _hold(conn: PoolConnectionProxy[asyncpg.Record], migration_id: str, runner: str) -> bool:
+    """In a batch's transaction: the subject row FOR SHARE, then the migration row FOR UPDATE
+    (0015's lock order), when `runner` holds the BACKFILLING migration's lease."""
+    await conn.execute("SELECT lock_migration_subject($1, false)", migration_id)
+    held = await conn.fetchval(
+        f"SELECT 1 FROM embedding_migrations WHERE {_LEASED} AND state = 'backfilling' FOR UPDATE",
+        migration_id,
+        runner,
+    )
+    return held is not None
 
 
 def _cursor(migration: EmbeddingMigration) -> tuple[str | None, str | None]:
@@ -194,7 +207,9 @@ class PostgresEmbeddingMigrationStore:
     async def transition(
         self, migration_id: str, *, expect: Sequence[MigrationState], state: MigrationState, reason: str = ""
     ) -> EmbeddingMigration | None:
-        async with self._pool.acquire() as conn:
+        async with self._pool.acquire() as conn, conn.transaction():
+            # The subject row first (0015's lock order): a cancel is ordered with every write of it.
+            await conn.execute("SELECT lock_migration_subject($1, true)", migration_id)
             row = await conn.fetchrow(
                 "UPDATE embedding_migrations SET state = $2, reason = $3, failures = 0, lease_owner = NULL, "
                 "lease_until = NULL, updated_at = clock_timestamp(), "
@@ -264,12 +279,7 @@ class PostgresEmbeddingMigrationStore:
     ) -> EmbeddingMigration | None:
         last = rows[-1][0] if rows else None
         async with self._pool.acquire() as conn, conn.transaction():
-            held = await conn.fetchval(
-                f"SELECT 1 FROM embedding_migrations WHERE {_LEASED} AND state = 'backfilling' FOR UPDATE",
-                migration.id,
-                runner,
-            )
-            if held is None:
+            if not await _hold(conn, migration.id, runner):
                 return None
             written = await conn.fetchval(
                 "SELECT migration_store($1, $2, $3::text[], $4::uuid[], $5::bytea[], $6::vector[])",
@@ -327,6 +337,7 @@ class PostgresEmbeddingMigrationStore:
     ) -> tuple[int, EmbeddingMigration] | None:
         try:
             async with self._pool.acquire() as conn, conn.transaction():
+                await conn.execute("SELECT lock_migration_subject($1, false)", migration.id)  # lock order
                 function = "migration_clear" if migration.kb_ref is None else "kb_migration_clear"
                 cleared = await conn.fetchval(
                     f"SELECT {function}($1, $2, $3, $4)", migration.id, runner, limit, lease_seconds
@@ -372,7 +383,9 @@ class PostgresEmbeddingMigrationStore:
                 return []
             raise
         return [
-            PendingDocument(d["ref"], d["version"], d["text"], tuple(chunks.get(d["ref"], ())))
+            PendingDocument(
+                d["ref"], d["version"], d["content_sha256"], d["text"], tuple(chunks.get(d["ref"], ()))
+            )
             for d in documents
         ]
 
@@ -387,20 +400,17 @@ class PostgresEmbeddingMigrationStore:
         positions = [position for position, (_, chunks) in enumerate(documents, 1) for _ in chunks]
         chunks = [chunk for _, rows in documents for chunk in rows]
         async with self._pool.acquire() as conn, conn.transaction():
-            held = await conn.fetchval(
-                f"SELECT 1 FROM embedding_migrations WHERE {_LEASED} AND state = 'backfilling' FOR UPDATE",
-                migration.id,
-                runner,
-            )
-            if held is None:
+            held = await _hold(conn, migration.id, runner)
+            if not held:
                 return None
             written = await conn.fetchval(
-                "SELECT kb_migration_store($1, $2, $3::text[], $4::bigint[], $5::int[], $6::int[], "
-                "$7::text[], $8::int[], $9::int[], $10::text[], $11::vector[])",
+                "SELECT kb_migration_store($1, $2, $3::text[], $4::bigint[], $5::bytea[], $6::int[], "
+                "$7::int[], $8::text[], $9::int[], $10::int[], $11::text[], $12::vector[])",
                 migration.id,
                 runner,
                 [document.ref for document, _ in documents],
                 [document.version for document, _ in documents],
+                [document.content_sha256 for document, _ in documents],
                 positions,
                 [c.index for c in chunks],
                 [c.text for c in chunks],

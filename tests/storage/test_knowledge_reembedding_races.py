@@ -1,0 +1,266 @@
+"""A knowledge base's migration against uploads in flight, in PostgreSQL (migration 0015's locks,
+raced for real on separate connections).
+
+An upload locks the base row FOR SHARE and the document row FOR UPDATE in its first statement,
+so a runner's write of the same document either waits for it or is visible to its later
+statements; the cutover and a cancel lock the base row before the migration's, and uploads never
+lock the migration row, so no cycle of waits forms; a chunk for a generation that is gone is
+refused by the database (a replica that never learnt of the cutover).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from datetime import UTC, datetime
+
+import asyncpg
+import numpy as np
+import pytest
+from pgvector import Vector
+
+from tests.storage.migration_support import connect
+from tests.storage.test_memory_rls import open_pool
+from tests.storage.test_reembedding_races import waiting_for_a_lock
+from tests.support import SharedDatabase
+from tokensvc.auth.devpki import DevPaths
+from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
+from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
+from tokensvc.storage.postgres.tenant import declare_settings
+from tokensvc.storage.records import (
+    BaseRow,
+    ChunkingSpec,
+    ChunkRow,
+    EmbedderSpec,
+    EmbeddingMigration,
+    MigrationState,
+    Tenant,
+)
+
+TARGET = EmbedderSpec("target", "target-model", 4, True)
+CHUNKING = ChunkingSpec("fixed", 64, 0)
+
+
+@pytest.fixture
+async def pool(
+    database: SharedDatabase, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[asyncpg.Pool]:
+    db, pool = await open_pool(database, dev, tmp_path_factory)
+    try:
+        yield pool
+    finally:
+        await db.close()
+
+
+@pytest.fixture
+async def watcher(database: SharedDatabase) -> AsyncIterator[asyncpg.Connection]:
+    conn = await connect(database, "superuser", database.dsn.rsplit("/", 1)[1])
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+def rows(texts: list[str], dim: int) -> list[ChunkRow]:
+    return [
+        ChunkRow(i, t, 0, len(t), (), np.eye(dim, dtype=np.float32)[i % dim]) for i, t in enumerate(texts)
+    ]
+
+
+async def upload(
+    store: PostgresKnowledgeStore,
+    ns: str,
+    doc: str,
+    text: str,
+    *,
+    metadata: dict[str, str] | None = None,
+    generation: int = 0,
+    next_chunks: list[ChunkRow] | None = None,
+    migration_id: str | None = None,
+) -> None:
+    await store.replace_document(
+        Tenant(ns, knowledge_bases=("*",)),
+        kb_ref="kb",
+        ref=doc,
+        content_type="text/plain",
+        content_sha256=hashlib.sha256(text.encode()).digest(),
+        size_bytes=len(text),
+        metadata=metadata or {},
+        chunks=rows([text], 8),
+        generation=generation,
+        text=text,
+        next_chunks=next_chunks,
+        migration_id=migration_id,
+    )
+
+
+async def migrating_base(pool: asyncpg.Pool) -> tuple[str, EmbeddingMigration, PostgresKnowledgeStore]:
+    """A base of one document whose migration the runner "racer" has claimed."""
+    store, migrations = PostgresKnowledgeStore(pool), PostgresEmbeddingMigrationStore(pool)
+    ns = f"race-{uuid.uuid4().hex[:8]}"
+    base = BaseRow(ns, "kb", "", "hash", "hash-v1", 8, True, "fixed", 64, 0, "simple", datetime.now(UTC))
+    await store.create_base(Tenant(ns, knowledge_bases=("*",)), base)
+    await upload(store, ns, "doc", "version one")
+    created = await migrations.create(
+        EmbeddingMigration(
+            id=str(uuid.uuid4()),
+            namespace=ns,
+            agent=None,
+            kb_ref="kb",
+            from_generation=0,
+            source=EmbedderSpec("hash", "hash-v1", 8, True),
+            target=TARGET,
+            source_chunking=CHUNKING,
+            target_chunking=CHUNKING,
+            state=MigrationState.BACKFILLING,
+            created_by="test",
+        )
+    )
+    assert created is not None
+    for _ in range(200):  # other tests' migrations share the database: finish them
+        claimed = await migrations.claim(
+            "racer", lease_seconds=60, embedders=["target"], retire_after_seconds=0
+        )
+        assert claimed is not None
+        if claimed.id == created.id:
+            return ns, claimed, store
+        await migrations.transition(claimed.id, expect=[claimed.state], state=MigrationState.CANCELLED)
+    raise AssertionError("never claimed")
+
+
+async def runner_writes_open(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, migration: EmbeddingMigration
+) -> None:
+    """The runner's batch for `doc` on `conn` (as store_documents runs it), its transaction open."""
+    (pending,) = await PostgresEmbeddingMigrationStore(pool).pending_documents(migration, limit=10)
+    await conn.execute("BEGIN")
+    await conn.execute("SELECT lock_migration_subject($1, false)", migration.id)
+    written = await conn.fetchval(
+        "SELECT kb_migration_store($1, 'racer', ARRAY[$2], ARRAY[$3::bigint], ARRAY[$4::bytea], ARRAY[1], "
+        "ARRAY[0], ARRAY['version one'], ARRAY[0], ARRAY[11], ARRAY['[]'], ARRAY[$5::vector])",
+        migration.id,
+        pending.ref,
+        pending.version,
+        pending.content_sha256,
+        Vector(np.eye(4, dtype=np.float32)[0]),
+    )
+    assert written == 1
+
+
+async def generations(pool: asyncpg.Pool, ns: str) -> list[tuple[int, int, str, str]]:
+    async with pool.acquire() as conn:
+        await conn.execute(f"BEGIN; {declare_settings({'tokensvc.namespace': ns, 'tokensvc.kbs': 'kb'})}")
+        found = await conn.fetch(
+            "SELECT generation, version, text, metadata::text FROM chunks WHERE namespace = $1 ORDER BY 1, 2",
+            ns,
+        )
+        await conn.execute("COMMIT")
+    return [(r[0], r[1], r[2], json.loads(r[3]).get("tag", "")) for r in found]
+
+
+async def test_an_upload_waits_for_the_runners_write_and_then_removes_its_old_version(
+    pool: asyncpg.Pool, watcher: asyncpg.Connection
+) -> None:
+    ns, migration, store = await migrating_base(pool)
+    runner = await pool.acquire()
+    try:
+        await runner_writes_open(pool, runner, migration)
+        uploading = asyncio.create_task(upload(store, ns, "doc", "version two"))
+        assert await waiting_for_a_lock(watcher, await _upload_pid(watcher)), "the upload did not wait"
+        await runner.execute("COMMIT")
+        await uploading
+    finally:
+        await pool.release(runner)
+    # The runner's chunks were of version one: gone with it, and version two is pending.
+    assert await generations(pool, ns) == [(0, 2, "version two", "")]
+    pending = await PostgresEmbeddingMigrationStore(pool).pending_documents(
+        replace(migration, document_cursor=None), limit=10
+    )
+    assert [(p.ref, p.version) for p in pending] == [("doc", 2)]
+
+
+async def test_a_metadata_change_waits_for_the_runners_write_and_reaches_its_chunks(
+    pool: asyncpg.Pool, watcher: asyncpg.Connection
+) -> None:
+    ns, migration, store = await migrating_base(pool)
+    runner = await pool.acquire()
+    try:
+        await runner_writes_open(pool, runner, migration)
+        retagging = asyncio.create_task(upload(store, ns, "doc", "version one", metadata={"tag": "new"}))
+        assert await waiting_for_a_lock(watcher, await _upload_pid(watcher)), "the upload did not wait"
+        await runner.execute("COMMIT")
+        await retagging
+    finally:
+        await pool.release(runner)
+    assert await generations(pool, ns) == [(0, 1, "version one", "new"), (1, 1, "version one", "new")]
+
+
+async def test_uploads_and_a_cutover_in_flight_together_never_deadlock(
+    pool: asyncpg.Pool, watcher: asyncpg.Connection
+) -> None:
+    ns, migration, store = await migrating_base(pool)
+    held = await pool.acquire()
+    cutting = await pool.acquire()
+    try:
+        # An upload in flight that writes both generations: past its first statement.
+        settings = {"tokensvc.namespace": ns, "tokensvc.kbs": "*"}
+        await held.execute(f"BEGIN; {declare_settings(settings)}")
+        state = await held.fetchrow(
+            "SELECT * FROM document_write_state($1, 'kb', 'other', $2)", ns, migration.id
+        )
+        assert state is not None
+        assert state["dual_write"]
+        cut = asyncio.create_task(
+            cutting.fetchval("SELECT cut_over_knowledge_base($1, 'racer')", migration.id)
+        )
+        assert await waiting_for_a_lock(watcher, cutting.get_server_pid()), "the cutover did not wait"
+        # A second upload writing both generations arrives while the cutover waits.
+        second = asyncio.create_task(
+            upload(store, ns, "second", "second", next_chunks=rows(["second"], 4), migration_id=migration.id)
+        )
+        await asyncio.sleep(0.3)
+        await held.execute("COMMIT")
+        await second  # no deadlock: it either went ahead of the cutover or waited for it
+        assert await cut is False  # "doc" has no next-generation chunks: no switch
+    finally:
+        await pool.release(held)
+        await pool.release(cutting)
+
+
+async def test_a_chunk_for_a_generation_that_is_gone_is_refused(pool: asyncpg.Pool) -> None:
+    ns, migration, _ = await migrating_base(pool)
+    async with pool.acquire() as conn:
+        # Backfill "doc", then cut over as the runner does.
+        await runner_writes_open(pool, conn, migration)
+        await conn.execute("COMMIT")
+        assert await conn.fetchval("SELECT cut_over_knowledge_base($1, 'racer')", migration.id)
+        # A replica that never learnt of generations writes the column's default, 0.
+        await conn.execute(f"BEGIN; {declare_settings({'tokensvc.namespace': ns, 'tokensvc.kbs': '*'})}")
+        with pytest.raises(asyncpg.PostgresError) as refused:
+            await conn.execute(
+                "INSERT INTO chunks (namespace, kb_ref, doc_ref, version, chunk_index, text, start_offset, "
+                "end_offset, dimension, embedding, text_config) VALUES ($1, 'kb', 'doc', 1, 5, 'stale', 0, 5, "
+                "8, $2, 'simple')",
+                ns,
+                Vector(np.eye(8, dtype=np.float32)[0]),
+            )
+        assert refused.value.sqlstate == "TK003"
+        await conn.execute("ROLLBACK")
+    assert await generations(pool, ns) == [(0, 1, "version one", ""), (1, 1, "version one", "")]
+
+
+async def _upload_pid(watcher: asyncpg.Connection) -> int:
+    """The backend running an upload's first statement."""
+    for _ in range(200):
+        pid = await watcher.fetchval(
+            "SELECT pid FROM pg_stat_activity WHERE (query LIKE '%document_write_state%' OR query LIKE '%knowledge_base_generation%') "
+            "AND query NOT LIKE '%pg_stat_activity%' LIMIT 1"
+        )
+        if pid is not None:
+            return int(pid)
+        await asyncio.sleep(0.02)
+    raise AssertionError("no upload is running")
