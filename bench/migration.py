@@ -13,7 +13,7 @@ the service's own runner, in process, over the embedded PostgreSQL. Measured in 
   its cutover (its runner embeds, writes each batch and its progress in one transaction, catches
   up, cuts over);
 - on a second, fresh database: searches of the space (VECTOR mode, query text, concurrency 1)
-  before a migration and while one backfills;
+  before a migration (the table vacuumed and 50 searches made first) and while one backfills;
 - the same for a knowledge base of `--documents` documents (three 16-word chunks each, hash64):
   its migration's chunks per second against the target alone on the same chunk texts, and
   SearchKnowledge latency before and during its migration.
@@ -309,6 +309,7 @@ async def run_knowledge(documents: int, searches: int) -> dict[str, Any]:
         rate = chunks / seconds
         log(f"knowledge-base migration alone: {chunks} chunks in {seconds:.1f} s = {rate:.1f}/s")
     async with loaded_base(documents) as base:
+        await settled(base.env, "chunks", base.search)
         before = [await base.search(i) for i in range(searches)]
         log(f"knowledge searches without a migration: p50 {percentile(before, 50):.2f} ms")
         during: list[float] = []
@@ -325,6 +326,18 @@ async def run_knowledge(documents: int, searches: int) -> dict[str, Any]:
         "search_c1_during_migration": latency(during),
         "search_p50_during_over_without": round(percentile(during, 50) / percentile(before, 50), 3),
     }
+
+
+async def settled(env: BenchEnv, table: str, search: Any) -> None:
+    """A freshly loaded table vacuumed and analysed, and searched a while, before the baseline:
+    its first readers would otherwise pay for setting hint bits (docs/benchmarks.md, issue 15)."""
+    conn = await connect_as(env, "superuser")
+    try:
+        await conn.execute(f"VACUUM ANALYZE tokensvc.{table}")
+    finally:
+        await conn.close()
+    for i in range(50):
+        await search(i)
 
 
 def latency(values: list[float]) -> dict[str, Any]:
@@ -350,6 +363,7 @@ async def run(rows: int, users: int, searches: int) -> dict[str, Any]:
         log(f"migration alone: {migrated} memories in {seconds:.1f} s = {rate:.1f}/s")
     # Latency: searches of the space before and while it migrates (a fresh database again).
     async with loaded_space(rows, users) as space:
+        await settled(space.env, "memories", space.search)
         before = [await space.search(i) for i in range(searches)]
         log(f"searches without a migration: p50 {percentile(before, 50):.2f} ms")
         during: list[float] = []
