@@ -199,36 +199,76 @@ async def test_a_metadata_change_waits_for_the_runners_write_and_reaches_its_chu
     assert await generations(pool, ns) == [(0, 1, "version one", "new"), (1, 1, "version one", "new")]
 
 
-async def test_uploads_and_a_cutover_in_flight_together_never_deadlock(
+async def test_a_batch_in_flight_and_a_cutover_never_deadlock(
     pool: asyncpg.Pool, watcher: asyncpg.Connection
 ) -> None:
+    """A batch holds the base row FOR SHARE when the cutover arrives, then locks the migration
+    row: were the cutover to take the migration row first (0014's order), each would wait for the
+    other and PostgreSQL would abort one."""
     ns, migration, store = await migrating_base(pool)
-    held = await pool.acquire()
+    batch = await pool.acquire()
     cutting = await pool.acquire()
     try:
-        # An upload in flight that writes both generations: past its first statement.
-        settings = {"tokensvc.namespace": ns, "tokensvc.kbs": "*"}
-        await held.execute(f"BEGIN; {declare_settings(settings)}")
-        state = await held.fetchrow(
-            "SELECT * FROM document_write_state($1, 'kb', 'other', $2)", ns, migration.id
-        )
-        assert state is not None
-        assert state["dual_write"]
+        (pending,) = await PostgresEmbeddingMigrationStore(pool).pending_documents(migration, limit=10)
+        await batch.execute("BEGIN")
+        await batch.execute("SELECT lock_migration_subject($1, false)", migration.id)
         cut = asyncio.create_task(
             cutting.fetchval("SELECT cut_over_knowledge_base($1, 'racer')", migration.id)
         )
         assert await waiting_for_a_lock(watcher, cutting.get_server_pid()), "the cutover did not wait"
-        # A second upload writing both generations arrives while the cutover waits.
-        second = asyncio.create_task(
-            upload(store, ns, "second", "second", next_chunks=rows(["second"], 4), migration_id=migration.id)
+        assert await batch.fetchval(
+            "SELECT 1 FROM embedding_migrations WHERE id = $1 FOR UPDATE", migration.id
+        ), "the batch could not take the migration row"
+        written = await batch.fetchval(
+            "SELECT kb_migration_store($1, 'racer', ARRAY[$2], ARRAY[$3::bigint], ARRAY[$4::bytea], ARRAY[1], "
+            "ARRAY[0], ARRAY['version one'], ARRAY[0], ARRAY[11], ARRAY['[]'], ARRAY[$5::vector])",
+            migration.id,
+            pending.ref,
+            pending.version,
+            pending.content_sha256,
+            Vector(np.eye(4, dtype=np.float32)[0]),
         )
-        await asyncio.sleep(0.3)
-        await held.execute("COMMIT")
-        await second  # no deadlock: it either went ahead of the cutover or waited for it
-        assert await cut is False  # "doc" has no next-generation chunks: no switch
+        assert written == 1
+        await batch.execute("COMMIT")
+        assert await cut is True  # after the batch: every document has its chunks
     finally:
-        await pool.release(held)
+        await pool.release(batch)
         await pool.release(cutting)
+    base = (await store.get_bases(Tenant(ns, knowledge_bases=("*",)), ["kb"]))[0]
+    assert (base.embedder, base.generation) == ("target", 1)
+
+
+async def test_deleting_a_base_cancels_a_migration_whose_start_it_waited_for(pool: asyncpg.Pool) -> None:
+    ns, migration, store = await migrating_base(pool)
+    migrations = PostgresEmbeddingMigrationStore(pool)
+    await migrations.transition(
+        migration.id, expect=[MigrationState.BACKFILLING], state=MigrationState.CANCELLED
+    )
+    starting = await pool.acquire()
+    try:
+        # A start that holds the base row FOR SHARE, not committed yet.
+        await starting.execute(f"BEGIN; {declare_settings({'tokensvc.namespace': ns, 'tokensvc.kbs': 'kb'})}")
+        assert await starting.fetchval("SELECT knowledge_base_generation($1, 'kb')", ns) == 0
+        second = str(uuid.uuid4())
+        await starting.execute(
+            "INSERT INTO embedding_migrations (id, namespace, kb_ref, from_generation, from_embedder, from_model, "
+            "from_dimension, to_embedder, to_model, to_dimension, to_normalized, from_chunking, from_chunk_size, "
+            "from_chunk_overlap, to_chunking, to_chunk_size, to_chunk_overlap, state, created_by) VALUES ($1, $2, "
+            "'kb', 0, 'hash', 'hash-v1', 8, 'target', 'target-model', 4, true, 'fixed', 64, 0, 'fixed', 64, 0, "
+            "'backfilling', 'test')",
+            second,
+            ns,
+        )
+        deleting = asyncio.create_task(store.delete_base(Tenant(ns, knowledge_bases=("*",)), "kb"))
+        await asyncio.sleep(0.3)
+        assert not deleting.done(), "the delete did not wait for the start"
+        await starting.execute("COMMIT")
+        assert await deleting == 1
+    finally:
+        await pool.release(starting)
+    ended = await migrations.get(second)
+    assert ended is not None
+    assert (ended.state, ended.reason) == (MigrationState.CANCELLED, "the knowledge base was deleted")
 
 
 async def test_a_chunk_for_a_generation_that_is_gone_is_refused(pool: asyncpg.Pool) -> None:

@@ -192,21 +192,26 @@ class PostgresKnowledgeStore:
 
     async def delete_base(self, tenant: Tenant, ref: str) -> int | None:
         async with tenant_transaction(self._pool, tenant) as conn:
-            # RETURNING reads the statement's snapshot: the documents the cascade deletes. The
-            # base's unfinished migration goes with it (its chunks go with the documents).
+            # RETURNING reads the statement's snapshot: the documents the cascade deletes.
             count = await conn.fetchval(
-                "WITH gone AS (DELETE FROM knowledge_bases b WHERE namespace = $1 AND ref = $2 "
-                "RETURNING (SELECT count(*) FROM documents d WHERE d.namespace = b.namespace "
-                "AND d.kb_ref = b.ref) AS documents), "
-                "ended AS (UPDATE embedding_migrations SET state = 'cancelled', lease_owner = NULL, "
-                "lease_until = NULL, reason = 'the knowledge base was deleted', "
-                "updated_at = clock_timestamp(), finished_at = clock_timestamp() "
-                "WHERE namespace = $1 AND kb_ref = $2 AND EXISTS (SELECT 1 FROM gone) "
-                "AND state IN ('backfilling', 'paused', 'retiring', 'cancelling')) "
-                "SELECT documents FROM gone",
+                "DELETE FROM knowledge_bases b WHERE namespace = $1 AND ref = $2 RETURNING (SELECT count(*) "
+                "FROM documents d WHERE d.namespace = b.namespace AND d.kb_ref = b.ref)",
                 tenant.namespace,
                 ref,
             )
+            if count is not None:
+                # The base's unfinished migration goes with it (its chunks went with the documents).
+                # A statement of its own: its snapshot, taken after the base row was locked, sees
+                # a migration whose start committed while this waited for that lock.
+                await conn.execute(
+                    "UPDATE embedding_migrations SET state = 'cancelled', lease_owner = NULL, "
+                    "lease_until = NULL, reason = 'the knowledge base was deleted', "
+                    "updated_at = clock_timestamp(), finished_at = clock_timestamp() "
+                    "WHERE namespace = $1 AND kb_ref = $2 "
+                    "AND state IN ('backfilling', 'paused', 'retiring', 'cancelling')",
+                    tenant.namespace,
+                    ref,
+                )
         return None if count is None else int(count)
 
     # --- documents --------------------------------------------------------------------------
