@@ -304,3 +304,38 @@ async def _upload_pid(watcher: asyncpg.Connection) -> int:
             return int(pid)
         await asyncio.sleep(0.02)
     raise AssertionError("no upload is running")
+
+
+async def test_the_clean_up_waits_for_an_upload_of_the_same_document(
+    pool: asyncpg.Pool, watcher: asyncpg.Connection
+) -> None:
+    """Both delete the document's old chunks: the clean-up locks the document row first, as the
+    upload does, so one waits for the other instead of both locking chunk rows in their own order."""
+    ns, migration, store = await migrating_base(pool)
+    migrations = PostgresEmbeddingMigrationStore(pool)
+    async with pool.acquire() as conn:
+        await runner_writes_open(pool, conn, migration)
+        await conn.execute("COMMIT")
+        assert await conn.fetchval("SELECT cut_over_knowledge_base($1, 'racer')", migration.id)
+    retiring = await migrations.get(migration.id)
+    assert retiring is not None
+    assert retiring.state is MigrationState.RETIRING
+    uploading = await pool.acquire()
+    clearing = await pool.acquire()
+    try:
+        await uploading.execute(f"BEGIN; {declare_settings({'tokensvc.namespace': ns, 'tokensvc.kbs': '*'})}")
+        await uploading.fetchrow("SELECT * FROM document_write_state($1, 'kb', 'doc', NULL)", ns)
+        await clearing.execute("BEGIN")
+        await clearing.execute("SELECT lock_migration_subject($1, false)", migration.id)
+        clear = asyncio.create_task(
+            clearing.fetchval("SELECT kb_migration_clear($1, 'racer', 10, 60)", migration.id)
+        )
+        assert await waiting_for_a_lock(watcher, clearing.get_server_pid()), "the clean-up did not wait"
+        await uploading.execute("COMMIT")
+        assert await clear == 1  # generation 0's one chunk of "doc"
+        await clearing.execute("COMMIT")
+    finally:
+        await pool.release(uploading)
+        await pool.release(clearing)
+    assert await generations(pool, ns) == [(1, 1, "version one", "")]
+    assert (await store.get_bases(Tenant(ns, knowledge_bases=("*",)), ["kb"]))[0].generation == 1

@@ -87,7 +87,8 @@ _WORDS = (
     "staging",
     "budget",
 )
-_CLEAR_BATCH = 1000
+_CLEAR_BATCH = 1000  # memories per clean-up transaction
+_CLEAR_DOCUMENTS = 100  # a knowledge base's: documents (each with all its chunks)
 # Documents read per knowledge-base batch (one transaction); their chunks are embedded in the
 # embedder's batches.
 _DOCUMENT_BATCH = 32
@@ -589,7 +590,10 @@ class MigrationRunner:
         state = migration.state
         while True:
             cleared = await self._store.clear_slot(
-                migration, self.runner_id, limit=_CLEAR_BATCH, lease_seconds=self._settings.lease_seconds
+                migration,
+                self.runner_id,
+                limit=_CLEAR_BATCH if migration.kb_ref is None else _CLEAR_DOCUMENTS,
+                lease_seconds=self._settings.lease_seconds,
             )
             if cleared is None:
                 return

@@ -264,7 +264,8 @@ class EmbeddingMigrationStore(Protocol):
         space after `migration.cursor` ((bucket, id) order), expired ones too: RETIRING, the old
         generation's; CANCELLING, the target's. Returns how many (0: none left) and the migration
         with its cursor moved past them, its lease renewed; None when `runner` does not hold the
-        lease. A knowledge base's: delete up to `limit` chunks of the generation left behind."""
+        lease. A knowledge base's: delete the chunks of the generation left behind of up to
+        `limit` documents (returning how many chunks)."""
 
     async def pending_documents(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingDocument]:
         """A knowledge base's backfill: up to `limit` documents whose current version has no

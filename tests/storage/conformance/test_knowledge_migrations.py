@@ -176,11 +176,11 @@ async def test_a_base_migration_writes_the_next_generation_and_the_cutover_switc
     retiring = await migrations.get(created.id)
     assert retiring is not None
     assert retiring.state is MigrationState.RETIRING
-    cleared = await migrations.clear_slot(retiring, runner, limit=4, lease_seconds=LEASE)
+    cleared = await migrations.clear_slot(retiring, runner, limit=2, lease_seconds=LEASE)
     assert cleared is not None
-    assert cleared[0] == 4
+    assert cleared[0] == 6, "two documents' three chunks each"
     while cleared[0]:
-        cleared = await migrations.clear_slot(cleared[1], runner, limit=4, lease_seconds=LEASE)
+        cleared = await migrations.clear_slot(cleared[1], runner, limit=2, lease_seconds=LEASE)
         assert cleared is not None
     assert await texts_of(knowledge, ns, 0) == set()
     assert await texts_of(knowledge, ns, 1, dim=4) == old

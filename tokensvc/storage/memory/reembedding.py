@@ -388,18 +388,16 @@ class InMemoryEmbeddingMigrationStore:
                 return None
             retiring = stored.state is MigrationState.RETIRING
             gone = stored.from_generation if retiring else stored.from_generation + 1
-            cleared = 0
+            cleared, documents = 0, 0
             for doc_key, version in self._base_documents(stored):
                 chunks = version.chunks.get(gone, ())
                 if not chunks:
                     continue
-                taken = min(len(chunks), limit - cleared)
                 kept = {g: c for g, c in version.chunks.items() if g != gone}
-                if taken < len(chunks):
-                    kept[gone] = chunks[taken:]
                 self._knowledge._documents[doc_key] = replace(version, chunks=kept)
-                cleared += taken
-                if cleared == limit:
+                cleared += len(chunks)
+                documents += 1
+                if documents == limit:
                     break
             self._leases[stored.id] = self._now() + timedelta(seconds=lease_seconds)
             return cleared, self._save(stored)

@@ -356,8 +356,10 @@ BEGIN
     RETURN written;
 END $$;
 
--- Deletes up to `lim` chunks of the generation the migration leaves behind (RETIRING: the old
--- one; CANCELLING: its target) and renews the lease; returns how many (0: done).
+-- Deletes the chunks of the generation the migration leaves behind (RETIRING: the old one;
+-- CANCELLING: its target) of up to `lim` documents, each document's row locked first (ref order),
+-- as an upload locks it before it deletes or updates its chunks, so the two never deadlock over
+-- chunk rows; renews the lease; returns how many chunks (0: done).
 CREATE FUNCTION tokensvc.kb_migration_clear(migration uuid, runner text, lim integer, lease_seconds float8)
 RETURNS integer LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
@@ -368,11 +370,17 @@ DECLARE
     deleted integer;
 BEGIN
     IF lim IS NULL OR lim < 1 OR lim > 10000 THEN
-        RAISE EXCEPTION 'a batch of 1 to 10000 chunks';
+        RAISE EXCEPTION 'a batch of 1 to 10000 documents';
     END IF;
-    DELETE FROM tokensvc.chunks WHERE ctid = ANY (ARRAY(
-        SELECT ctid FROM tokensvc.chunks
-        WHERE namespace = m.namespace AND kb_ref = m.kb_ref AND generation = gone LIMIT lim));
+    WITH batch AS MATERIALIZED (
+        SELECT d.ref FROM tokensvc.documents d
+        WHERE d.namespace = m.namespace AND d.kb_ref = m.kb_ref AND EXISTS (
+            SELECT 1 FROM tokensvc.chunks c WHERE c.namespace = d.namespace AND c.kb_ref = d.kb_ref
+              AND c.doc_ref = d.ref AND c.generation = gone)
+        ORDER BY d.ref LIMIT lim FOR UPDATE OF d
+    )
+    DELETE FROM tokensvc.chunks c USING batch b
+    WHERE c.namespace = m.namespace AND c.kb_ref = m.kb_ref AND c.doc_ref = b.ref AND c.generation = gone;
     GET DIAGNOSTICS deleted = ROW_COUNT;
     UPDATE tokensvc.embedding_migrations
     SET lease_until = clock_timestamp() + make_interval(secs => lease_seconds), updated_at = clock_timestamp()
