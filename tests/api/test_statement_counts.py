@@ -39,6 +39,8 @@ from tokensvc.v1 import (
 # memory gauge, the TTL sweeper): not part of any RPC.
 _BACKGROUND = re.compile(
     r"capability_revocations WHERE|FROM capability_revocations\s*$|^SELECT 1$|memory_rows_by_space|sweep_expired_memories"
+    # The embedding-migration runner's poll for work (every replica, every poll_seconds).
+    r"|^UPDATE embedding_migrations SET lease_owner = \$1"
 )
 
 # RPC (and path) -> statements sent, at most. A tenant transaction is at least 3 (the BEGIN
@@ -72,7 +74,7 @@ EXPECTED = {
     "SearchKnowledge hybrid (warm)": 3,  # the remembered pins are checked with BEGIN
     "SearchKnowledge vector (warm)": 3,
     "DeleteDocument": 3,
-    "DeleteKnowledgeBase": 4,  # + the audit event
+    "DeleteKnowledgeBase": 5,  # the delete, its migrations' cancel (after the delete's lock), the audit event
     "ListAuditEvents": 1,
     "GetCredentialStatus": 5,
 }
