@@ -13,11 +13,11 @@ from grpc_health.v1 import health_pb2
 from tokensvc.api.status import status_code_for_reason
 from tokensvc.cli.main import build_parser
 from tokensvc.errors import Reason
-from tokensvc.v1 import admin_pb2, capability_pb2, knowledge_pb2, memory_pb2
+from tokensvc.v1 import admin_pb2, capability_pb2, data_subject_pb2, knowledge_pb2, memory_pb2, migration_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 API_DOC = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
-PROTO_MODULES = (capability_pb2, memory_pb2, knowledge_pb2, admin_pb2)
+PROTO_MODULES = (capability_pb2, memory_pb2, knowledge_pb2, admin_pb2, migration_pb2, data_subject_pb2)
 
 
 def _headings(text: str) -> set[str]:

@@ -39,6 +39,7 @@ from tokensvc.credentials.custody import CredentialCustodian
 from tokensvc.embedders import EmbedderRegistry, load_embedders
 from tokensvc.knowledge.extraction import ExtractionPool
 from tokensvc.knowledge.service import KnowledgeBases
+from tokensvc.memory.data_subjects import DataSubjectRequests
 from tokensvc.memory.reembedding import EmbeddingMigrations, MigrationRunner, RunnerSettings
 from tokensvc.memory.service import LongTermMemory
 from tokensvc.observability import METRICS, configure_tracing, start_metrics_server
@@ -46,6 +47,7 @@ from tokensvc.retrieval import FusionWeights, SearchTuning
 from tokensvc.settings import Settings, SettingsError
 from tokensvc.storage.postgres import Database
 from tokensvc.storage.postgres.audit import PostgresAuditStore
+from tokensvc.storage.postgres.data_subjects import PostgresDataSubjectStore
 from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
 from tokensvc.storage.postgres.logins import PostgresLogins
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
@@ -258,6 +260,7 @@ class Service:
                 knowledge=knowledge,
                 wake=self.migration_runner.wake,
             ),
+            data_subjects=DataSubjectRequests(PostgresDataSubjectStore(pool), lambda: keyring, self.audit),
         )
 
     def _server(self, domain: Domain, identities: IdentityPolicy) -> grpc.aio.Server:

@@ -33,6 +33,7 @@ class AuditKind(enum.StrEnum):
     KNOWLEDGE_BASE_DELETION = "knowledge_base_deletion"
     ADMIN_QUERY = "admin_query"
     EMBEDDING_MIGRATION = "embedding_migration"
+    DATA_SUBJECT_REQUEST = "data_subject_request"
 
 
 class AuditOutcome(enum.StrEnum):

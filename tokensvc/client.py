@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from tokensvc.v1 import (
     capability_pb2,
     capability_pb2_grpc,
     common_pb2,
+    data_subject_pb2_grpc,
     knowledge_pb2,
     knowledge_pb2_grpc,
     memory_pb2,
@@ -49,6 +50,7 @@ _STUBS: dict[str, Callable[[grpc.aio.Channel], Any]] = {
     "KnowledgeService": knowledge_pb2_grpc.KnowledgeServiceStub,
     "AdminService": admin_pb2_grpc.AdminServiceStub,
     "MigrationService": migration_pb2_grpc.MigrationServiceStub,
+    "DataSubjectService": data_subject_pb2_grpc.DataSubjectServiceStub,
 }
 # Reads and derivations: safe to send again after UNAVAILABLE.
 _IDEMPOTENT = frozenset(
@@ -67,6 +69,8 @@ _IDEMPOTENT = frozenset(
         "ListAuditEvents",
         "ReloadTrustBundle",
         "RevokeCapability",
+        "EraseEndUser",  # deleting again deletes nothing more
+        "GetErasureReceipt",
     }
 )
 
@@ -198,6 +202,21 @@ class TokensvcClient:
             await asyncio.sleep(random.uniform(delay / 2, delay))  # noqa: S311 - jitter, not crypto
             delay = min(delay * 2, self.max_backoff)
         raise AssertionError("unreachable")
+
+    async def stream(
+        self, service: str, method: str, request: Any, *, deadline_seconds: float | None = None
+    ) -> AsyncIterator[Any]:
+        """The messages of one server-streaming call (no retries: a stream resumes by its own
+        tokens); raises TokensvcError."""
+        stub = _STUBS[service](self._current_channel())
+        call = getattr(stub, method)(
+            request, timeout=deadline_seconds or self.timeout, metadata=self._metadata(False)
+        )
+        try:
+            async for message in call:
+                yield message
+        except grpc.aio.AioRpcError as error:
+            raise TokensvcError.from_rpc_error(error) from None
 
     async def upload_document(
         self,

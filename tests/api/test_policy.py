@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from tokensvc.api.policy import POLICIES
 from tokensvc.auth.identity import Role
-from tokensvc.v1 import admin_pb2, capability_pb2, knowledge_pb2, memory_pb2, migration_pb2
+from tokensvc.v1 import admin_pb2, capability_pb2, data_subject_pb2, knowledge_pb2, memory_pb2, migration_pb2
 
 
 def proto_methods() -> set[str]:
     methods = set()
-    for module in (capability_pb2, memory_pb2, knowledge_pb2, admin_pb2, migration_pb2):
+    for module in (capability_pb2, memory_pb2, knowledge_pb2, admin_pb2, migration_pb2, data_subject_pb2):
         for service in module.DESCRIPTOR.services_by_name.values():
             methods |= {f"/{service.full_name}/{method.name}" for method in service.methods}
     return methods
@@ -28,6 +28,10 @@ def test_launcher_rpcs_need_a_capability_and_admin_rpcs_are_admin_only() -> None
             assert policy.roles == {Role.ADMIN}, method
         if method.startswith("/tokensvc.v1.MigrationService/"):
             assert policy.roles == {Role.ADMIN, Role.CONTROL_PLANE}, method
+            assert not policy.needs_capability, method
+        if method.startswith("/tokensvc.v1.DataSubjectService/"):
+            # An end-user's data across agents: the control plane only (not an admin).
+            assert policy.roles == {Role.CONTROL_PLANE}, method
             assert not policy.needs_capability, method
 
 

@@ -104,6 +104,12 @@ POLICIES: dict[str, RpcPolicy] = {
             )
         },
     ),
+    # An end-user's data across agents: the control plane acts on data-subject requests; an admin
+    # (who operates the service, not its users) does not.
+    **_service(
+        "DataSubjectService",
+        dict.fromkeys(("EraseEndUser", "ExportEndUser", "GetErasureReceipt"), RpcPolicy(_CONTROL_PLANE)),
+    ),
     "/grpc.health.v1.Health/Check": _OPEN,
     "/grpc.health.v1.Health/Watch": _OPEN,
     "/grpc.health.v1.Health/List": _OPEN,

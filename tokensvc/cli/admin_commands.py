@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from tokensvc.cli.connection import add_connection_flags, call_service
+from tokensvc.cli.data_subject_commands import add_data_subject_commands
 from tokensvc.cli.migrate_commands import add_migrate_commands
 from tokensvc.cli.output import output
 from tokensvc.v1 import admin_pb2
@@ -44,6 +45,7 @@ def add_admin_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
         parser.add_argument("--json", action="store_true", help="print the response as JSON")
         add_connection_flags(parser)
     add_migrate_commands(sub)
+    add_data_subject_commands(sub)
 
 
 def _call(args: argparse.Namespace, method: str, request: Any) -> Any:

@@ -27,8 +27,10 @@ from tokensvc.storage.records import (
     BaseRow,
     ChunkRow,
     DatabaseCredential,
+    DataSubjectReceipt,
     DocumentRow,
     EmbeddingMigration,
+    ExportedMemory,
     KnowledgePins,
     MemoryRecord,
     MemorySpace,
@@ -51,6 +53,7 @@ __all__ = [
     "ConnectionPool",
     "CredentialJournal",
     "CredentialSource",
+    "DataSubjectStore",
     "DatabaseHealth",
     "DatabaseLogins",
     "DatabaseServer",
@@ -295,6 +298,36 @@ class EmbeddingMigrationStore(Protocol):
     ) -> EmbeddingMigration | None:
         """Count a consecutive embedder failure; at `pause_after` of them move to PAUSED with
         `reason` (and release the lease). None when `runner` does not hold the lease."""
+
+
+class DataSubjectStore(Protocol):
+    """One end-user's memories across agents (erasure and export requests), and their receipts.
+
+    The end-user is given as buckets only (`tenant.buckets`: the user's bucket under every pepper
+    version, of `tenant.namespace`/`tenant.agent`); nothing here sees a user id.
+    """
+
+    async def agents(
+        self, namespace: str | None, *, after: tuple[str, str] | None, limit: int
+    ) -> list[tuple[str, str]]:
+        """Up to `limit` memory spaces (namespace, agent) of `namespace` (None: of every one), in
+        (namespace, agent) order strictly after `after`."""
+
+    async def erase(self, tenant: Tenant, *, limit: int) -> int:
+        """Delete up to `limit` rows of the tenant's buckets (expired ones too), in one
+        transaction; returns how many (0: none left)."""
+
+    async def export(
+        self, tenant: Tenant, *, after: tuple[str, datetime, str] | None, limit: int
+    ) -> list[ExportedMemory]:
+        """Up to `limit` live rows of the tenant's buckets in (bucket, created_at, id) order
+        strictly after `after`."""
+
+    async def record_receipt(self, receipt: DataSubjectReceipt) -> DataSubjectReceipt:
+        """Store the receipt (it is never changed or removed); returns it with its time."""
+
+    async def receipt(self, receipt_id: str) -> DataSubjectReceipt | None:
+        """The receipt with this id."""
 
 
 class KnowledgeStore(Protocol):

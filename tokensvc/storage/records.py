@@ -28,10 +28,12 @@ __all__ = [
     "CandidateQuery",
     "ChunkRow",
     "ChunkingSpec",
+    "DataSubjectReceipt",
     "DatabaseCredential",
     "DocumentRow",
     "EmbedderSpec",
     "EmbeddingMigration",
+    "ExportedMemory",
     "KnowledgePins",
     "MemoryRecord",
     "MemorySpace",
@@ -40,6 +42,7 @@ __all__ = [
     "PassageRow",
     "PendingDocument",
     "PendingMemory",
+    "ReceiptKind",
     "Revocation",
     "RevocationKind",
     "RotationEntry",
@@ -431,6 +434,48 @@ class Revocation:
     kind: RevocationKind
     value: str
     revoked_at: datetime
+
+
+# --- end-user data rights -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExportedMemory:
+    """One memory of an end-user, as an export lists it: where it lives and what it holds."""
+
+    namespace: str
+    agent: str
+    bucket: str
+    memory: MemoryRecord
+
+
+@dataclass(frozen=True)
+class AgentMemories:
+    """How many of an end-user's memories one agent's space held (erased or exported)."""
+
+    namespace: str
+    agent: str
+    memories: int
+
+
+class ReceiptKind(enum.StrEnum):
+    ERASURE = "erasure"
+    EXPORT = "export"
+
+
+@dataclass(frozen=True)
+class DataSubjectReceipt:
+    """What an erasure or an export did, never whose: no user id, bucket or content."""
+
+    id: str
+    kind: ReceiptKind
+    namespace: str  # "" for every namespace
+    memories: int
+    per_agent: tuple[AgentMemories, ...]
+    agents: int  # agents looked at
+    key_prefixes: int  # session-memory key prefixes listed
+    actor: str
+    created_at: datetime | None = None
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,10 @@ class _AuditEventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AuditE
     """AUDIT_EVENT_KIND_EMBEDDING_MIGRATION is a re-embedding migration's start, cutover, pause,
     cancellation, resumption or end.
     """
+    AUDIT_EVENT_KIND_DATA_SUBJECT_REQUEST: _AuditEventKind.ValueType  # 9
+    """AUDIT_EVENT_KIND_DATA_SUBJECT_REQUEST is an end-user's erasure or export (DataSubjectService):
+    its receipt id, counts and caller, never the user id.
+    """
 
 class AuditEventKind(_AuditEventKind, metaclass=_AuditEventKindEnumTypeWrapper):
     """AuditEventKind is the category of an audited action."""
@@ -162,6 +166,10 @@ ListAuditEvents).
 AUDIT_EVENT_KIND_EMBEDDING_MIGRATION: AuditEventKind.ValueType  # 8
 """AUDIT_EVENT_KIND_EMBEDDING_MIGRATION is a re-embedding migration's start, cutover, pause,
 cancellation, resumption or end.
+"""
+AUDIT_EVENT_KIND_DATA_SUBJECT_REQUEST: AuditEventKind.ValueType  # 9
+"""AUDIT_EVENT_KIND_DATA_SUBJECT_REQUEST is an end-user's erasure or export (DataSubjectService):
+its receipt id, counts and caller, never the user id.
 """
 Global___AuditEventKind: _TypeAlias = AuditEventKind  # noqa: Y015
 

@@ -27,6 +27,7 @@ from tokensvc.storage.memory import (
     InMemoryAuditStore,
     InMemoryCredentialJournal,
     InMemoryCredentialSource,
+    InMemoryDataSubjectStore,
     InMemoryEmbeddingMigrationStore,
     InMemoryKnowledgeStore,
     InMemoryMemoryStatistics,
@@ -37,6 +38,7 @@ from tokensvc.storage.ports import (
     AuditStore,
     CredentialJournal,
     CredentialSource,
+    DataSubjectStore,
     EmbeddingMigrationStore,
     KnowledgeStore,
     MemoryStatistics,
@@ -46,6 +48,7 @@ from tokensvc.storage.ports import (
 from tokensvc.storage.postgres import (
     Database,
     PostgresAuditStore,
+    PostgresDataSubjectStore,
     PostgresEmbeddingMigrationStore,
     PostgresKnowledgeStore,
     PostgresMemoryStore,
@@ -70,6 +73,7 @@ class Backend:
     audit: AuditStore
     statistics: MemoryStatistics  # counts over `memories`' rows
     migrations: EmbeddingMigrationStore  # over `memories`' rows
+    data_subjects: DataSubjectStore  # over `memories`' rows
 
 
 @pytest.fixture(scope="session")
@@ -104,6 +108,7 @@ def backend(request: pytest.FixtureRequest) -> Backend:
             PostgresAuditStore(pool),
             PostgresStatistics(pool),
             PostgresEmbeddingMigrationStore(pool),
+            PostgresDataSubjectStore(pool),
         )
     memories = InMemoryMemoryStore()
     knowledge = InMemoryKnowledgeStore()
@@ -116,6 +121,7 @@ def backend(request: pytest.FixtureRequest) -> Backend:
         audit,
         InMemoryMemoryStatistics(memories),
         InMemoryEmbeddingMigrationStore(memories, audit, knowledge),
+        InMemoryDataSubjectStore(memories),
     )
 
 

@@ -13,11 +13,13 @@ import grpc
 from tokensvc.admin import Administration
 from tokensvc.api.servicers.admin import AdminServicer
 from tokensvc.api.servicers.capability import CapabilityServicer
+from tokensvc.api.servicers.data_subject import DataSubjectServicer
 from tokensvc.api.servicers.knowledge import KnowledgeServicer
 from tokensvc.api.servicers.memory import MemoryServicer
 from tokensvc.api.servicers.migration import MigrationServicer
 from tokensvc.auth.operations import CapabilityOperations
 from tokensvc.knowledge.service import KnowledgeBases
+from tokensvc.memory.data_subjects import DataSubjectRequests
 from tokensvc.memory.reembedding import EmbeddingMigrations
 from tokensvc.memory.service import LongTermMemory
 from tokensvc.v1 import (
@@ -25,6 +27,8 @@ from tokensvc.v1 import (
     admin_pb2_grpc,
     capability_pb2,
     capability_pb2_grpc,
+    data_subject_pb2,
+    data_subject_pb2_grpc,
     knowledge_pb2,
     knowledge_pb2_grpc,
     memory_pb2,
@@ -46,6 +50,7 @@ class Domain:
     max_upload_bytes: int
     administration: Administration
     migrations: EmbeddingMigrations
+    data_subjects: DataSubjectRequests
 
 
 def register_servicers(server: grpc.aio.Server, domain: Domain) -> None:
@@ -58,6 +63,9 @@ def register_servicers(server: grpc.aio.Server, domain: Domain) -> None:
     )
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(domain.administration), server)
     migration_pb2_grpc.add_MigrationServiceServicer_to_server(MigrationServicer(domain.migrations), server)
+    data_subject_pb2_grpc.add_DataSubjectServiceServicer_to_server(
+        DataSubjectServicer(domain.data_subjects), server
+    )
 
 
 def service_names() -> list[str]:
@@ -70,5 +78,6 @@ def service_names() -> list[str]:
             (knowledge_pb2, "KnowledgeService"),
             (admin_pb2, "AdminService"),
             (migration_pb2, "MigrationService"),
+            (data_subject_pb2, "DataSubjectService"),
         )
     ]

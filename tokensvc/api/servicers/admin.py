@@ -43,6 +43,7 @@ _KINDS = {
     admin_pb2.AUDIT_EVENT_KIND_KNOWLEDGE_BASE_DELETION: AuditKind.KNOWLEDGE_BASE_DELETION,
     admin_pb2.AUDIT_EVENT_KIND_ADMIN_QUERY: AuditKind.ADMIN_QUERY,
     admin_pb2.AUDIT_EVENT_KIND_EMBEDDING_MIGRATION: AuditKind.EMBEDDING_MIGRATION,
+    admin_pb2.AUDIT_EVENT_KIND_DATA_SUBJECT_REQUEST: AuditKind.DATA_SUBJECT_REQUEST,
 }
 # By stored value: a kind or outcome this version does not know (written by a newer replica during
 # a rolling upgrade) is UNSPECIFIED, never an error.

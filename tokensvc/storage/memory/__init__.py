@@ -1,7 +1,8 @@
 """In-process implementations of every store port: no database, the same contracts.
 
-The store ports are the memories, their statistics and re-embedding migrations, the knowledge bases, revocations, the
-audit trail, the credential journal and the credential source; the ports that adapt the database
+The store ports are the memories, their statistics, re-embedding migrations and end-user data
+requests, the knowledge bases, revocations, the audit trail, the credential journal and the
+credential source; the ports that adapt the database
 server itself (`DatabaseLogins`, `ConnectionPool`, `DatabaseHealth`, `DatabaseServer`) have none.
 
 Each passes the conformance suite (`tests/storage/conformance/`) that the PostgreSQL stores pass;
@@ -14,6 +15,7 @@ roster raises `PermissionError` where PostgreSQL's row-level security refuses it
 
 from tokensvc.storage.memory.clock import Clock
 from tokensvc.storage.memory.credentials import InMemoryCredentialJournal, InMemoryCredentialSource
+from tokensvc.storage.memory.data_subjects import InMemoryDataSubjectStore
 from tokensvc.storage.memory.knowledge import InMemoryKnowledgeStore
 from tokensvc.storage.memory.ledgers import InMemoryAuditStore, InMemoryRevocationStore
 from tokensvc.storage.memory.memories import InMemoryMemoryStatistics, InMemoryMemoryStore
@@ -24,6 +26,7 @@ __all__ = [
     "InMemoryAuditStore",
     "InMemoryCredentialJournal",
     "InMemoryCredentialSource",
+    "InMemoryDataSubjectStore",
     "InMemoryEmbeddingMigrationStore",
     "InMemoryKnowledgeStore",
     "InMemoryMemoryStatistics",

@@ -3,6 +3,7 @@ embedded server. All of tokensvc's SQL lives under this package, and database fa
 domain errors here (`errors.py`), so nothing above storage imports asyncpg."""
 
 from tokensvc.storage.postgres.audit import PostgresAuditStore
+from tokensvc.storage.postgres.data_subjects import PostgresDataSubjectStore
 from tokensvc.storage.postgres.database import Database, DatabaseTarget, connect_once
 from tokensvc.storage.postgres.embedded import EmbeddedPostgres, EmbeddedPostgresError
 from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
@@ -26,6 +27,7 @@ __all__ = [
     "EmbeddedPostgresError",
     "MigrationError",
     "PostgresAuditStore",
+    "PostgresDataSubjectStore",
     "PostgresEmbeddingMigrationStore",
     "PostgresHealth",
     "PostgresKnowledgeStore",

@@ -35,7 +35,7 @@ from tokensvc.storage.records import (
     Tenant,
 )
 
-__all__ = ["PostgresMemoryStore", "ensure_vector_index", "search_statement"]
+__all__ = ["PostgresMemoryStore", "ensure_vector_index", "memory_record", "search_statement"]
 
 _LIVE = "(expires_at IS NULL OR expires_at > now())"
 _COLUMNS = "id, content, metadata, created_at, updated_at, expires_at"
@@ -56,7 +56,8 @@ def _slot(tenant: Tenant) -> Corpus:
     return _SLOTS[(tenant.generation or 0) % 2]
 
 
-def _record(row: asyncpg.Record, embedder: str) -> MemoryRecord:
+def memory_record(row: asyncpg.Record, embedder: str) -> MemoryRecord:
+    """A memory row (the columns of `_COLUMNS`) as its record."""
     return MemoryRecord(
         id=str(row["id"]),
         content=row["content"],
@@ -333,7 +334,7 @@ class PostgresMemoryStore:
         except asyncpg.UniqueViolationError:
             # Only (bucket, content_sha256) can collide here: another memory has this content.
             raise AlreadyExists("another memory in this bucket has this content", field="content") from None
-        return None if row is None else _record(row, embedder)
+        return None if row is None else memory_record(row, embedder)
 
     async def delete(self, tenant: Tenant, bucket: str, ids: Sequence[str]) -> int:
         async with tenant_transaction(self._pool, tenant) as conn:
@@ -372,7 +373,7 @@ class PostgresMemoryStore:
                 bucket,
                 memory_id,
             )
-        return None if row is None else _record(row, embedder)
+        return None if row is None else memory_record(row, embedder)
 
     async def list_page(
         self,
@@ -396,7 +397,7 @@ class PostgresMemoryStore:
                 f"ORDER BY created_at DESC, id DESC LIMIT ${len(params)}",
                 *params,
             )
-        return [_record(row, embedder) for row in rows]
+        return [memory_record(row, embedder) for row in rows]
 
     async def search(
         self,
@@ -418,4 +419,4 @@ class PostgresMemoryStore:
             row_count=row_count,
             count_cap=count_cap,
         )
-        return SearchOutcome(rows, candidates_from(found, lambda row: _record(row, embedder), str))
+        return SearchOutcome(rows, candidates_from(found, lambda row: memory_record(row, embedder), str))
