@@ -141,11 +141,13 @@ async def test_an_end_users_memories_are_exported_and_erased_across_agents_and_p
         finally:
             await admin.close(grace=None)
         mine = [e for e in events.events if erased.receipt.id in e.target]
-        assert [(e.action, e.detail) for e in mine] == [
+        assert [(e.outcome, e.action, e.detail) for e in mine] == [
             (
+                admin_pb2.AUDIT_OUTCOME_SUCCEEDED,
                 "erasure of an end-user's memories",
                 f"erased 9 memories in 3 of {erased.receipt.agents} agents",
-            )
+            ),
+            (admin_pb2.AUDIT_OUTCOME_STARTED, "erasure of an end-user's memories", ""),
         ]
     finally:
         await control.close(grace=None)
@@ -219,6 +221,21 @@ async def test_only_the_control_plane_may_ask_and_bad_input_names_its_field(
                 stub.GetErasureReceipt(data_subject_pb2.GetErasureReceiptRequest(id="nope"), timeout=TIMEOUT),
                 "id",
             ),
+            (
+                stub.EraseEndUser(
+                    data_subject_pb2.EraseEndUserRequest(user_id="u", agents=["a"]), timeout=TIMEOUT
+                ),
+                "agents",
+            ),
+            (
+                stub.EraseEndUser(
+                    data_subject_pb2.EraseEndUserRequest(
+                        namespace="default", user_id="u", agents=["ok", "Bad!"]
+                    ),
+                    timeout=TIMEOUT,
+                ),
+                "agents[1]",
+            ),
         ]
         for call, field in cases:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -266,6 +283,17 @@ async def test_the_cli_reads_the_user_id_from_a_file_or_stdin_never_argv(
     lines = out_file.read_text(encoding="utf-8").splitlines()
     assert any('"a memory the CLI exports"' in line for line in lines)
     assert '"receipt"' in lines[-1]
+    # Resuming after the memory appends to the same file (what was exported stays).
+    token = json.loads(lines[0])["resume_token"]
+    code, _, err = await tokensvc(
+        "admin", "export-user", "--namespace", "default", "--user-file", str(user_file), "--output", str(out_file),
+        "--resume-token", token, *conn,
+    )  # fmt: skip
+    assert code == 0, err
+    resumed = out_file.read_text(encoding="utf-8").splitlines()
+    assert resumed[: len(lines)] == lines
+    assert '"receipt"' in resumed[-1]
+    assert not any('"a memory the CLI exports"' in line for line in resumed[len(lines) :])
     code, out, err = await tokensvc(
         "admin", "erase-user", "--namespace", "default", "--user-file", str(user_file), "--json", *conn
     )

@@ -3,6 +3,8 @@ what a receipt and its audit event hold (never the user id)."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from tests.storage.conformance.support import SPACE, axis, memory
 from tokensvc.audit import AuditLog
 from tokensvc.auth.buckets import PepperKeyring, all_bucket_ids
-from tokensvc.errors import InvalidArgument, NotFound
+from tokensvc.errors import DatabaseUnavailable, InvalidArgument, NotFound
 from tokensvc.memory.data_subjects import DataSubjectRequests, ReceiptKind
 from tokensvc.storage.memory import InMemoryAuditStore, InMemoryDataSubjectStore, InMemoryMemoryStore
 from tokensvc.storage.records import Tenant
@@ -70,20 +72,78 @@ async def test_an_erasure_works_in_batches_leaves_others_and_audits_no_user_id()
     assert sorted(others) == ["agent-a other", "agent-b other", "agent-c other"]
     assert await requests.receipt(erasure.receipt.id) == erasure.receipt
     events = await audit.page(before_id=None, kinds=[], since=None, until=None, limit=100)
-    assert len(events) == 2
+    assert [e.outcome for e in reversed(events)] == ["started", "succeeded", "started", "succeeded"]
     assert all(USER not in repr(event) for event in events)
     assert USER not in repr(erasure.receipt)
 
 
 async def test_bad_requests_name_their_field() -> None:
     requests, _, _ = await stores()
-    for user in ("", "   ", "x" * 1025):
+    for user in ("", "x" * 513, "nul\x00inside", "\ud800"):
         with pytest.raises(InvalidArgument) as refused:
             await requests.erase("ns", user, actor="cp")
         assert refused.value.field == "user_id"
-    for token in ("garbage", "eyJ4Ijp0cnVlfQ", "WyJucyIsImEiLCJiIiwieCIsInkiXQ"):
+    out_of_range = _token(
+        ["ns", "agent-a", "v1.abc", "0001-01-01T00:00:00+05:00", "6b1f1c0e-5a61-4d7f-9f0e-2d7a1c6b8e44"]
+    )
+    for token in ("garbage", "eyJ4Ijp0cnVlfQ", "WyJucyIsImEiLCJiIiwieCIsInkiXQ", out_of_range):
         with pytest.raises(InvalidArgument) as refused:
             _ = [i async for i in requests.export("ns", USER, actor="cp", resume_token=token)]
         assert refused.value.field == "resume_token"
     with pytest.raises(NotFound):
         await requests.receipt("6b1f1c0e-5a61-4d7f-9f0e-2d7a1c6b8e44")
+
+
+def _token(parts: list[str]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(parts).encode()).decode().rstrip("=")
+
+
+async def test_every_user_a_capability_can_name_can_be_erased() -> None:
+    requests, _, _ = await stores()
+    for user in (" ", "\U0001f600" * 512):  # whitespace, and 512 characters of 4 bytes each
+        assert (await requests.erase("ns", user, actor="cp")).receipt.complete
+
+
+async def test_extra_agents_get_their_session_key_prefixes_too() -> None:
+    requests, _, _ = await stores()
+    erasure = await requests.erase("ns", USER, actor="cp", extra_agents=["session-only", "agent-a"])
+    assert erasure.receipt.agents == 4  # three spaces and the session-only agent, once each
+    assert [p for p in erasure.key_prefixes if p.startswith("mem:ns/session-only:")] == [
+        f"mem:ns/session-only:{b}:" for b in all_bucket_ids(KEYRING, "ns", "session-only", USER)
+    ]
+
+
+class _FailingSecondBatch(InMemoryDataSubjectStore):
+    def __init__(self, memories: InMemoryMemoryStore) -> None:
+        super().__init__(memories)
+        self.batches = 0
+
+    async def erase(self, tenant: Tenant, *, limit: int) -> int:
+        self.batches += 1
+        if self.batches == 2:
+            raise DatabaseUnavailable()
+        return await super().erase(tenant, limit=limit)
+
+
+async def test_an_erasure_cut_off_part_of_the_way_records_what_it_erased() -> None:
+    _, memories, audit = await stores()
+    store = _FailingSecondBatch(memories)
+    requests = DataSubjectRequests(store, lambda: KEYRING, AuditLog(audit), batch_size=2)
+    with pytest.raises(DatabaseUnavailable):
+        await requests.erase("ns", USER, actor="cp")
+    events = await audit.page(before_id=None, kinds=[], since=None, until=None, limit=100)
+    assert [(e.outcome, e.action) for e in reversed(events)] == [
+        ("started", "erasure of an end-user's memories"),
+        ("failed", "erasure of an end-user's memories"),
+    ]
+    receipt_id = events[0].target.split()[0].removeprefix("receipt:")
+    partial = await requests.receipt(receipt_id)
+    assert (partial.complete, partial.memories, [a.agent for a in partial.per_agent]) == (
+        False,
+        2,
+        ["agent-a"],
+    )
+    again = await DataSubjectRequests(
+        InMemoryDataSubjectStore(memories), lambda: KEYRING, AuditLog(audit)
+    ).erase("ns", USER, actor="cp")
+    assert (again.receipt.complete, again.receipt.memories) == (True, 4)

@@ -39,6 +39,7 @@ __all__ = [
     "CAPABILITY_TYPE",
     "MAX_LEEWAY_SECONDS",
     "MAX_TOKEN_BYTES",
+    "MAX_USER_CHARS",
     "CapabilityVerifier",
     "VerifiedCapability",
     "certificate_thumbprint",
@@ -60,7 +61,7 @@ _FORBIDDEN_HEADERS = frozenset({"jwk", "jku", "x5u", "x5c", "x5t", "x5t#S256", "
 _REQUIRED_CLAIMS = ("iss", "aud", "sub", "jti", "iat", "nbf", "exp", "ns", "agent")
 _THUMBPRINT = re.compile(r"[A-Za-z0-9_-]{43}")
 _MAX_ID_CHARS = 256
-_MAX_USER_CHARS = 512
+MAX_USER_CHARS = 512  # a capability's `user` claim: 1..512 characters (and what erasure accepts)
 _MAX_KBS = 64
 _MAX_NUMERIC_DATE = 253402300799  # 9999-12-31T23:59:59Z
 _SHA256_BYTES = 32
@@ -195,7 +196,7 @@ class CapabilityVerifier:
         if aud not in (self._audience, [self._audience]):
             raise _Reject("claims")
         iat, nbf, exp = (_numeric_date(claims[name]) for name in ("iat", "nbf", "exp"))
-        user = _optional(claims, "user", _text(_MAX_USER_CHARS))
+        user = _optional(claims, "user", _text(MAX_USER_CHARS))
         per_user = _optional(claims, "per_user", _flag) or False
         if per_user and user is None:
             raise _Reject("claims")
@@ -396,7 +397,7 @@ def mint_capability(
     _require(bool(DNS_LABEL.fullmatch(agent)), "agent", "must be a DNS label")
     _require(registry is None or bool(DNS_LABEL.fullmatch(registry)), "registry", "must be a DNS label")
     _require(
-        user is None or 0 < len(user) <= _MAX_USER_CHARS, "user", f"must be 1-{_MAX_USER_CHARS} characters"
+        user is None or 0 < len(user) <= MAX_USER_CHARS, "user", f"must be 1-{MAX_USER_CHARS} characters"
     )
     _require(not per_user or user is not None, "user", "is required when per_user is set")
     kbs = list(knowledge_bases)

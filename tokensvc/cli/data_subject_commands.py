@@ -44,9 +44,17 @@ def add_data_subject_commands(sub: argparse._SubParsersAction[argparse.ArgumentP
         parser.add_argument(
             "--user-file", type=Path, help="a file holding the user id (default: read it from standard input)"
         )
+        parser.add_argument(
+            "--agent",
+            action="append",
+            default=[],
+            help="also this agent of --namespace (one with session memory only; repeatable)",
+        )
     erase.set_defaults(handler=_erase)
     export.add_argument("--output", type=Path, help="write the export here (default: standard output)")
-    export.add_argument("--resume-token", default="", help="resume after the memory that returned it")
+    export.add_argument(
+        "--resume-token", default="", help="resume after the memory that returned it (appends to --output)"
+    )
     export.set_defaults(handler=_export)
     receipt = sub.add_parser(
         "receipt", help="an erasure's or export's receipt", description="GetErasureReceipt."
@@ -83,11 +91,15 @@ def _describe(receipt: data_subject_pb2.DataSubjectReceipt) -> str:
         f"{receipt.session_key_prefixes} session-key prefixes",
     ]
     lines += [f"  {a.namespace}/{a.agent}: {a.memories}" for a in receipt.per_agent]
+    if not receipt.complete:
+        lines.append("  INCOMPLETE: cut off part of the way; run the erasure again")
     return "\n".join(lines)
 
 
 def _erase(args: argparse.Namespace) -> int:
-    request = data_subject_pb2.EraseEndUserRequest(namespace=args.namespace, user_id=_user_id(args))
+    request = data_subject_pb2.EraseEndUserRequest(
+        namespace=args.namespace, user_id=_user_id(args), agents=args.agent
+    )
     response = call_service(args, _ROLE, "DataSubjectService", "EraseEndUser", request)
     text = _describe(response.receipt)
     if response.session_key_prefixes:
@@ -99,9 +111,11 @@ def _erase(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     request = data_subject_pb2.ExportEndUserRequest(
-        namespace=args.namespace, user_id=_user_id(args), resume_token=args.resume_token
+        namespace=args.namespace, user_id=_user_id(args), resume_token=args.resume_token, agents=args.agent
     )
-    target: TextIO = sys.stdout if args.output is None else args.output.open("w", encoding="utf-8")
+    # Resuming continues the file the interrupted export wrote.
+    mode = "a" if args.resume_token else "w"
+    target: TextIO = sys.stdout if args.output is None else args.output.open(mode, encoding="utf-8")
     try:
         receipt = asyncio.run(_stream(args, request, target))
     except TokensvcError as exc:

@@ -19,17 +19,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from opentelemetry import trace
 
 from tokensvc.audit import AuditKind, AuditLog, AuditOutcome
 from tokensvc.auth.buckets import PepperKeyring, all_bucket_ids
+from tokensvc.auth.capabilities import MAX_USER_CHARS
 from tokensvc.errors import InvalidArgument, NotFound
 from tokensvc.storage.ports import DataSubjectStore
 from tokensvc.storage.records import AgentMemories, DataSubjectReceipt, ExportedMemory, ReceiptKind, Tenant
@@ -46,7 +48,8 @@ __all__ = [
 
 _tracer = trace.get_tracer("tokensvc.memory.data_subjects")
 _AGENT_PAGE = 500
-MAX_USER_ID_BYTES = 1024
+_EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
+_LATEST = datetime(9000, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True)
@@ -87,51 +90,85 @@ class DataSubjectRequests:
         self._audit = audit
         self._batch = batch_size
 
-    async def _spaces(self, namespace: str) -> AsyncIterator[tuple[str, str]]:
+    async def _spaces(self, namespace: str, extra_agents: Sequence[str]) -> list[tuple[str, str]]:
+        """The memory spaces of the namespace (or of every one), and `extra_agents` of it (agents
+        with session memory only have no space), in code-point order: the order an export's
+        resume token is compared in, whatever the database's collation."""
+        spaces: set[tuple[str, str]] = {(namespace, agent) for agent in extra_agents}
         after: tuple[str, str] | None = None
         while True:
             page = await self._store.agents(namespace or None, after=after, limit=_AGENT_PAGE)
-            for space in page:
-                yield space
+            spaces.update(page)
             if len(page) < _AGENT_PAGE:
-                return
+                return sorted(spaces)
             after = page[-1]
 
     def _tenant(self, namespace: str, agent: str, user_id: str) -> Tenant:
         """The user's buckets in this agent's space, under every pepper version in the keyring."""
         return Tenant(namespace, agent, tuple(all_bucket_ids(self._keyring(), namespace, agent, user_id)))
 
-    async def erase(self, namespace: str, user_id: str, *, actor: str) -> Erasure:
+    async def erase(
+        self, namespace: str, user_id: str, *, actor: str, extra_agents: Sequence[str] = ()
+    ) -> Erasure:
         """Delete the user's memories in every agent's space; idempotent (a second erasure finds
-        nothing and says so in a receipt of its own)."""
+        nothing and says so in a receipt of its own). An erasure that fails or is cut off part of
+        the way records what it erased so far (a receipt marked incomplete); run it again."""
         _check_user(user_id)
         with _tracer.start_as_current_span("data_subject.erase") as span:
             span.set_attribute("tokensvc.namespace", namespace)
+            receipt_id = str(uuid.uuid4())
+            await self._audit.record(
+                AuditKind.DATA_SUBJECT_REQUEST,
+                actor=actor,
+                action="erasure of an end-user's memories",
+                target=_target(receipt_id, namespace),
+                outcome=AuditOutcome.STARTED,
+            )
             per_agent: list[AgentMemories] = []
             prefixes: list[str] = []
-            agents = 0
-            async for space_ns, agent in self._spaces(namespace):
-                agents += 1
-                tenant = self._tenant(space_ns, agent, user_id)
-                prefixes += [session_key_prefix(space_ns, agent, b) for b in tenant.buckets]
-                erased = 0
-                while True:
-                    began = time.monotonic()
-                    batch = await self._store.erase(tenant, limit=self._batch)
-                    if not batch:
-                        break
-                    erased += batch
-                    # A batch per transaction, then as long a pause: the database spends at most
-                    # half its time on the erasure, and other tenants' statements run between.
-                    await asyncio.sleep(time.monotonic() - began)
-                if erased:
-                    per_agent.append(AgentMemories(space_ns, agent, erased))
-            receipt = await self._receipt(ReceiptKind.ERASURE, namespace, per_agent, agents, prefixes, actor)
+            spaces = await self._spaces(namespace, extra_agents)
+            try:
+                for space_ns, agent in spaces:
+                    tenant = self._tenant(space_ns, agent, user_id)
+                    prefixes += [session_key_prefix(space_ns, agent, b) for b in tenant.buckets]
+                    erased = 0
+                    try:
+                        while batch := await self._erase_batch(tenant):
+                            erased += batch
+                    finally:
+                        if erased:
+                            per_agent.append(AgentMemories(space_ns, agent, erased))
+            except BaseException:
+                # Cut off (the deadline, a cancel) or failed: what was erased is recorded all the same.
+                with contextlib.suppress(Exception):
+                    await self._receipt(
+                        receipt_id, ReceiptKind.ERASURE, namespace, per_agent, len(spaces), prefixes, actor,
+                        complete=False,
+                    )  # fmt: skip
+                raise
+            receipt = await self._receipt(
+                receipt_id, ReceiptKind.ERASURE, namespace, per_agent, len(spaces), prefixes, actor
+            )
             span.set_attribute("tokensvc.result_count", receipt.memories)
             return Erasure(receipt, tuple(prefixes))
 
+    async def _erase_batch(self, tenant: Tenant) -> int:
+        """One batch in its own transaction, then as long a pause: the database spends at most
+        half its time on the erasure, and other tenants' statements run between batches."""
+        began = time.monotonic()
+        erased = await self._store.erase(tenant, limit=self._batch)
+        if erased:
+            await asyncio.sleep(time.monotonic() - began)
+        return erased
+
     async def export(
-        self, namespace: str, user_id: str, *, actor: str, resume_token: str = ""
+        self,
+        namespace: str,
+        user_id: str,
+        *,
+        actor: str,
+        resume_token: str = "",
+        extra_agents: Sequence[str] = (),
     ) -> AsyncIterator[ExportItem]:
         """Every live memory of the user, agent by agent in (namespace, agent) order and within
         one in (bucket, created_at, id) order; then the session-memory key prefixes; then the
@@ -140,9 +177,8 @@ class DataSubjectRequests:
         resume = _decode_resume(resume_token)
         per_agent: list[AgentMemories] = []
         prefixes: list[str] = []
-        agents = 0
-        async for space_ns, agent in self._spaces(namespace):
-            agents += 1
+        spaces = await self._spaces(namespace, extra_agents)
+        for space_ns, agent in spaces:
             tenant = self._tenant(space_ns, agent, user_id)
             prefixes += [session_key_prefix(space_ns, agent, b) for b in tenant.buckets]
             after: tuple[str, datetime, str] | None = None
@@ -162,7 +198,9 @@ class DataSubjectRequests:
                 per_agent.append(AgentMemories(space_ns, agent, exported))
         for prefix in prefixes:
             yield ExportItem(key_prefix=prefix)
-        receipt = await self._receipt(ReceiptKind.EXPORT, namespace, per_agent, agents, prefixes, actor)
+        receipt = await self._receipt(
+            str(uuid.uuid4()), ReceiptKind.EXPORT, namespace, per_agent, len(spaces), prefixes, actor
+        )
         yield ExportItem(receipt=receipt)
 
     async def receipt(self, receipt_id: str) -> DataSubjectReceipt:
@@ -173,16 +211,19 @@ class DataSubjectRequests:
 
     async def _receipt(
         self,
+        receipt_id: str,
         kind: ReceiptKind,
         namespace: str,
         per_agent: list[AgentMemories],
         agents: int,
         prefixes: list[str],
         actor: str,
+        *,
+        complete: bool = True,
     ) -> DataSubjectReceipt:
         receipt = await self._store.record_receipt(
             DataSubjectReceipt(
-                id=str(uuid.uuid4()),
+                id=receipt_id,
                 kind=kind,
                 namespace=namespace,
                 memories=sum(a.memories for a in per_agent),
@@ -190,6 +231,7 @@ class DataSubjectRequests:
                 agents=agents,
                 key_prefixes=len(prefixes),
                 actor=actor,
+                complete=complete,
             )
         )
         verb = "erased" if kind is ReceiptKind.ERASURE else "exported"
@@ -197,18 +239,29 @@ class DataSubjectRequests:
             AuditKind.DATA_SUBJECT_REQUEST,
             actor=actor,
             action=f"{kind.value} of an end-user's memories",
-            target=f"receipt:{receipt.id} namespace:{namespace or '*'}",
-            outcome=AuditOutcome.SUCCEEDED,
-            detail=f"{verb} {receipt.memories} memories in {len(per_agent)} of {agents} agents",
+            target=_target(receipt.id, namespace),
+            outcome=AuditOutcome.SUCCEEDED if complete else AuditOutcome.FAILED,
+            detail=f"{verb} {receipt.memories} memories in {len(per_agent)} of {agents} agents"
+            + ("" if complete else " before it was cut off; run it again"),
         )
         return receipt
 
 
+def _target(receipt_id: str, namespace: str) -> str:
+    return f"receipt:{receipt_id} namespace:{namespace or '*'}"
+
+
 def _check_user(user_id: str) -> None:
-    if not user_id or not user_id.strip():
-        raise InvalidArgument("user_id", "must not be empty")
-    if len(user_id.encode("utf-8", "surrogatepass")) > MAX_USER_ID_BYTES:
-        raise InvalidArgument("user_id", f"must be at most {MAX_USER_ID_BYTES} bytes")
+    """Every user a capability can name (its `user` claim: 1..512 characters, no U+0000, no lone
+    surrogate), and nothing else."""
+    if not 0 < len(user_id) <= MAX_USER_CHARS:
+        raise InvalidArgument("user_id", f"must be 1 to {MAX_USER_CHARS} characters, as a capability's user")
+    if "\x00" in user_id:
+        raise InvalidArgument("user_id", "must not contain U+0000 (NUL)")
+    try:
+        user_id.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument("user_id", "must be valid UTF-8") from None
 
 
 def _encode_resume(item: ExportedMemory) -> str:
@@ -233,7 +286,11 @@ def _decode_resume(token: str) -> tuple[tuple[str, str], tuple[str, datetime, st
             or moment.tzinfo is None
         ):
             raise ValueError("malformed")
+        # A memory's time, so within what PostgreSQL and asyncpg convert (0001 or 9999 with an
+        # offset would overflow on the way).
+        if not _EARLIEST <= moment.astimezone(UTC) <= _LATEST:
+            raise ValueError("out of range")
         Tenant(namespace, agent, (bucket,))  # validates the names and the bucket
         return (namespace, agent), (bucket, moment, str(uuid.UUID(memory_id)))
-    except (ValueError, TypeError, binascii.Error, json.JSONDecodeError):
+    except (ValueError, TypeError, OverflowError, binascii.Error, json.JSONDecodeError):
         raise InvalidArgument("resume_token", "is not a token this export returned") from None

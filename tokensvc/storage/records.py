@@ -476,6 +476,7 @@ class DataSubjectReceipt:
     key_prefixes: int  # session-memory key prefixes listed
     actor: str
     created_at: datetime | None = None
+    complete: bool = True  # False: an erasure cut off part of the way (run it again)
 
 
 @dataclass(frozen=True)

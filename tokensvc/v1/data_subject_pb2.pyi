@@ -53,21 +53,31 @@ class EraseEndUserRequest(_message.Message):
 
     NAMESPACE_FIELD_NUMBER: _builtins.int
     USER_ID_FIELD_NUMBER: _builtins.int
+    AGENTS_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     """The namespace: a DNS label, or empty for every namespace."""
     user_id: _builtins.str
-    """The end-user's id as the control plane mints it into capabilities (`user`); 1 to 1,024
-    bytes.
+    """The end-user's id as the control plane mints it into capabilities (`user`): 1 to 512
+    characters.
     """
+    @_builtins.property
+    def agents(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """More agents of `namespace` to look at besides those with a memory space: an agent that keeps
+        per-user session memory but never remembered anything long-term has no memory space, and
+        only tokensvc can compute its session-memory key prefixes. DNS labels, at most 1,000; they
+        need a namespace.
+        """
+
     def __init__(
         self,
         *,
         namespace: _builtins.str = ...,
         user_id: _builtins.str = ...,
+        agents: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace", "user_id", b"user_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "namespace", b"namespace", "user_id", b"user_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -118,6 +128,7 @@ class DataSubjectReceipt(_message.Message):
     SESSION_KEY_PREFIXES_FIELD_NUMBER: _builtins.int
     ACTOR_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    COMPLETE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The receipt's id (a UUID)."""
     kind: Global___DataSubjectRequestKind.ValueType
@@ -132,6 +143,10 @@ class DataSubjectReceipt(_message.Message):
     """The session-memory key prefixes listed."""
     actor: _builtins.str
     """Who asked (a SPIFFE ID)."""
+    complete: _builtins.bool
+    """False for an erasure that was cut off part of the way (its deadline passed, or the database
+    failed): `memories` says what it erased until then. Erasing is idempotent: run it again.
+    """
     @_builtins.property
     def per_agent(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentMemoryCount]:
         """The agents whose spaces held any, with their counts."""
@@ -152,10 +167,11 @@ class DataSubjectReceipt(_message.Message):
         session_key_prefixes: _builtins.int = ...,
         actor: _builtins.str = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
+        complete: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["actor", b"actor", "agents", b"agents", "created_at", b"created_at", "id", b"id", "kind", b"kind", "memories", b"memories", "namespace", b"namespace", "per_agent", b"per_agent", "session_key_prefixes", b"session_key_prefixes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actor", b"actor", "agents", b"agents", "complete", b"complete", "created_at", b"created_at", "id", b"id", "kind", b"kind", "memories", b"memories", "namespace", b"namespace", "per_agent", b"per_agent", "session_key_prefixes", b"session_key_prefixes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -202,6 +218,7 @@ class ExportEndUserRequest(_message.Message):
     NAMESPACE_FIELD_NUMBER: _builtins.int
     USER_ID_FIELD_NUMBER: _builtins.int
     RESUME_TOKEN_FIELD_NUMBER: _builtins.int
+    AGENTS_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     """The namespace: a DNS label, or empty for every namespace."""
     user_id: _builtins.str
@@ -210,16 +227,21 @@ class ExportEndUserRequest(_message.Message):
     """A memory's `resume_token` from an earlier export of the same user: resume after it; empty
     for the start. INVALID_ARGUMENT when it is not one.
     """
+    @_builtins.property
+    def agents(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """More agents to look at, as in EraseEndUserRequest."""
+
     def __init__(
         self,
         *,
         namespace: _builtins.str = ...,
         user_id: _builtins.str = ...,
         resume_token: _builtins.str = ...,
+        agents: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace", "resume_token", b"resume_token", "user_id", b"user_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "namespace", b"namespace", "resume_token", b"resume_token", "user_id", b"user_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -5,7 +5,7 @@ line, a span attribute, an error message or a response."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -27,10 +27,24 @@ _KINDS = {
 }
 
 
+_MAX_AGENTS = 1000
+
+
 def _namespace(value: str) -> str:
     if value and not is_dns_label(value):
         raise InvalidArgument("namespace", "must be a DNS label, or empty for every namespace")
     return value
+
+
+def _agents(values: Sequence[str], namespace: str) -> list[str]:
+    if values and not namespace:
+        raise InvalidArgument("agents", "need a namespace")
+    if len(values) > _MAX_AGENTS:
+        raise InvalidArgument("agents", f"at most {_MAX_AGENTS}")
+    for index, agent in enumerate(values):
+        if not is_dns_label(agent):
+            raise InvalidArgument(f"agents[{index}]", "must be a DNS label")
+    return list(values)
 
 
 def encode_receipt(receipt: DataSubjectReceipt) -> data_subject_pb2.DataSubjectReceipt:
@@ -46,6 +60,7 @@ def encode_receipt(receipt: DataSubjectReceipt) -> data_subject_pb2.DataSubjectR
         agents=receipt.agents,
         session_key_prefixes=receipt.key_prefixes,
         actor=receipt.actor,
+        complete=receipt.complete,
     )
     if receipt.created_at is not None:
         set_timestamp(message.created_at, receipt.created_at)
@@ -79,8 +94,12 @@ class DataSubjectServicer(data_subject_pb2_grpc.DataSubjectServiceServicer):
     async def EraseEndUser(
         self, request: data_subject_pb2.EraseEndUserRequest, context: _Context
     ) -> data_subject_pb2.EraseEndUserResponse:
+        namespace = _namespace(request.namespace)
         erasure = await self._requests.erase(
-            _namespace(request.namespace), request.user_id, actor=current_call().caller.spiffe_id
+            namespace,
+            request.user_id,
+            actor=current_call().caller.spiffe_id,
+            extra_agents=_agents(request.agents, namespace),
         )
         return data_subject_pb2.EraseEndUserResponse(
             receipt=encode_receipt(erasure.receipt), session_key_prefixes=list(erasure.key_prefixes)
@@ -89,11 +108,13 @@ class DataSubjectServicer(data_subject_pb2_grpc.DataSubjectServiceServicer):
     async def ExportEndUser(
         self, request: data_subject_pb2.ExportEndUserRequest, context: _Context
     ) -> AsyncIterator[data_subject_pb2.ExportEndUserResponse]:
+        namespace = _namespace(request.namespace)
         items = self._requests.export(
-            _namespace(request.namespace),
+            namespace,
             request.user_id,
             actor=current_call().caller.spiffe_id,
             resume_token=request.resume_token,
+            extra_agents=_agents(request.agents, namespace),
         )
         async for item in items:
             yield _export_message(item)

@@ -42,6 +42,7 @@ def _receipt(row: asyncpg.Record) -> DataSubjectReceipt:
         key_prefixes=row["key_prefixes"],
         actor=row["actor"],
         created_at=row["created_at"],
+        complete=row["complete"],
     )
 
 
@@ -82,11 +83,11 @@ class PostgresDataSubjectStore:
         where = ""
         if after is not None:
             params += list(after)
-            where = "AND (bucket, created_at, id) > ($3, $4, $5::uuid) "
+            where = 'AND (bucket COLLATE "C", created_at, id) > ($3, $4, $5::uuid) '
         async with tenant_transaction(self._pool, tenant) as conn:
             rows = await conn.fetch(
                 "SELECT bucket, id, content, metadata, created_at, updated_at, expires_at FROM memories "
-                f"WHERE bucket = ANY($1::text[]) AND {_LIVE} {where}ORDER BY bucket, created_at, id LIMIT $2",
+                f'WHERE bucket = ANY($1::text[]) AND {_LIVE} {where}ORDER BY bucket COLLATE "C", created_at, id LIMIT $2',
                 *params,
             )
         return [
@@ -101,7 +102,7 @@ class PostgresDataSubjectStore:
         async with self._pool.acquire() as conn:
             row = await conn.fetchrow(
                 "INSERT INTO data_subject_receipts (id, kind, namespace, memories, per_agent, agents, "
-                "key_prefixes, actor) VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, $8) RETURNING *",
+                "key_prefixes, actor, complete) VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9) RETURNING *",
                 receipt.id,
                 receipt.kind.value,
                 receipt.namespace,
@@ -110,6 +111,7 @@ class PostgresDataSubjectStore:
                 receipt.agents,
                 receipt.key_prefixes,
                 receipt.actor,
+                receipt.complete,
             )
         assert row is not None
         return _receipt(row)

@@ -14,15 +14,17 @@ BEGIN
                    'USING (true)', current_user);
 END $$;
 
--- The memory spaces of a namespace (NULL: of every namespace), in (namespace, agent) order after
--- a cursor: the agents an end-user may have talked to.
+-- The memory spaces of a namespace (NULL: of every namespace), in (namespace, agent) order (code
+-- points, whatever the database's collation) after a cursor: the agents an end-user may have
+-- talked to.
 CREATE FUNCTION tokensvc.memory_space_agents(ns text, after_namespace text, after_agent text, lim integer)
 RETURNS TABLE (namespace text, agent text)
 LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
     SELECT s.namespace, s.agent FROM tokensvc.memory_spaces s
     WHERE (ns IS NULL OR s.namespace = ns)
-      AND (after_namespace IS NULL OR (s.namespace, s.agent) > (after_namespace, after_agent))
-    ORDER BY s.namespace, s.agent LIMIT least(greatest(lim, 1), 10000)
+      AND (after_namespace IS NULL
+           OR (s.namespace COLLATE "C", s.agent COLLATE "C") > (after_namespace, after_agent))
+    ORDER BY s.namespace COLLATE "C", s.agent COLLATE "C" LIMIT least(greatest(lim, 1), 10000)
 $$;
 REVOKE ALL ON FUNCTION tokensvc.memory_space_agents(text, text, text, integer) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION tokensvc.memory_space_agents(text, text, text, integer) TO {app_role};
@@ -38,6 +40,8 @@ CREATE TABLE tokensvc.data_subject_receipts (
     agents      integer     NOT NULL CHECK (agents >= 0),  -- agents looked at
     key_prefixes integer    NOT NULL CHECK (key_prefixes >= 0),  -- session-memory prefixes listed
     actor       text        NOT NULL,
+    -- false: an erasure cut off part of the way (the deadline, a failure); it is run again
+    complete    boolean     NOT NULL DEFAULT true,
     created_at  timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 -- A receipt is evidence: the serving role records and reads it, never changes or removes it.
