@@ -155,7 +155,22 @@ class EmbeddedPostgres:
                 self._launch(self.port)
 
     def _launch(self, port: int | None = None) -> None:
-        port = port or _free_port()
+        """Start the postmaster on `port`, or on a free one: a port found free can be taken by
+        another process before the postmaster binds it, and then a few more are tried."""
+        if port is not None:
+            self._launch_on(port)
+            return
+        for attempt in range(_PORT_ATTEMPTS):
+            try:
+                self._launch_on(_free_port())
+                return
+            except _PortTaken:
+                if attempt == _PORT_ATTEMPTS - 1:
+                    raise
+                _log.warning("the embedded PostgreSQL's port was taken before it bound it; trying another")
+
+    def _launch_on(self, port: int) -> None:
+        logged = self.paths.log.stat().st_size if self.paths.log.exists() else 0
         log = open(self.paths.log, "ab")  # noqa: SIM115 - handed to the child process
         self._process = subprocess.Popen(
             self._as_system_user(
@@ -185,9 +200,14 @@ class EmbeddedPostgres:
         deadline = time.monotonic() + _START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                raise EmbeddedPostgresError(
+                failure = EmbeddedPostgresError(
                     f"PostgreSQL exited during start (code {self._process.returncode}); see {self.paths.log}"
                 )
+                with open(self.paths.log, "rb") as written:
+                    written.seek(logged)
+                    if b"could not bind" in written.read():
+                        raise _PortTaken(str(failure))
+                raise failure
             if self._running_port() == port:
                 self.port = port
                 return
@@ -379,6 +399,13 @@ async def _ensure_login_role(
     verb = "ALTER" if exists else "CREATE"
     # Identifiers are our constants; the verifier is base64 and '$', never user input.
     await conn.execute(f"{verb} ROLE {role} LOGIN {options} PASSWORD '{verifier}'")
+
+
+_PORT_ATTEMPTS = 5
+
+
+class _PortTaken(EmbeddedPostgresError):
+    """The postmaster could not bind its port: another process took it first."""
 
 
 def _free_port() -> int:
