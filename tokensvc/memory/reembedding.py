@@ -33,9 +33,10 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, replace
 from datetime import datetime
+from typing import Any, TypeVar
 
 import numpy as np
 from opentelemetry import trace
@@ -92,6 +93,8 @@ _CLEAR_DOCUMENTS = 100  # a knowledge base's: documents (each with all its chunk
 # Documents read per knowledge-base batch (one transaction); their chunks are embedded in the
 # embedder's batches.
 _DOCUMENT_BATCH = 32
+_Item = TypeVar("_Item")
+_Vectors = TypeVar("_Vectors")
 
 
 class MigrationConflict(TokensvcError):
@@ -429,50 +432,35 @@ class MigrationRunner:
         return embedder
 
     async def _backfill_base(self, migration: EmbeddingMigration) -> None:
-        """A knowledge base's backfill: documents in batches, each written whole with its chunks;
-        pipelined like `_backfill` (the next batch is read, chunked and embedded meanwhile)."""
+        """A knowledge base's backfill: documents in batches, each written whole with its chunks."""
         embedder = await self._target_embedder(migration)
         if embedder is None:
             return
         size = self._settings.batch_size or batch_size_of(embedder)
-        batch = await self._documents_after(migration)
-        embedding: asyncio.Task[list[np.ndarray]] | None = None
-        try:
-            while True:
-                if batch is None:
-                    await self._pause(migration, "a document has no stored text to re-chunk; upload it again")
-                    return
-                if not batch:
-                    after = await self._end_of_pass(migration)
-                    if after is None:
-                        return
-                    migration = after
-                    batch = await self._documents_after(migration)
-                    continue
-                if embedding is None:
-                    embedding = asyncio.create_task(self._embed_spans(embedder, batch, size))
-                try:
-                    vectors = await embedding
-                except Exception as exc:
-                    embedding = None
-                    failed = await self._embedder_failed(migration, exc)
-                    if failed is None:
-                        return
-                    migration = failed
-                    continue  # the same documents again
-                rows = _embedded_documents(batch, vectors)
-                ahead = await self._documents_after(replace(migration, document_cursor=batch[-1][0].ref))
-                embedding = asyncio.create_task(self._embed_spans(embedder, ahead, size)) if ahead else None
-                stored = await self._store.store_documents(
-                    migration, self.runner_id, rows, lease_seconds=self._settings.lease_seconds
-                )
-                if stored is None:
-                    return  # the lease was lost, or the migration was cancelled
-                METRICS.migration_rows.labels(migration.target.name).inc(len(vectors))
-                migration, batch = stored, ahead
-        finally:
-            if embedding is not None:
-                embedding.cancel()
+
+        async def store(
+            at: EmbeddingMigration,
+            batch: list[tuple[PendingDocument, tuple[StoredChunk, ...]]],
+            vectors: list[np.ndarray],
+        ) -> EmbeddingMigration | None:
+            stored = await self._store.store_documents(
+                at,
+                self.runner_id,
+                _embedded_documents(batch, vectors),
+                lease_seconds=self._settings.lease_seconds,
+            )
+            if stored is not None:
+                METRICS.migration_rows.labels(at.target.name).inc(len(vectors))
+            return stored
+
+        await self._pipeline(
+            migration,
+            read=self._documents_after,
+            ahead_of=lambda at, batch: replace(at, document_cursor=batch[-1][0].ref),
+            embed=lambda batch: self._embed_spans(embedder, batch, size),
+            store=store,
+            unreadable="a document has no stored text to re-chunk; upload it again",
+        )
 
     async def _documents_after(
         self, migration: EmbeddingMigration
@@ -495,25 +483,64 @@ class MigrationRunner:
         return vectors
 
     async def _backfill(self, migration: EmbeddingMigration) -> None:
+        """A memory space's backfill: memories in batches of the embedder's size."""
         embedder = await self._target_embedder(migration)
         if embedder is None:
             return
         size = self._settings.batch_size or batch_size_of(embedder)
-        # Pipelined: the next batch is read and embedded while this one is written, so the
-        # embedder (the slow part) does not wait for the database.
-        batch = await self._store.pending(migration, limit=size)
-        embedding: asyncio.Task[np.ndarray] | None = None
+
+        async def read(at: EmbeddingMigration) -> list[PendingMemory]:
+            return await self._store.pending(at, limit=size)
+
+        async def store(
+            at: EmbeddingMigration, batch: list[PendingMemory], vectors: np.ndarray
+        ) -> EmbeddingMigration | None:
+            rows = list(zip(batch, vectors, strict=True))
+            stored = await self._store.store_vectors(
+                at, self.runner_id, rows, lease_seconds=self._settings.lease_seconds
+            )
+            if stored is not None:
+                METRICS.migration_rows.labels(at.target.name).inc(len(rows))
+            return stored
+
+        await self._pipeline(
+            migration,
+            read=read,
+            ahead_of=lambda at, batch: replace(at, cursor=(batch[-1].bucket, batch[-1].id)),
+            embed=lambda batch: self._embed(embedder, batch),
+            store=store,
+        )
+
+    async def _pipeline(
+        self,
+        migration: EmbeddingMigration,
+        *,
+        read: Callable[[EmbeddingMigration], Awaitable[list[_Item] | None]],
+        ahead_of: Callable[[EmbeddingMigration, list[_Item]], EmbeddingMigration],
+        embed: Callable[[list[_Item]], Coroutine[Any, Any, _Vectors]],
+        store: Callable[[EmbeddingMigration, list[_Item], _Vectors], Awaitable[EmbeddingMigration | None]],
+        unreadable: str = "",
+    ) -> None:
+        """Both backfills: read a batch after the cursor, embed it, write it; the next batch is
+        read and embedded while this one is written, so the embedder (the slow part) does not wait
+        for the database. At the end of a pass, `_end_of_pass`; an embedder failure backs off and
+        retries the same batch; `read` answering None pauses the migration with `unreadable`."""
+        batch = await read(migration)
+        embedding: asyncio.Task[_Vectors] | None = None
         try:
             while True:
+                if batch is None:
+                    await self._pause(migration, unreadable)
+                    return
                 if not batch:
                     after = await self._end_of_pass(migration)
                     if after is None:
                         return
                     migration = after
-                    batch = await self._store.pending(migration, limit=size)
+                    batch = await read(migration)
                     continue
                 if embedding is None:
-                    embedding = asyncio.create_task(self._embed(embedder, batch))
+                    embedding = asyncio.create_task(embed(batch))
                 try:
                     vectors = await embedding
                 except Exception as exc:
@@ -523,17 +550,12 @@ class MigrationRunner:
                         return
                     migration = failed
                     continue  # the same batch again
-                rows = list(zip(batch, vectors, strict=True))
-                ahead = replace(migration, cursor=(batch[-1].bucket, batch[-1].id))
-                batch = await self._store.pending(ahead, limit=size)
-                embedding = asyncio.create_task(self._embed(embedder, batch)) if batch else None
-                stored = await self._store.store_vectors(
-                    migration, self.runner_id, rows, lease_seconds=self._settings.lease_seconds
-                )
+                ahead = await read(ahead_of(migration, batch))
+                embedding = asyncio.create_task(embed(ahead)) if ahead else None
+                stored = await store(migration, batch, vectors)
                 if stored is None:
                     return  # the lease was lost, or the migration was cancelled
-                METRICS.migration_rows.labels(migration.target.name).inc(len(rows))
-                migration = stored
+                migration, batch = stored, ahead
         finally:
             if embedding is not None:
                 embedding.cancel()

@@ -38,7 +38,7 @@ from tokensvc.storage.records import (
     Tenant,
 )
 
-__all__ = ["PostgresKnowledgeStore"]
+__all__ = ["PostgresKnowledgeStore", "chunk_columns"]
 
 
 # A chunk's neighbours are the chunks before and after it in the same document version.
@@ -100,7 +100,9 @@ def _insert_chunks(first: int, generation: str, dimension: str) -> str:
 """
 
 
-def _chunk_columns(chunks: Sequence[ChunkRow]) -> list[Any]:
+def chunk_columns(chunks: Sequence[ChunkRow]) -> list[Any]:
+    """Chunks as the parallel arrays the chunk INSERTs unnest (index, text, start, end,
+    heading path, vector)."""
     return [
         [c.index for c in chunks],
         [c.text for c in chunks],
@@ -326,7 +328,7 @@ class PostgresKnowledgeStore:
                 len(chunks),
                 metadata,
                 text,
-                *_chunk_columns(chunks),
+                *chunk_columns(chunks),
                 generation,
                 _dimension_of(chunks),
             ]
@@ -334,7 +336,7 @@ class PostgresKnowledgeStore:
             # Marked done for the migration only with its chunks; a new version is not.
             marker = ("NULL", "NULL")
             if next_chunks is not None and stored["dual_write"]:
-                parameters += [len(next_chunks), *_chunk_columns(next_chunks), _dimension_of(next_chunks)]
+                parameters += [len(next_chunks), *chunk_columns(next_chunks), _dimension_of(next_chunks)]
                 writes.append(f"added_next AS ({_insert_chunks(20, '$17 + 1', '$26')})")
                 marker = ("$4", "$19")
             if stored["version"] is None:

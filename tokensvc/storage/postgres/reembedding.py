@@ -8,7 +8,6 @@ lease the caller holds, never through a policy of the serving role.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -19,6 +18,7 @@ from asyncpg.pool import PoolConnectionProxy
 from pgvector import Vector
 
 from tokensvc.storage.postgres.errors import translate_errors
+from tokensvc.storage.postgres.knowledge import chunk_columns
 from tokensvc.storage.postgres.memories import ensure_vector_index
 from tokensvc.storage.postgres.tenant import tenant_transaction
 from tokensvc.storage.records import (
@@ -412,12 +412,7 @@ class PostgresEmbeddingMigrationStore:
                 [document.version for document, _ in documents],
                 [document.content_sha256 for document, _ in documents],
                 positions,
-                [c.index for c in chunks],
-                [c.text for c in chunks],
-                [c.start for c in chunks],
-                [c.end for c in chunks],
-                [json.dumps(list(c.heading_path)) for c in chunks],
-                [Vector(c.embedding) for c in chunks],
+                *chunk_columns(chunks),
             )
             row = await conn.fetchrow(
                 "UPDATE embedding_migrations SET rows_done = rows_done + $2, "
