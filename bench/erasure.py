@@ -26,7 +26,7 @@ from typing import Any
 
 from bench.client import mtls_channel
 from bench.env import AGENT, NAMESPACE, bench_env, connect_as
-from bench.stats import percentile
+from bench.stats import latency_summary, percentile
 from tokensvc.auth.buckets import bucket_id
 from tokensvc.v1 import common_pb2, data_subject_pb2, data_subject_pb2_grpc, memory_pb2, memory_pb2_grpc
 
@@ -37,14 +37,6 @@ VICTIM = "bench-erasure-subject"
 
 def log(message: str) -> None:
     print(f"[erasure {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def latency(values: list[float]) -> dict[str, Any]:
-    return {
-        "p50_ms": round(percentile(values, 50), 2),
-        "p99_ms": round(percentile(values, 99), 2),
-        "n": len(values),
-    }
 
 
 async def run(rows: int, others: int, searches: int) -> dict[str, Any]:
@@ -139,8 +131,8 @@ async def run(rows: int, others: int, searches: int) -> dict[str, Any]:
         "erase_seconds": round(seconds, 2),
         "erase_rows_per_s": round(receipt.memories / seconds, 1),
         "other_users": others,
-        "search_c1_without_erasure": latency(before),
-        "search_c1_during_erasure": latency(during),
+        "search_c1_without_erasure": latency_summary(before),
+        "search_c1_during_erasure": latency_summary(during),
         "search_p99_during_over_without": round(percentile(during, 99) / percentile(before, 99), 3),
         "search_p50_during_over_without": round(percentile(during, 50) / percentile(before, 50), 3),
     }

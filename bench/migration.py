@@ -37,7 +37,7 @@ import grpc
 
 from bench.client import mtls_channel
 from bench.env import BenchEnv, bench_env, connect_as
-from bench.stats import percentile
+from bench.stats import latency_summary, percentile
 from tokensvc.knowledge.chunking import ChunkingStrategy, chunk_document
 from tokensvc.memory.reembedding import batch_size_of
 from tokensvc.v1 import (
@@ -322,8 +322,8 @@ async def run_knowledge(documents: int, searches: int) -> dict[str, Any]:
         "migration_seconds": round(seconds, 1),
         "migration_items_per_s": round(rate, 1),
         "migration_over_target_alone": round(rate / alone, 3),
-        "search_c1_without_migration": latency(before),
-        "search_c1_during_migration": latency(during),
+        "search_c1_without_migration": latency_summary(before),
+        "search_c1_during_migration": latency_summary(during),
         "search_p50_during_over_without": round(percentile(during, 50) / percentile(before, 50), 3),
     }
 
@@ -338,14 +338,6 @@ async def settled(env: BenchEnv, table: str, search: Any) -> None:
         await conn.close()
     for i in range(50):
         await search(i)
-
-
-def latency(values: list[float]) -> dict[str, Any]:
-    return {
-        "p50_ms": round(percentile(values, 50), 2),
-        "p99_ms": round(percentile(values, 99), 2),
-        "n": len(values),
-    }
 
 
 async def run(rows: int, users: int, searches: int) -> dict[str, Any]:
@@ -379,8 +371,8 @@ async def run(rows: int, users: int, searches: int) -> dict[str, Any]:
         "migration_seconds": round(seconds, 1),
         "migration_items_per_s": round(rate, 1),
         "migration_over_target_alone": round(rate / alone, 3),
-        "search_c1_without_migration": latency(before),
-        "search_c1_during_migration": latency(during),
+        "search_c1_without_migration": latency_summary(before),
+        "search_c1_during_migration": latency_summary(during),
         "search_p50_during_over_without": round(percentile(during, 50) / percentile(before, 50), 3),
     }
 

@@ -36,6 +36,7 @@ from tokensvc.auth.devpki import (
 from tokensvc.credentials import FileCredentialSource
 from tokensvc.settings import Settings, load_settings
 from tokensvc.storage.postgres import EmbeddedPostgres
+from tokensvc.v1 import admin_pb2, admin_pb2_grpc
 
 # The `iss` and `aud` a service started by `service_settings` accepts (the settings' defaults).
 ISSUER = "ctxmesh-control-plane"
@@ -237,6 +238,16 @@ def mtls_channel(
 def role_channel(port: int, dev: DevPaths, role: str) -> grpc.aio.Channel:
     cert, key = dev.client(role)
     return mtls_channel(port, dev.ca_cert, cert, key)
+
+
+async def audit_events(port: int, dev: DevPaths, kind: int, target: str) -> list[Any]:
+    """The audit events of `kind` (an AuditEventKind value) whose target names `target`, newest
+    first, as an admin lists them."""
+    async with role_channel(port, dev, "admin") as channel:
+        page = await admin_pb2_grpc.AdminServiceStub(channel).ListAuditEvents(
+            admin_pb2.ListAuditEventsRequest(kinds=[kind], page_size=500), timeout=30
+        )
+    return [event for event in page.events if target in event.target]
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from tests.api.memory_support import TIMEOUT, TRUST_DOMAIN, Launchers
 from tests.cli.test_capability_cli import connection, tokensvc
-from tests.support import SharedDatabase, failure_of, mtls_channel, role_channel, superuser
+from tests.support import SharedDatabase, audit_events, failure_of, mtls_channel, role_channel, superuser
 from tokensvc.auth.devpki import DevPaths, issue_client_certificate
 from tokensvc.observability.tracing import configure_tracing
-from tokensvc.v1 import admin_pb2, admin_pb2_grpc, data_subject_pb2, data_subject_pb2_grpc
+from tokensvc.v1 import admin_pb2, data_subject_pb2, data_subject_pb2_grpc
 
 
 @pytest.fixture(scope="module")
@@ -130,17 +130,9 @@ async def test_an_end_users_memories_are_exported_and_erased_across_agents_and_p
         bystander = await export_all(stub, other)
         assert len([m for m in bystander if m.HasField("memory")]) == 3
 
-        admin = role_channel(after.port, dev, "admin")
-        try:
-            events = await admin_pb2_grpc.AdminServiceStub(admin).ListAuditEvents(
-                admin_pb2.ListAuditEventsRequest(
-                    kinds=[admin_pb2.AUDIT_EVENT_KIND_DATA_SUBJECT_REQUEST], page_size=500
-                ),
-                timeout=TIMEOUT,
-            )
-        finally:
-            await admin.close(grace=None)
-        mine = [e for e in events.events if erased.receipt.id in e.target]
+        mine = await audit_events(
+            after.port, dev, admin_pb2.AUDIT_EVENT_KIND_DATA_SUBJECT_REQUEST, erased.receipt.id
+        )
         assert [(e.outcome, e.action, e.detail) for e in mine] == [
             (
                 admin_pb2.AUDIT_OUTCOME_SUCCEEDED,

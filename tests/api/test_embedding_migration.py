@@ -14,9 +14,9 @@ import pytest
 
 from tests.api.memory_support import TIMEOUT, Caller
 from tests.cli.test_capability_cli import connection, tokensvc
-from tests.support import SharedDatabase, failure_of, role_channel, superuser
+from tests.support import SharedDatabase, audit_events, failure_of, superuser
 from tokensvc.auth.devpki import DevPaths
-from tokensvc.v1 import admin_pb2, admin_pb2_grpc, common_pb2, migration_pb2, migration_pb2_grpc
+from tokensvc.v1 import admin_pb2, common_pb2, migration_pb2, migration_pb2_grpc
 
 FACTS = [
     "The quarterly board meeting takes place in the Lisbon office.",
@@ -150,17 +150,8 @@ async def test_a_space_moves_to_the_default_model_while_launchers_search_and_wri
         assert tuple(untouched) == ("hash64", 0, 0)
     assert [m.content for m in await bystander.list_all()] == ["the bystander's only memory"]
 
-    admin = role_channel(service.port, dev, "admin")
-    try:
-        events = await admin_pb2_grpc.AdminServiceStub(admin).ListAuditEvents(
-            admin_pb2.ListAuditEventsRequest(
-                kinds=[admin_pb2.AUDIT_EVENT_KIND_EMBEDDING_MIGRATION], page_size=500
-            ),
-            timeout=TIMEOUT,
-        )
-    finally:
-        await admin.close(grace=None)
-    actions = [e.action for e in events.events if migration_id in e.target]
+    mine = await audit_events(service.port, dev, admin_pb2.AUDIT_EVENT_KIND_EMBEDDING_MIGRATION, migration_id)
+    actions = [e.action for e in mine]
     assert actions == [
         "finish embedding migration (succeeded)",
         "cut over embedding migration",

@@ -13,9 +13,9 @@ import grpc
 from tests.api.knowledge_support import RECURSIVE, VECTOR, new_ref, open_clients
 from tests.api.test_embedding_migration import E5, FACTS, QUESTIONS, TIMEOUT, _fail, wait_for
 from tests.cli.test_capability_cli import connection, tokensvc
-from tests.support import SharedDatabase, role_channel, superuser
+from tests.support import SharedDatabase, audit_events, superuser
 from tokensvc.auth.devpki import DevPaths
-from tokensvc.v1 import admin_pb2, admin_pb2_grpc, knowledge_pb2, migration_pb2
+from tokensvc.v1 import admin_pb2, knowledge_pb2, migration_pb2
 
 FIXED_16 = knowledge_pb2.ChunkingStrategy(kind=knowledge_pb2.CHUNKING_KIND_FIXED, chunk_size=16)
 # About 120 words of prose on topics none of the questions asks about (and no times: the
@@ -155,17 +155,9 @@ async def test_a_knowledge_base_moves_to_the_default_model_and_new_chunks_while_
             assert [tuple(r) for r in untouched] == [(0, 64)]
         assert [p.document_ref for p in await searcher.search("bystander", [bystander])] == ["only"]
 
-        admin = role_channel(service.port, dev, "admin")
-        try:
-            events = await admin_pb2_grpc.AdminServiceStub(admin).ListAuditEvents(
-                admin_pb2.ListAuditEventsRequest(
-                    kinds=[admin_pb2.AUDIT_EVENT_KIND_EMBEDDING_MIGRATION], page_size=500
-                ),
-                timeout=TIMEOUT,
-            )
-        finally:
-            await admin.close(grace=None)
-        mine = [e for e in events.events if migration_id in e.target]
+        mine = await audit_events(
+            service.port, dev, admin_pb2.AUDIT_EVENT_KIND_EMBEDDING_MIGRATION, migration_id
+        )
         assert [e.action for e in mine] == [
             "finish embedding migration (succeeded)",
             "cut over embedding migration",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime
 
 from google.protobuf import duration_pb2, timestamp_pb2
@@ -16,6 +17,7 @@ from tokensvc.v1 import capability_pb2, common_pb2
 __all__ = [
     "current_scope",
     "decode_search_mode",
+    "decode_uuid",
     "duration_seconds",
     "scope_to_proto",
     "session_scope_from_proto",
@@ -115,3 +117,13 @@ def decode_search_mode(value: int, *, has_text: bool) -> SearchMode:
     if mode is not SearchMode.VECTOR and not has_text:
         raise InvalidArgument("mode", f"{mode.name} needs query_text (full-text search cannot use a vector)")
     return mode
+
+
+def decode_uuid(value: str, field: str, what: str) -> str:
+    """An id that is a UUID, in its canonical form; INVALID_ARGUMENT naming `field` otherwise."""
+    try:
+        if len(value) <= 64:
+            return str(uuid.UUID(value))
+    except (ValueError, AttributeError):
+        pass
+    raise InvalidArgument(field, f"must be {what} (a UUID)")

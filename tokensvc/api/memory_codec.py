@@ -6,13 +6,12 @@ Every INVALID_ARGUMENT names the field the way a client wrote it (`items[3].cont
 from __future__ import annotations
 
 import math
-import uuid
 from collections.abc import Sequence
 
 import numpy as np
 from google.protobuf import duration_pb2
 
-from tokensvc.api.convert import decode_search_mode, set_timestamp
+from tokensvc.api.convert import decode_search_mode, decode_uuid, set_timestamp
 from tokensvc.api.filter_codec import filter_from_proto
 from tokensvc.api.metadata_codec import metadata_from_proto, set_metadata
 from tokensvc.errors import InvalidArgument, PayloadTooLarge
@@ -135,10 +134,7 @@ def decode_search(request: memory_pb2.SearchMemoriesRequest) -> SearchQuery:
 
 
 def decode_id(value: str, field: str) -> str:
-    try:
-        return str(uuid.UUID(value))
-    except (ValueError, AttributeError):
-        raise InvalidArgument(field, "must be a memory id (a UUID)") from None
+    return decode_uuid(value, field, "a memory id")
 
 
 def decode_ids(values: Sequence[str]) -> list[str]:

@@ -4,14 +4,13 @@ line, a span attribute, an error message or a response."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
 
 from tokensvc.api.context import current_call
-from tokensvc.api.convert import set_timestamp
+from tokensvc.api.convert import decode_uuid, set_timestamp
 from tokensvc.api.metadata_codec import set_metadata
 from tokensvc.errors import InvalidArgument
 from tokensvc.memory.data_subjects import DataSubjectReceipt, DataSubjectRequests, ExportItem, ReceiptKind
@@ -122,12 +121,7 @@ class DataSubjectServicer(data_subject_pb2_grpc.DataSubjectServiceServicer):
     async def GetErasureReceipt(
         self, request: data_subject_pb2.GetErasureReceiptRequest, context: _Context
     ) -> data_subject_pb2.GetErasureReceiptResponse:
-        try:
-            receipt_id = str(uuid.UUID(request.id)) if len(request.id) <= 64 else ""
-        except ValueError:
-            receipt_id = ""
-        if not receipt_id:
-            raise InvalidArgument("id", "must be a receipt id (a UUID)")
+        receipt_id = decode_uuid(request.id, "id", "a receipt id")
         return data_subject_pb2.GetErasureReceiptResponse(
             receipt=encode_receipt(await self._requests.receipt(receipt_id))
         )

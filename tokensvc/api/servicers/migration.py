@@ -3,13 +3,12 @@ one call, encode)."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import grpc
 
 from tokensvc.api.context import current_call
-from tokensvc.api.convert import timestamp
+from tokensvc.api.convert import decode_uuid, timestamp
 from tokensvc.api.knowledge_codec import decode_chunking, encode_chunking
 from tokensvc.api.memory_codec import decode_page_size
 from tokensvc.api.page_tokens import decode_memory_cursor, encode_memory_cursor, listing_binding
@@ -89,12 +88,7 @@ def _estimate(estimate: MigrationEstimate) -> migration_pb2.MigrationEstimate:
 
 
 def _migration_id(value: str) -> str:
-    try:
-        if len(value) <= 64:
-            return str(uuid.UUID(value))
-    except ValueError:
-        pass
-    raise InvalidArgument("id", "must be a migration id (a UUID)")
+    return decode_uuid(value, "id", "a migration id")
 
 
 class MigrationServicer(migration_pb2_grpc.MigrationServiceServicer):
