@@ -43,8 +43,10 @@ from tokensvc.memory.data_subjects import DataSubjectRequests
 from tokensvc.memory.reembedding import EmbeddingMigrations, MigrationRunner, RunnerSettings
 from tokensvc.memory.service import LongTermMemory
 from tokensvc.observability import METRICS, configure_tracing, start_metrics_server
+from tokensvc.observability.metrics import Vitals
 from tokensvc.retrieval import FusionWeights, SearchTuning
 from tokensvc.settings import Settings, SettingsError
+from tokensvc.storage.ports import ConnectionPool
 from tokensvc.storage.postgres import Database
 from tokensvc.storage.postgres.audit import PostgresAuditStore
 from tokensvc.storage.postgres.data_subjects import PostgresDataSubjectStore
@@ -55,12 +57,17 @@ from tokensvc.storage.postgres.monitoring import PostgresHealth, PostgresStatist
 from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
 from tokensvc.storage.postgres.revocations import PostgresRevocationStore
 from tokensvc.storage.postgres.rotations import PostgresRotationJournal
-from tokensvc.supervision import HealthMonitor, refresh_memory_gauge_forever, sweep_forever
+from tokensvc.supervision import HealthMonitor, refresh_gauges_forever, sweep_forever
 from tokensvc.tls import ReloadingServerCredentials, TlsMaterialError
 
 __all__ = ["Service", "run_service"]
 
 _log = logging.getLogger(__name__)
+
+
+# How often the gauges read from the database (memories per space, open rotations, migrations)
+# are refreshed: the alerts on them wait minutes, and every replica runs the same reads.
+_DATABASE_GAUGE_SECONDS = 30.0
 
 
 class SchemaOutdated(RuntimeError):
@@ -91,7 +98,7 @@ class Service:
     tls: ReloadingServerCredentials | None = None
     monitor: HealthMonitor | None = None
     _stop_metrics: Callable[[], None] | None = None
-    _unwatch_pool: Callable[[], None] | None = None
+    _unwatch_vitals: Callable[[], None] | None = None
     _background: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def start(self) -> None:
@@ -327,14 +334,32 @@ class Service:
             "credential-watch": self.custodian.watch(settings.credential_watch_seconds),
             "memory-sweeper": sweep_forever(self.memory, settings.memory_sweep_interval_seconds),
             "embedding-migrations": self.migration_runner.run(),
-            "memory-gauge": refresh_memory_gauge_forever(PostgresStatistics(pool), 60.0),
+            "database-gauges": refresh_gauges_forever(
+                PostgresStatistics(pool),
+                PostgresRotationJournal(pool),
+                PostgresEmbeddingMigrationStore(pool),
+                _DATABASE_GAUGE_SECONDS,
+            ),
         }
         self._background += [asyncio.create_task(duty, name=name) for name, duty in duties.items()]
-        self._unwatch_pool = METRICS.live.watch_pool(
-            lambda: (pool.get_size(), pool.get_size() - pool.get_idle_size())
-        )
+        assert self.embedders is not None
+        METRICS.initialise(self.embedders.names)
+        self._unwatch_vitals = METRICS.live.watch(lambda: self._vitals(pool))
         if settings.metrics_address is not None:
             self._stop_metrics = start_metrics_server(settings.metrics_address)
+
+    def _vitals(self, pool: ConnectionPool) -> Vitals:
+        """What every scrape reads of this service (tokensvc/observability/metrics.py)."""
+        revocations = self.revocations
+        size = pool.get_size()
+        return Vitals(
+            pool_open=size,
+            pool_in_use=size - pool.get_idle_size(),
+            pool_max=pool.get_max_size(),
+            serving=self.monitor.serving if self.monitor is not None else True,
+            revocation_age_seconds=revocations.age_seconds if revocations is not None else 0.0,
+            revocation_max_staleness_seconds=revocations.max_staleness if revocations is not None else 0.0,
+        )
 
     def _issuer(self) -> CapabilityIssuer | None:
         if self.settings.signing_key_file is None:
@@ -383,8 +408,8 @@ class Service:
             await asyncio.to_thread(self.extraction.close)
         if self._stop_metrics is not None:
             await asyncio.to_thread(self._stop_metrics)
-        if self._unwatch_pool is not None:
-            self._unwatch_pool()
+        if self._unwatch_vitals is not None:
+            self._unwatch_vitals()
         if self.database is not None:
             await self.database.close()
         _log.info("stopped")

@@ -1,5 +1,5 @@
 """Background duties of a running tokensvc: database health, embedded-PostgreSQL supervision,
-the expired-memory sweeper and the per-space memory gauge.
+the expired-memory sweeper and the gauges read from the database.
 
 Health follows the database: when it cannot be reached, every service turns NOT_SERVING (load
 balancers stop sending traffic) and RPCs fail fast with UNAVAILABLE; when it returns, stale
@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from tokensvc.memory.service import LongTermMemory
-from tokensvc.observability.metrics import METRICS
-from tokensvc.storage.ports import DatabaseHealth, DatabaseServer, MemoryStatistics
+from tokensvc.observability.metrics import METRICS, ActiveMigration, DatabaseReadings
+from tokensvc.storage.ports import (
+    CredentialJournal,
+    DatabaseHealth,
+    DatabaseServer,
+    EmbeddingMigrationStore,
+    MemoryStatistics,
+)
 
-__all__ = ["HealthMonitor", "refresh_memory_gauge_forever", "sweep_forever"]
+__all__ = ["HealthMonitor", "read_database_gauges", "refresh_gauges_forever", "sweep_forever"]
 
 _log = logging.getLogger(__name__)
 
@@ -84,22 +91,59 @@ class HealthMonitor:
 
 
 async def sweep_forever(memory: LongTermMemory, interval: float) -> None:
+    # Before the first sweep the alert measures from the start (a replica that never sweeps fires).
+    METRICS.sweep_interval.set(interval)
+    METRICS.sweep_last_success.set(time.time())
     while True:
         await asyncio.sleep(interval)
         try:
             swept = await memory.sweep_expired()
         except Exception as exc:
+            METRICS.sweeps.labels("failed").inc()
             _log.warning("memory sweep failed", extra={"error": type(exc).__name__})
             continue
+        METRICS.sweeps.labels("succeeded").inc()
+        METRICS.swept.inc(swept)
+        METRICS.sweep_last_success.set(time.time())
         if swept:
             _log.info("expired memories deleted", extra={"count": swept})
 
 
-async def refresh_memory_gauge_forever(statistics: MemoryStatistics, interval: float) -> None:
-    """Memories per (namespace, agent) for the tokensvc_memories gauge; counts only."""
+async def read_database_gauges(
+    statistics: MemoryStatistics, journal: CredentialJournal, migrations: EmbeddingMigrationStore
+) -> DatabaseReadings:
+    """Memories per space, open credential rotations and unfinished migrations: counts and times,
+    never content."""
+    spaces = await statistics.rows_by_space()
+    open_rotations = await journal.open_rotations()
+    active = await migrations.active()
+    return DatabaseReadings(
+        memories_per_space=spaces,
+        open_rotations=len(open_rotations),
+        oldest_open_rotation_started=min((r.started_at.timestamp() for r in open_rotations), default=0.0),
+        migrations=tuple(
+            ActiveMigration(
+                id=m.id,
+                kind="knowledge_base" if m.kb_ref is not None else "memory_space",
+                state=m.state.value,
+                rows_done=m.rows_done,
+                rows_total=m.rows_total,
+            )
+            for m in active
+        ),
+    )
+
+
+async def refresh_gauges_forever(
+    statistics: MemoryStatistics,
+    journal: CredentialJournal,
+    migrations: EmbeddingMigrationStore,
+    interval: float,
+) -> None:
+    """Keep `METRICS.live.database` current (every replica reads the same rows: rules take max)."""
     while True:
         try:
-            METRICS.live.memories_per_space = await statistics.rows_by_space()
+            METRICS.live.database = await read_database_gauges(statistics, journal, migrations)
         except Exception as exc:
-            _log.debug("memory gauge refresh failed", extra={"error": type(exc).__name__})
+            _log.debug("database gauge refresh failed", extra={"error": type(exc).__name__})
         await asyncio.sleep(interval)

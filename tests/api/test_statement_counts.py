@@ -36,9 +36,10 @@ from tokensvc.v1 import (
 )
 
 # Statements of the service's own background duties (revocation polling, health probes, the
-# memory gauge, the TTL sweeper): not part of any RPC.
+# database gauges, the TTL sweeper): not part of any RPC.
 _BACKGROUND = re.compile(
     r"capability_revocations WHERE|FROM capability_revocations\s*$|^SELECT 1$|memory_rows_by_space|sweep_expired_memories"
+    r"|FROM credential_rotations WHERE outcome = 'in_progress'|FROM embedding_migrations WHERE state <> ALL"
     # The embedding-migration runner's poll for work (every replica, every poll_seconds).
     r"|^UPDATE embedding_migrations SET lease_owner = \$1"
 )

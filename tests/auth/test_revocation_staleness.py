@@ -40,16 +40,20 @@ async def test_the_list_is_current_while_polls_succeed_and_stale_once_they_keep_
     await revocations.poll_once()
     assert revocations.is_current
 
+    assert revocations.age_seconds == 0
+
     store.reachable = False
     for _ in range(10):
         now[0] += 1
         with pytest.raises(OSError, match="unreachable"):
             await revocations.poll_once()
     assert not revocations.is_current
+    assert revocations.age_seconds == 10 > revocations.max_staleness  # the gauge the alert reads
 
     store.reachable = True
     await revocations.poll_once()
     assert revocations.is_current
+    assert revocations.age_seconds == 0
 
 
 async def test_a_service_whose_revocation_list_is_stale_answers_unavailable(service, dev) -> None:  # type: ignore[no-untyped-def]

@@ -94,6 +94,26 @@ def _check_cluster_spiffe_id(resource: Resource) -> None:
     assert "namespace" not in resource["metadata"], "ClusterSPIFFEID is cluster-scoped"
 
 
+def _check_service_monitor(resource: Resource) -> None:
+    spec = resource["spec"]
+    assert spec["selector"]["matchLabels"]
+    assert spec["endpoints"]
+    for endpoint in spec["endpoints"]:
+        assert isinstance(endpoint["port"], str), "endpoints name the Service port"
+        assert endpoint.get("path", "/metrics").startswith("/")
+
+
+def _check_prometheus_rule(resource: Resource) -> None:
+    groups = resource["spec"]["groups"]
+    assert groups
+    for group in groups:
+        assert isinstance(group["name"], str)
+        for rule in group["rules"]:
+            assert len({"record", "alert"} & set(rule)) == 1, rule
+            assert isinstance(rule["expr"], str)
+            assert set(rule) <= {"record", "alert", "expr", "for", "labels", "annotations"}, rule
+
+
 # Custom resources kubernetes-validate has no schema for: (apiVersion, kind) -> structural check.
 CUSTOM_RESOURCE_CHECKS = {
     ("postgresql.cnpg.io/v1", "Cluster"): _check_cnpg_cluster,
@@ -101,6 +121,8 @@ CUSTOM_RESOURCE_CHECKS = {
     ("cert-manager.io/v1", "Certificate"): _check_certificate,
     ("cert-manager.io/v1", "Issuer"): _check_issuer,
     ("spire.spiffe.io/v1alpha1", "ClusterSPIFFEID"): _check_cluster_spiffe_id,
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): _check_service_monitor,
+    ("monitoring.coreos.com/v1", "PrometheusRule"): _check_prometheus_rule,
 }
 
 

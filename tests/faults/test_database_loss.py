@@ -27,6 +27,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from tests.faults.harness import (
     NOT_SERVING,
@@ -189,6 +190,7 @@ async def test_hung_database_turns_health_not_serving_and_calls_end_by_their_dea
                 "NOT_SERVING while the database hangs",
             )
             await asyncio.sleep(max(0.0, frozen + FREEZE_SECONDS - time.monotonic()))
+            serving_gauge = [REGISTRY.get_sample_value("tokensvc_serving")]  # what the alerts read
         finally:
             for pid in postgres_processes(postmaster):
                 os.kill(pid, signal.SIGCONT)
@@ -196,12 +198,14 @@ async def test_hung_database_turns_health_not_serving_and_calls_end_by_their_dea
         await wait_until(lambda: health.first(SERVING, thawed) is not None, 30, "SERVING again")
         up = health.first(SERVING, thawed)
         assert up is not None
+        serving_gauge.append(REGISTRY.get_sample_value("tokensvc_serving"))
         await wait_until(lambda: traffic.acknowledged(since=up) >= AFTER_RECOVERY, 30, "traffic to succeed")
     finally:
         await traffic.stop()
         await health.stop()
 
     assert embedded.postmaster_pid() == postmaster, "a hung (not dead) postmaster was replaced"
+    assert serving_gauge == [0.0, 1.0], "tokensvc_serving follows health"
     failures = traffic.failures
     outcomes = Counter((a.failure.code, a.failure.reason) for a in failures if a.failure is not None)
     unexpected = set(outcomes) - DEADLINE_FAILURES - {EXPECTED_FAILURE}

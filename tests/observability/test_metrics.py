@@ -19,7 +19,9 @@ from tokensvc.app import Service
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.observability import METRICS
 from tokensvc.storage.postgres.monitoring import PostgresStatistics
-from tokensvc.supervision import refresh_memory_gauge_forever
+from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
+from tokensvc.storage.postgres.rotations import PostgresRotationJournal
+from tokensvc.supervision import refresh_gauges_forever
 from tokensvc.v1 import memory_pb2
 
 REMEMBER = "/tokensvc.v1.MemoryService/Remember"
@@ -81,12 +83,18 @@ async def test_scrape_counts_rpcs_verifications_pool_embedder_and_memories(
 
     # The gauge refreshes every minute in the background; run one refresh now.
     assert service.database is not None
+    pool = service.database.pool
     refresher = asyncio.create_task(
-        refresh_memory_gauge_forever(PostgresStatistics(service.database.pool), 3600.0)
+        refresh_gauges_forever(
+            PostgresStatistics(pool),
+            PostgresRotationJournal(pool),
+            PostgresEmbeddingMigrationStore(pool),
+            3600.0,
+        )
     )
     try:
         for _ in range(200):
-            if METRICS.live.memories_per_space.get(("default", caller.agent)) == 2:
+            if METRICS.live.database.memories_per_space.get(("default", caller.agent)) == 2:
                 break
             await asyncio.sleep(0.05)
     finally:
@@ -103,6 +111,18 @@ async def test_scrape_counts_rpcs_verifications_pool_embedder_and_memories(
     assert grew("tokensvc_rpcs_total", method=SEARCH, code="OK") >= 1
     assert grew("tokensvc_rpcs_total", method=SEARCH, code="INVALID_ARGUMENT") >= 1
     assert grew("tokensvc_rpcs_total", method=REMEMBER, code="UNAUTHENTICATED") >= 1
+    # Failures again, by their stable reason; successes are not errors.
+    assert (
+        grew("tokensvc_rpc_errors_total", method=SEARCH, code="INVALID_ARGUMENT", reason="INVALID_ARGUMENT")
+        >= 1
+    )
+    assert (
+        grew(
+            "tokensvc_rpc_errors_total", method=REMEMBER, code="UNAUTHENTICATED", reason="CAPABILITY_MISSING"
+        )
+        >= 1
+    )
+    assert not [key for key in after if key[0] == "tokensvc_rpc_errors_total" and ("code", "OK") in key[1]]
     # Latency histograms: every bucket, the +Inf bucket equal to the count.
     buckets = [
         key
@@ -119,6 +139,17 @@ async def test_scrape_counts_rpcs_verifications_pool_embedder_and_memories(
     assert grew("tokensvc_capability_cache_total", result="hit") >= 2
 
     assert value(after, "tokensvc_db_pool_connections") >= 1
+    assert value(after, "tokensvc_db_pool_max_connections") == service.settings.pool_max_size
+    assert value(after, "tokensvc_serving") == 1
+    staleness = value(after, "tokensvc_revocation_max_staleness_seconds")
+    assert 0 <= value(after, "tokensvc_revocation_sync_age_seconds") < staleness
+    # One Remember of two texts: one embedder call of 2 (searches embed one query each).
+    assert grew("tokensvc_embed_batch_size_sum", embedder="hash") >= 2 + 1
+    assert grew("tokensvc_embed_batch_size_bucket", embedder="hash", le="1.0") >= 1
+    assert grew("tokensvc_embed_batch_size_count", embedder="hash") >= 2
+    # Initialised at zero, so rate() is 0 rather than absent before the first failure.
+    assert ("tokensvc_embed_errors_total", frozenset({("embedder", "hash")})) in after
+    assert value(after, "tokensvc_credential_rotations_open") == 0
     assert ("tokensvc_db_pool_in_use", frozenset()) in after
     assert grew("tokensvc_embed_duration_seconds_count", embedder="hash") >= 2
     assert value(after, "tokensvc_embed_duration_seconds_bucket", embedder="hash", le="+Inf") >= 2

@@ -334,6 +334,7 @@ class _Call:
         "metadata",
         "method",
         "policy",
+        "reason",
         "request_id",
     )
 
@@ -350,6 +351,8 @@ class _Call:
         self.policy = policy
         self.request_id = _request_id(metadata)
         self.code = grpc.StatusCode.OK
+        # The stable reason sent with a failure (ErrorInfo); a client's cancel or deadline has none.
+        self.reason: str | None = None
         self.caller: str | None = None
         self._started = time.perf_counter()
         self._span: trace.Span | None = None
@@ -423,6 +426,7 @@ class _Call:
             raise exc  # already answered (a servicer aborted deliberately)
         info = status_for(exc)
         self.code = info.code
+        self.reason = info.reason.value
         if info.internal:
             # The exception's type and frames, not its message: a message can quote request
             # content (asyncpg's "invalid input ..." does), which must never reach a log.
@@ -463,6 +467,8 @@ class _Call:
         label = self.method if self.policy is not None else "unknown"
         status = self.code.name
         METRICS.rpcs.labels(label, status).inc()
+        if self.code is not grpc.StatusCode.OK:
+            METRICS.rpc_errors.labels(label, status, self.reason or status).inc()
         METRICS.rpc_seconds.labels(label).observe(elapsed)
         if _log.isEnabledFor(logging.INFO):
             # Logger.info would also walk the stack for the caller's file and line (findCaller)

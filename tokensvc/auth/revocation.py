@@ -68,9 +68,14 @@ class RevocationList:
         return jti in self._jtis or run_id in self._runs
 
     @property
+    def age_seconds(self) -> float:
+        """Seconds since the last successful sync."""
+        return self._clock() - self._last_sync
+
+    @property
     def is_current(self) -> bool:
         """Whether the last successful sync is recent enough to honour every replica's revocations."""
-        return self._clock() - self._last_sync <= self.max_staleness
+        return self.age_seconds <= self.max_staleness
 
     @property
     def is_listening(self) -> bool:

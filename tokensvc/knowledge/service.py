@@ -295,8 +295,9 @@ class KnowledgeBases:
         with _tracer.start_as_current_span("embed", record_exception=False) as span:
             span.set_attribute("tokensvc.embed.count", len(texts))
             for start in range(0, len(texts), _EMBED_BATCH):
+                part = texts[start : start + _EMBED_BATCH]
                 batch = await observe_embedding(
-                    embedder.spec.name, embedder.embed_documents(texts[start : start + _EMBED_BATCH])
+                    embedder.spec.name, embedder.embed_documents(part), texts=len(part)
                 )
                 vectors.extend(unit_rows(batch, "content"))
         return vectors

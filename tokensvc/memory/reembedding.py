@@ -45,7 +45,7 @@ from tokensvc.audit import SYSTEM_ACTOR, AuditKind, AuditLog, AuditOutcome
 from tokensvc.embedders import Embedder, EmbedderRegistry, EmbedderSpec
 from tokensvc.errors import EmbedderUnavailable, InvalidArgument, NotFound, Reason, TokensvcError
 from tokensvc.knowledge.chunking import ChunkingStrategy, chunk_document
-from tokensvc.observability.metrics import METRICS
+from tokensvc.observability.metrics import METRICS, observe_embedding
 from tokensvc.retrieval import unit_vector
 from tokensvc.storage.ports import EmbeddingMigrationStore, KnowledgeStore, MemoryStore
 from tokensvc.storage.records import (
@@ -586,7 +586,9 @@ class MigrationRunner:
     async def _embed_texts(self, embedder: Embedder, texts: list[str]) -> np.ndarray:
         with _tracer.start_as_current_span("reembedding.batch") as span:
             span.set_attribute("tokensvc.embed.count", len(texts))
-            vectors = await embedder.embed_documents(texts)
+            vectors = await observe_embedding(
+                embedder.spec.name, embedder.embed_documents(texts), texts=len(texts)
+            )
             if vectors.ndim != 2 or vectors.shape[1] != embedder.spec.dimension:
                 # Counted as the embedder's failure (it pauses the migration if it persists).
                 raise EmbedderUnavailable(

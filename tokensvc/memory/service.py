@@ -292,7 +292,9 @@ class LongTermMemory:
     async def _embed_documents(self, embedder: Embedder, texts: list[str]) -> np.ndarray:
         with _tracer.start_as_current_span("embed", record_exception=False) as span:
             span.set_attribute("tokensvc.embed.count", len(texts))
-            return await observe_embedding(embedder.spec.name, embedder.embed_documents(texts))
+            return await observe_embedding(
+                embedder.spec.name, embedder.embed_documents(texts), texts=len(texts)
+            )
 
     async def update(
         self,

@@ -1,7 +1,11 @@
 """Prometheus metrics, served on their own HTTP port (never on the mTLS gRPC port).
 
-One set of metrics per process (Prometheus registries reject duplicates); live values such as
-pool sizes are read at scrape time from the components registered with `METRICS.watch_pool`.
+One set of metrics per process (Prometheus registries reject duplicates); live values (pool use,
+health, the revocation list's age) are read at scrape time from the services registered with
+`METRICS.live.watch`, and values read from the database (memories per space, open credential
+rotations, active re-embedding migrations) are refreshed by a background duty into
+`METRICS.live.database`. deploy/components/monitoring's rules and dashboard are written against
+these names; a test checks every name they use is exported.
 The labelled metrics hand out their per-label children from a plain dict after the first
 `labels(...)` call for a label tuple: prometheus_client's own lookup (validation, str conversion,
 a lock) ran several times per RPC.
@@ -11,15 +15,24 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
-__all__ = ["METRICS", "Metrics", "observe_embedding", "start_metrics_server"]
+__all__ = [
+    "METRICS",
+    "ActiveMigration",
+    "DatabaseReadings",
+    "Metrics",
+    "Vitals",
+    "observe_embedding",
+    "start_metrics_server",
+]
 
 _T = TypeVar("_T")
 _M = TypeVar("_M", bound="_CachedLabels")
@@ -67,51 +80,154 @@ class _Histogram(_CachedLabels, Histogram):
 
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass(frozen=True)
+class Vitals:
+    """One running service's live state, read at every scrape."""
+
+    pool_open: int
+    pool_in_use: int
+    pool_max: int
+    serving: bool
+    revocation_age_seconds: float
+    revocation_max_staleness_seconds: float
+
+
+@dataclass(frozen=True)
+class ActiveMigration:
+    """A re-embedding migration not finished yet: what the stall alert watches."""
+
+    id: str
+    kind: str  # "memory_space" or "knowledge_base"
+    state: str
+    rows_done: int
+    rows_total: int
+
+
+@dataclass(frozen=True)
+class DatabaseReadings:
+    """What the background refresh last read from the database (counts and times only)."""
+
+    memories_per_space: dict[tuple[str, str], int] = field(default_factory=dict)
+    open_rotations: int = 0
+    oldest_open_rotation_started: float = 0.0  # Unix time; 0 when none is open
+    migrations: tuple[ActiveMigration, ...] = ()
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation)
+    family.add_metric([], value)
+    return family
 
 
 class _LiveGauges(Collector):
-    """Gauges computed when scraped: pool sizes and memories per space."""
+    """Gauges computed when scraped, from the watched services and the last database readings."""
 
     def __init__(self) -> None:
-        self._pools: list[Callable[[], tuple[int, int]]] = []
-        self.memories_per_space: dict[tuple[str, str], int] = {}
+        self._services: list[Callable[[], Vitals]] = []
+        self.database = DatabaseReadings()
         self._lock = threading.Lock()
 
-    def watch_pool(self, sizes: Callable[[], tuple[int, int]]) -> Callable[[], None]:
+    def watch(self, vitals: Callable[[], Vitals]) -> Callable[[], None]:
+        """Read `vitals()` at every scrape until the returned function is called."""
         with self._lock:
-            self._pools.append(sizes)
-        return lambda: self._unwatch(sizes)
+            self._services.append(vitals)
+        return lambda: self._unwatch(vitals)
 
-    def _unwatch(self, sizes: Callable[[], tuple[int, int]]) -> None:
+    def _unwatch(self, vitals: Callable[[], Vitals]) -> None:
         with self._lock:
-            if sizes in self._pools:
-                self._pools.remove(sizes)
+            if vitals in self._services:
+                self._services.remove(vitals)
 
     def collect(self) -> Iterator[Any]:
-        size = GaugeMetricFamily("tokensvc_db_pool_connections", "Open database connections.")
-        in_use = GaugeMetricFamily("tokensvc_db_pool_in_use", "Database connections serving a request now.")
         with self._lock:
-            pools = list(self._pools)
-        total = busy = 0
-        for sizes in pools:
-            open_, used = sizes()
-            total += open_
-            busy += used
-        size.add_metric([], total)
-        in_use.add_metric([], busy)
-        yield size
-        yield in_use
+            services = [vitals() for vitals in self._services]
+        yield from self._service_gauges(services)
+        yield from self._database_gauges(self.database)
+
+    @staticmethod
+    def _service_gauges(services: Iterable[Vitals]) -> Iterator[GaugeMetricFamily]:
+        # One service per process in production; tests run several in one (pools add up, health
+        # and the revocation list report the worst of them).
+        services = list(services)
+        yield _gauge(
+            "tokensvc_db_pool_connections", "Open database connections.", sum(v.pool_open for v in services)
+        )
+        yield _gauge(
+            "tokensvc_db_pool_in_use",
+            "Database connections serving a request now.",
+            sum(v.pool_in_use for v in services),
+        )
+        yield _gauge(
+            "tokensvc_db_pool_max_connections",
+            "The most database connections the pool opens (setting pool_max_size).",
+            sum(v.pool_max for v in services),
+        )
+        if not services:
+            return
+        yield _gauge(
+            "tokensvc_serving",
+            "1 while this replica's gRPC health is SERVING, 0 while NOT_SERVING (database unreachable).",
+            min(1 if v.serving else 0 for v in services),
+        )
+        yield _gauge(
+            "tokensvc_revocation_sync_age_seconds",
+            "Seconds since the revocation list last synced with the database.",
+            max(v.revocation_age_seconds for v in services),
+        )
+        yield _gauge(
+            "tokensvc_revocation_max_staleness_seconds",
+            "Sync age past which capabilities are refused (fail closed).",
+            min(v.revocation_max_staleness_seconds for v in services),
+        )
+
+    @staticmethod
+    def _database_gauges(readings: DatabaseReadings) -> Iterator[GaugeMetricFamily]:
         spaces = GaugeMetricFamily(
             "tokensvc_memories", "Live memories per memory space.", labels=["namespace", "agent"]
         )
-        for (namespace, agent), count in sorted(self.memories_per_space.items()):
+        for (namespace, agent), count in sorted(readings.memories_per_space.items()):
             spaces.add_metric([namespace, agent], count)
         yield spaces
+        yield _gauge(
+            "tokensvc_credential_rotations_open",
+            "Credential rotations journaled as in progress.",
+            readings.open_rotations,
+        )
+        yield _gauge(
+            "tokensvc_credential_rotation_oldest_open_timestamp_seconds",
+            "When the oldest rotation still in progress started (Unix time; 0 when none is).",
+            readings.oldest_open_rotation_started,
+        )
+        labels = ["migration", "kind", "state"]
+        done = GaugeMetricFamily(
+            "tokensvc_embedding_migration_rows_done",
+            "Rows an unfinished migration has re-embedded.",
+            labels=labels,
+        )
+        total = GaugeMetricFamily(
+            "tokensvc_embedding_migration_rows_expected",
+            "Rows an unfinished migration has to re-embed in all.",
+            labels=labels,
+        )
+        for migration in readings.migrations:
+            values = [migration.id, migration.kind, migration.state]
+            done.add_metric(values, migration.rows_done)
+            total.add_metric(values, migration.rows_total)
+        yield done
+        yield total
 
 
 class Metrics:
     def __init__(self) -> None:
         self.rpcs = _Counter("tokensvc_rpcs", "RPCs by method and status code.", ["method", "code"])
+        self.rpc_errors = _Counter(
+            "tokensvc_rpc_errors",
+            "Failed RPCs by method, status code and stable reason (the ErrorInfo reason).",
+            ["method", "code", "reason"],
+        )
         self.rpc_seconds = _Histogram(
             "tokensvc_rpc_duration_seconds", "RPC latency by method.", ["method"], buckets=_LATENCY_BUCKETS
         )
@@ -128,6 +244,12 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
         )
         self.embed_errors = _Counter("tokensvc_embed_errors", "Embedding failures by embedder.", ["embedder"])
+        self.embed_batch = _Histogram(
+            "tokensvc_embed_batch_size",
+            "Texts per embedder call, by embedder.",
+            ["embedder"],
+            buckets=_BATCH_BUCKETS,
+        )
         self.extractions = _Counter(
             "tokensvc_document_extractions",
             "Uploaded documents extracted and chunked, by outcome "
@@ -148,8 +270,36 @@ class Metrics:
         self.rotations = _Counter(
             "tokensvc_credential_rotations", "Credential rotations by mode and outcome.", ["mode", "outcome"]
         )
+        self.sweeps = _Counter("tokensvc_memory_sweeps", "Expired-memory sweeps by outcome.", ["outcome"])
+        self.swept = _Counter("tokensvc_memories_swept", "Expired memories deleted by the sweeper.")
+        self.sweep_last_success = Gauge(
+            "tokensvc_memory_sweep_last_success_timestamp_seconds",
+            "When the expired-memory sweeper last finished a sweep (Unix time; the start time before).",
+        )
+        self.sweep_interval = Gauge(
+            "tokensvc_memory_sweep_interval_seconds",
+            "Seconds between sweeps (memory_sweep_interval_seconds).",
+        )
         self.live = _LiveGauges()
         REGISTRY.register(self.live)
+
+    def initialise(self, embedders: Iterable[str]) -> None:
+        """Create the series that alerts divide by or compare, at zero, before anything happens:
+        an absent series makes `rate()` empty instead of 0."""
+        for name in embedders:
+            self.embed_errors.labels(name)
+            self.embed_seconds.labels(name)
+            self.embed_batch.labels(name)
+            self.migration_rows.labels(name)
+        for outcome in ("ok", "refused", "deadline", "cancelled", "time_limit", "worker_died"):
+            self.extractions.labels(outcome=outcome)
+        for mode in ("reload", "rotate"):
+            for outcome in ("succeeded", "failed"):
+                self.rotations.labels(mode, outcome)
+        for outcome in ("succeeded", "failed"):
+            self.sweeps.labels(outcome)
+        for event in ("started", "cut_over", "succeeded", "cancelled", "embedder_failure", "paused"):
+            self.migration_events.labels(event)
 
 
 METRICS = Metrics()
@@ -168,8 +318,9 @@ def start_metrics_server(address: str) -> Callable[[], None]:
     return stop
 
 
-async def observe_embedding(embedder: str, call: Awaitable[_T]) -> _T:
-    """Time one embedder call and count its failures."""
+async def observe_embedding(embedder: str, call: Awaitable[_T], *, texts: int = 1) -> _T:
+    """Time one embedder call of `texts` texts and count its failures."""
+    METRICS.embed_batch.labels(embedder).observe(texts)
     started = time.perf_counter()
     try:
         return await call

@@ -203,6 +203,10 @@ class EmbeddingMigrationStore(Protocol):
         """Up to `limit` migrations newest first (created_at, then id, descending), strictly
         before the cursor (created_at, id)."""
 
+    async def active(self) -> list[EmbeddingMigration]:
+        """Every migration not finished (its state `active`: backfilling, paused, retiring or
+        cancelling), oldest first."""
+
     async def transition(
         self, migration_id: str, *, expect: Sequence[MigrationState], state: MigrationState, reason: str = ""
     ) -> EmbeddingMigration | None:
@@ -560,6 +564,9 @@ class ConnectionPool(Protocol):
 
     def get_idle_size(self) -> int:
         """Connections open and not in use now."""
+
+    def get_max_size(self) -> int:
+        """The most connections the pool opens."""
 
     async def expire_connections(self) -> None:
         """Close idle connections now and busy ones when released; new ones log in afresh."""

@@ -386,6 +386,39 @@ async def test_a_migration_pauses_after_repeated_failures_and_lists_newest_first
     assert await migrations.get(str(uuid.uuid4())) is None
 
 
+async def test_active_lists_the_unfinished_migrations_oldest_first(
+    memories: MemoryStore, migrations: EmbeddingMigrationStore
+) -> None:
+    """What the stall alert's gauges are read from: backfilling, paused, retiring and cancelling
+    migrations, never succeeded or cancelled ones."""
+    created = []
+    for _ in range(3):
+        agent, _ = await space_with(memories, buckets=1, per_bucket=2)
+        migration = await migrations.create(planned(agent))
+        assert migration is not None
+        created.append(migration)
+    finished = await migrations.transition(
+        created[1].id, expect=[MigrationState.BACKFILLING], state=MigrationState.CANCELLED
+    )
+    assert finished is not None
+    paused = await migrations.transition(
+        created[2].id, expect=[MigrationState.BACKFILLING], state=MigrationState.PAUSED
+    )
+    assert paused is not None
+    ours = {m.id for m in created}
+    active = [m for m in await migrations.active() if m.id in ours]
+    assert [(m.id, m.state, m.rows_total) for m in active] == [
+        (created[0].id, MigrationState.BACKFILLING, 2),
+        (created[2].id, MigrationState.PAUSED, 2),
+    ]
+    stamps = [(m.created_at, m.id) for m in await migrations.active()]
+    assert stamps == sorted(stamps)
+    for migration in (created[0], created[2]):
+        await migrations.transition(
+            migration.id, expect=[migration.state, MigrationState.PAUSED], state=MigrationState.CANCELLED
+        )
+
+
 async def test_the_cutover_is_audited_with_it(backend: Backend) -> None:
     memories, migrations = backend.memories, backend.migrations
     agent, _ = await space_with(memories, buckets=1, per_bucket=2)

@@ -180,6 +180,11 @@ class InMemoryEmbeddingMigrationStore:
             ordered = [m for m in ordered if (m.created_at, m.id) < before]
         return ordered[:limit]
 
+    async def active(self) -> list[EmbeddingMigration]:
+        return sorted(
+            (m for m in self._migrations.values() if m.state.active), key=lambda m: (m.created_at, m.id)
+        )
+
     async def transition(
         self, migration_id: str, *, expect: Sequence[MigrationState], state: MigrationState, reason: str = ""
     ) -> EmbeddingMigration | None:

@@ -204,6 +204,14 @@ class PostgresEmbeddingMigrationStore:
             )
         return [_migration(row) for row in rows]
 
+    async def active(self) -> list[EmbeddingMigration]:
+        async with self._pool.acquire() as conn:
+            rows = await conn.fetch(
+                "SELECT * FROM embedding_migrations WHERE state <> ALL($1::text[]) ORDER BY created_at, id",
+                _FINISHED,
+            )
+        return [_migration(row) for row in rows]
+
     async def transition(
         self, migration_id: str, *, expect: Sequence[MigrationState], state: MigrationState, reason: str = ""
     ) -> EmbeddingMigration | None:
