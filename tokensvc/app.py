@@ -42,8 +42,7 @@ from tokensvc.knowledge.service import KnowledgeBases
 from tokensvc.memory.data_subjects import DataSubjectRequests
 from tokensvc.memory.reembedding import EmbeddingMigrations, MigrationRunner, RunnerSettings
 from tokensvc.memory.service import LongTermMemory
-from tokensvc.observability import METRICS, configure_tracing, start_metrics_server
-from tokensvc.observability.metrics import Vitals
+from tokensvc.observability import METRICS, Vitals, configure_tracing, start_metrics_server
 from tokensvc.retrieval import FusionWeights, SearchTuning
 from tokensvc.settings import Settings, SettingsError
 from tokensvc.storage.ports import ConnectionPool
@@ -66,8 +65,9 @@ _log = logging.getLogger(__name__)
 
 
 # How often the gauges read from the database (memories per space, open rotations, migrations)
-# are refreshed: the alerts on them wait minutes, and every replica runs the same reads.
-_DATABASE_GAUGE_SECONDS = 30.0
+# are refreshed: the alerts on them wait 15 minutes or more, every replica runs the same reads,
+# and counting memories per space scans the memories table.
+_DATABASE_GAUGE_SECONDS = 60.0
 
 
 class SchemaOutdated(RuntimeError):
@@ -99,6 +99,7 @@ class Service:
     monitor: HealthMonitor | None = None
     _stop_metrics: Callable[[], None] | None = None
     _unwatch_vitals: Callable[[], None] | None = None
+    _draining: bool = False  # stop() has begun: health is NOT_SERVING, and so is the gauge
     _background: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def start(self) -> None:
@@ -354,9 +355,9 @@ class Service:
         size = pool.get_size()
         return Vitals(
             pool_open=size,
-            pool_in_use=size - pool.get_idle_size(),
+            pool_in_use=max(0, size - pool.get_idle_size()),  # two reads: never below 0
             pool_max=pool.get_max_size(),
-            serving=self.monitor.serving if self.monitor is not None else True,
+            serving=not self._draining and (self.monitor is None or self.monitor.serving),
             revocation_age_seconds=revocations.age_seconds if revocations is not None else 0.0,
             revocation_max_staleness_seconds=revocations.max_staleness if revocations is not None else 0.0,
         )
@@ -394,6 +395,7 @@ class Service:
     async def stop(self, grace: float | None = None) -> None:
         """Drain: NOT_SERVING first (so load balancers move on), then finish in-flight RPCs."""
         grace = self.settings.shutdown_grace_seconds if grace is None else grace
+        self._draining = True
         await self.health.enter_graceful_shutdown()
         if self.server is not None:
             await self.server.stop(grace)

@@ -13,6 +13,7 @@ a lock) ran several times per RPC.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -34,6 +35,7 @@ __all__ = [
     "start_metrics_server",
 ]
 
+_log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _M = TypeVar("_M", bound="_CachedLabels")
 
@@ -143,7 +145,15 @@ class _LiveGauges(Collector):
 
     def collect(self) -> Iterator[Any]:
         with self._lock:
-            services = [vitals() for vitals in self._services]
+            watched = list(self._services)
+        services = []
+        for vitals in watched:
+            # Read off the event loop's objects from the scrape thread: a read that races a change
+            # skips this service for one scrape instead of failing the whole /metrics response.
+            try:
+                services.append(vitals())
+            except Exception as exc:
+                _log.debug("service vitals unreadable this scrape", extra={"error": type(exc).__name__})
         yield from self._service_gauges(services)
         yield from self._database_gauges(self.database)
 
@@ -239,8 +249,8 @@ class Metrics:
         )
         self.embed_seconds = _Histogram(
             "tokensvc_embed_duration_seconds",
-            "Embedding latency by embedder.",
-            ["embedder"],
+            "Embedder call latency by embedder and call (query: one search's text; documents: a batch).",
+            ["embedder", "call"],
             buckets=_LATENCY_BUCKETS,
         )
         self.embed_errors = _Counter("tokensvc_embed_errors", "Embedding failures by embedder.", ["embedder"])
@@ -288,7 +298,8 @@ class Metrics:
         an absent series makes `rate()` empty instead of 0."""
         for name in embedders:
             self.embed_errors.labels(name)
-            self.embed_seconds.labels(name)
+            for call in ("query", "documents"):
+                self.embed_seconds.labels(name, call)
             self.embed_batch.labels(name)
             self.migration_rows.labels(name)
         for outcome in ("ok", "refused", "deadline", "cancelled", "time_limit", "worker_died"):
@@ -298,7 +309,16 @@ class Metrics:
                 self.rotations.labels(mode, outcome)
         for outcome in ("succeeded", "failed"):
             self.sweeps.labels(outcome)
-        for event in ("started", "cut_over", "succeeded", "cancelled", "embedder_failure", "paused"):
+        for event in (
+            "started",
+            "cut_over",
+            "succeeded",
+            "cancel_requested",
+            "cancelled",
+            "embedder_failure",
+            "paused",
+            "resumed",
+        ):
             self.migration_events.labels(event)
 
 
@@ -318,9 +338,11 @@ def start_metrics_server(address: str) -> Callable[[], None]:
     return stop
 
 
-async def observe_embedding(embedder: str, call: Awaitable[_T], *, texts: int = 1) -> _T:
-    """Time one embedder call of `texts` texts and count its failures."""
-    METRICS.embed_batch.labels(embedder).observe(texts)
+async def observe_embedding(embedder: str, call: Awaitable[_T], *, texts: int | None = None) -> _T:
+    """Time one embedder call and count its failures: a query's (`texts` None) or a batch of
+    `texts` documents. Queries are timed apart, as a search waits for one; a batch of 64 chunks
+    on a CPU model takes seconds and would hide a slow query in a shared p99."""
+    METRICS.embed_batch.labels(embedder).observe(1 if texts is None else texts)
     started = time.perf_counter()
     try:
         return await call
@@ -328,4 +350,5 @@ async def observe_embedding(embedder: str, call: Awaitable[_T], *, texts: int = 
         METRICS.embed_errors.labels(embedder).inc()
         raise
     finally:
-        METRICS.embed_seconds.labels(embedder).observe(time.perf_counter() - started)
+        kind = "query" if texts is None else "documents"
+        METRICS.embed_seconds.labels(embedder, kind).observe(time.perf_counter() - started)
