@@ -3,9 +3,16 @@ embedded server. All of tokensvc's SQL lives under this package, and database fa
 domain errors here (`errors.py`), so nothing above storage imports asyncpg."""
 
 from tokensvc.storage.postgres.audit import PostgresAuditStore
+from tokensvc.storage.postgres.citus import PLACEMENTS, citus_version
 from tokensvc.storage.postgres.data_subjects import PostgresDataSubjectStore
 from tokensvc.storage.postgres.database import Database, DatabaseTarget, connect_once
-from tokensvc.storage.postgres.embedded import EmbeddedPostgres, EmbeddedPostgresError
+from tokensvc.storage.postgres.embedded import (
+    EmbeddedPaths,
+    EmbeddedPostgres,
+    EmbeddedPostgresError,
+    ensure_roles,
+    prepare_database,
+)
 from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
 from tokensvc.storage.postgres.logins import PostgresLogins
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
@@ -21,8 +28,10 @@ from tokensvc.storage.postgres.revocations import PostgresRevocationStore
 from tokensvc.storage.postgres.rotations import PostgresRotationJournal
 
 __all__ = [
+    "PLACEMENTS",
     "Database",
     "DatabaseTarget",
+    "EmbeddedPaths",
     "EmbeddedPostgres",
     "EmbeddedPostgresError",
     "MigrationError",
@@ -38,6 +47,9 @@ __all__ = [
     "PostgresStatistics",
     "apply_migrations",
     "available_migrations",
+    "citus_version",
     "connect_once",
+    "ensure_roles",
+    "prepare_database",
     "schema_version",
 ]

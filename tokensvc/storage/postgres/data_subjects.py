@@ -67,10 +67,11 @@ class PostgresDataSubjectStore:
     async def erase(self, tenant: Tenant, *, limit: int) -> int:
         async with tenant_transaction(self._pool, tenant) as conn:
             # The buckets are the declared ones (row-level security), named again so the planner
-            # prunes to their partitions.
+            # prunes to their partitions. By id alone (the same id in two of them is the same
+            # memory mid-move, erased too): Citus cannot plan a row comparison with a subquery.
             result = await conn.execute(
-                "DELETE FROM memories WHERE bucket = ANY($1::text[]) AND (bucket, id) IN "
-                "(SELECT bucket, id FROM memories WHERE bucket = ANY($1::text[]) LIMIT $2)",
+                "DELETE FROM memories WHERE bucket = ANY($1::text[]) AND id IN "
+                "(SELECT id FROM memories WHERE bucket = ANY($1::text[]) LIMIT $2)",
                 list(tenant.buckets),
                 limit,
             )

@@ -36,7 +36,15 @@ from tokensvc.storage.postgres.scram import scram_sha256_verifier
 from tokensvc.storage.records import DatabaseCredential
 from tokensvc.storage.secrets import FileCredentialSource, generate_password
 
-__all__ = ["DATABASE_NAME", "EmbeddedPaths", "EmbeddedPostgres", "EmbeddedPostgresError", "process_alive"]
+__all__ = [
+    "DATABASE_NAME",
+    "EmbeddedPaths",
+    "EmbeddedPostgres",
+    "EmbeddedPostgresError",
+    "ensure_roles",
+    "prepare_database",
+    "process_alive",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -326,28 +334,7 @@ class EmbeddedPostgres:
         superuser = FileCredentialSource(self.paths.credential_dir("superuser")).read()
         conn = await self._connect(superuser, "postgres")
         try:
-            owner = self._ensure_credential("owner", OWNER_ROLE)
-            await _ensure_login_role(conn, owner)
-            await conn.execute(
-                f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{APP_GROUP_ROLE}')"
-                f" THEN CREATE ROLE {APP_GROUP_ROLE} NOLOGIN; END IF; END $$"
-            )
-            for role in APP_LOGIN_ROLES:
-                await conn.execute(
-                    f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}')"
-                    f" THEN CREATE ROLE {role} LOGIN; END IF; END $$"
-                )
-                await conn.execute(f"GRANT {APP_GROUP_ROLE} TO {role}")
-            # The serving credential is whichever login role the secret source names now.
-            app = self._ensure_credential("app", APP_LOGIN_ROLES[0])
-            await _ensure_login_role(conn, app)
-            rotator = self._ensure_credential("rotator", ROTATOR_ROLE)
-            await _ensure_login_role(conn, rotator, "CREATEROLE")
-            for role in APP_LOGIN_ROLES:
-                # ADMIN only: the rotator may set these roles' passwords, not use their grants.
-                await conn.execute(
-                    f"GRANT {role} TO {ROTATOR_ROLE} WITH ADMIN TRUE, INHERIT FALSE, SET FALSE"
-                )
+            await ensure_roles(conn, self.paths)
             exists = await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", DATABASE_NAME)
             if not exists:
                 await conn.execute(f"CREATE DATABASE {DATABASE_NAME} OWNER {OWNER_ROLE}")
@@ -364,12 +351,6 @@ class EmbeddedPostgres:
         finally:
             await conn.close()
 
-    def _ensure_credential(self, who: str, username: str) -> DatabaseCredential:
-        source = FileCredentialSource(self.paths.credential_dir(who))
-        if not (source.directory / "password").exists():
-            source.write(DatabaseCredential(username, generate_password()))
-        return source.read()
-
     async def _connect(self, credential: DatabaseCredential, database: str) -> asyncpg.Connection:
         assert self.port is not None
         return await asyncpg.connect(
@@ -385,6 +366,52 @@ class EmbeddedPostgres:
         """The credential-free DSN the service is configured with."""
         assert self.port is not None, "start() first"
         return f"postgresql://127.0.0.1:{self.port}/{DATABASE_NAME}"
+
+
+async def ensure_roles(conn: asyncpg.Connection, paths: EmbeddedPaths) -> None:
+    """As a superuser: create tokensvc's roles where missing and set their passwords from the
+    credentials under `paths` (made on first use); idempotent. On Citus, the coordinator passes
+    roles, memberships and passwords on to every worker."""
+    owner = _ensure_credential(paths, "owner", OWNER_ROLE)
+    await _ensure_login_role(conn, owner)
+    await conn.execute(
+        f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{APP_GROUP_ROLE}')"
+        f" THEN CREATE ROLE {APP_GROUP_ROLE} NOLOGIN; END IF; END $$"
+    )
+    for role in APP_LOGIN_ROLES:
+        await conn.execute(
+            f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}')"
+            f" THEN CREATE ROLE {role} LOGIN; END IF; END $$"
+        )
+        await conn.execute(f"GRANT {APP_GROUP_ROLE} TO {role}")
+    # The serving credential is whichever login role the secret source names now.
+    app = _ensure_credential(paths, "app", APP_LOGIN_ROLES[0])
+    await _ensure_login_role(conn, app)
+    rotator = _ensure_credential(paths, "rotator", ROTATOR_ROLE)
+    await _ensure_login_role(conn, rotator, "CREATEROLE")
+    for role in APP_LOGIN_ROLES:
+        # ADMIN only: the rotator may set these roles' passwords, not use their grants.
+        await conn.execute(f"GRANT {role} TO {ROTATOR_ROLE} WITH ADMIN TRUE, INHERIT FALSE, SET FALSE")
+
+
+async def prepare_database(conn: asyncpg.Connection, paths: EmbeddedPaths) -> None:
+    """As a superuser connected to an existing database (a Citus coordinator's, for the tests and
+    the benches): tokensvc's roles as `ensure_roles` makes them, the schema owner owning the
+    database, CONNECT for the serving group and the rotator only, and pgvector."""
+    name = await conn.fetchval("SELECT current_database()")
+    await ensure_roles(conn, paths)
+    quoted = '"' + str(name).replace('"', '""') + '"'
+    await conn.execute(f"ALTER DATABASE {quoted} OWNER TO {OWNER_ROLE}")
+    await conn.execute(f"REVOKE ALL ON DATABASE {quoted} FROM PUBLIC")
+    await conn.execute(f"GRANT CONNECT ON DATABASE {quoted} TO {APP_GROUP_ROLE}, {ROTATOR_ROLE}")
+    await conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+
+
+def _ensure_credential(paths: EmbeddedPaths, who: str, username: str) -> DatabaseCredential:
+    source = FileCredentialSource(paths.credential_dir(who))
+    if not (source.directory / "password").exists():
+        source.write(DatabaseCredential(username, generate_password()))
+    return source.read()
 
 
 async def _ensure_login_role(

@@ -97,6 +97,9 @@ def _insert_chunks(first: int, generation: str, dimension: str) -> str:
            (SELECT b.text_config FROM knowledge_bases b WHERE b.namespace = $1 AND b.ref = $2)
     FROM unnest({p[0]}::int[], {p[1]}::text[], {p[2]}::int[], {p[3]}::int[], {p[4]}::text[], {p[5]}::vector[])
          AS u(idx, text, start_offset, end_offset, heading, embedding)
+    -- Unused here; on Citus it makes the insert a shard's INSERT ... SELECT, where it would COPY
+    -- into the shard otherwise, which row-level security refuses.
+    RETURNING chunk_index
 """
 
 
@@ -140,7 +143,8 @@ class PostgresKnowledgeStore:
             inserted = await conn.fetchrow(
                 f"INSERT INTO knowledge_bases ({_BASE_INSERTED}) "
                 "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::regconfig, now()) "
-                f"ON CONFLICT (namespace, ref) DO NOTHING RETURNING {_BASE_SELECT}",
+                # asyncpg reads a regconfig as its name; Citus refuses the (stable) cast in RETURNING.
+                f"ON CONFLICT (namespace, ref) DO NOTHING RETURNING {_BASE_COLUMNS}",
                 base.namespace,
                 base.ref,
                 base.display_name,
@@ -194,10 +198,12 @@ class PostgresKnowledgeStore:
 
     async def delete_base(self, tenant: Tenant, ref: str) -> int | None:
         async with tenant_transaction(self._pool, tenant) as conn:
-            # RETURNING reads the statement's snapshot: the documents the cascade deletes.
+            # Both parts read the statement's snapshot: the documents the cascade deletes. Not a
+            # subquery in RETURNING: Citus refuses one there; this statement it sends to one shard.
             count = await conn.fetchval(
-                "DELETE FROM knowledge_bases b WHERE namespace = $1 AND ref = $2 RETURNING (SELECT count(*) "
-                "FROM documents d WHERE d.namespace = b.namespace AND d.kb_ref = b.ref)",
+                "WITH counted AS (SELECT count(*) AS n FROM documents WHERE namespace = $1 AND kb_ref = $2), "
+                "gone AS (DELETE FROM knowledge_bases WHERE namespace = $1 AND ref = $2 RETURNING 1) "
+                "SELECT counted.n FROM counted, gone",
                 tenant.namespace,
                 ref,
             )
@@ -208,7 +214,7 @@ class PostgresKnowledgeStore:
                 await conn.execute(
                     "UPDATE embedding_migrations SET state = 'cancelled', lease_owner = NULL, "
                     "lease_until = NULL, reason = 'the knowledge base was deleted', "
-                    "updated_at = clock_timestamp(), finished_at = clock_timestamp() "
+                    "updated_at = statement_timestamp(), finished_at = statement_timestamp() "
                     "WHERE namespace = $1 AND kb_ref = $2 "
                     "AND state IN ('backfilling', 'paused', 'retiring', 'cancelling')",
                     tenant.namespace,
@@ -303,7 +309,7 @@ class PostgresKnowledgeStore:
             assert stored is not None
             if stored["version"] is not None and stored["content_sha256"] == content_sha256:
                 row = await conn.fetchrow(
-                    "WITH doc AS (UPDATE documents SET metadata = $4, updated_at = clock_timestamp() "
+                    "WITH doc AS (UPDATE documents SET metadata = $4, updated_at = statement_timestamp() "
                     f"WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING {_DOC_COLUMNS}), "
                     "swept AS (UPDATE chunks SET metadata = $4 WHERE namespace = $1 AND kb_ref = $2 "
                     "AND doc_ref = $3) SELECT * FROM doc",
@@ -349,7 +355,7 @@ class PostgresKnowledgeStore:
                 document = (
                     "UPDATE documents SET version = $4, content_type = $5, content_sha256 = $6, size_bytes = $7, "
                     f"chunk_count = $8, metadata = $9, text = $10, migrated_version = {marker[0]}, "
-                    f"migrated_chunk_count = {marker[1]}, updated_at = clock_timestamp() "
+                    f"migrated_chunk_count = {marker[1]}, updated_at = statement_timestamp() "
                     f"WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING {_DOC_COLUMNS}"
                 )
                 writes.insert(

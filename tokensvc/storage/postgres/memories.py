@@ -22,7 +22,7 @@ from tokensvc.storage.postgres.ranking import (
     search_settings,
 )
 from tokensvc.storage.postgres.ranking import search_statement as ranking_statement
-from tokensvc.storage.postgres.tenant import tenant_transaction
+from tokensvc.storage.postgres.tenant import is_distributed, tenant_transaction
 from tokensvc.storage.records import (
     CandidateQuery,
     EmbedderSpec,
@@ -125,6 +125,28 @@ async def ensure_vector_index(
         part += 1
 
 
+async def _copy_bucket(
+    conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy, source: str, target: str
+) -> int:
+    """Move a bucket's rows into another on Citus, which never changes a row's distribution
+    column: insert copies under the new bucket (on its shard), then delete the originals."""
+    columns = await conn.fetchval(
+        "SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) FROM pg_attribute"
+        " WHERE attrelid = 'tokensvc.memories'::regclass AND attnum > 0 AND NOT attisdropped"
+        " AND attgenerated = ''"
+    )
+    selected = ", ".join("$2" if column == "bucket" else column for column in columns.split(", "))
+    result = await conn.execute(
+        # RETURNING: Citus then inserts on the target's shard with INSERT ... SELECT, not with a
+        # COPY, which row-level security refuses.
+        f"INSERT INTO memories ({columns}) SELECT {selected} FROM memories WHERE bucket = $1 RETURNING id",
+        source,
+        target,
+    )
+    await conn.execute("DELETE FROM memories WHERE bucket = $1", source)
+    return int(result.split()[-1])
+
+
 @translate_errors
 class PostgresMemoryStore:
     def __init__(self, pool: asyncpg.Pool):
@@ -181,17 +203,22 @@ class PostgresMemoryStore:
             # One source at a time: two older buckets may hold the same content as each other. The
             # target is never its own source: every row would be its own duplicate and be deleted.
             for source in dict.fromkeys(s for s in sources if s != target):
+                # Uncorrelated subqueries: on Citus the two buckets are on different shards, and
+                # it plans each subquery on its own shard first.
                 await conn.execute(
-                    "DELETE FROM memories m WHERE bucket = $1 AND EXISTS ("
-                    " SELECT 1 FROM memories t WHERE t.bucket = $2 AND (t.content_sha256 = m.content_sha256"
-                    " OR t.idempotency_key = m.idempotency_key))",
+                    "DELETE FROM memories WHERE bucket = $1 AND ("
+                    " content_sha256 IN (SELECT content_sha256 FROM memories WHERE bucket = $2)"
+                    " OR idempotency_key IN (SELECT idempotency_key FROM memories WHERE bucket = $2))",
                     source,
                     target,
                 )
-                result = await conn.execute(
-                    "UPDATE memories SET bucket = $2 WHERE bucket = $1", source, target
-                )
-                moved += int(result.split()[-1])
+                if is_distributed(conn):
+                    moved += await _copy_bucket(conn, source, target)
+                else:
+                    result = await conn.execute(
+                        "UPDATE memories SET bucket = $2 WHERE bucket = $1", source, target
+                    )
+                    moved += int(result.split()[-1])
         return moved
 
     async def find_existing(
@@ -298,7 +325,7 @@ class PostgresMemoryStore:
         ttl_seconds: int | None,
         embedder: str,
     ) -> MemoryRecord | None:
-        sets = ["updated_at = clock_timestamp()"]
+        sets = ["updated_at = statement_timestamp()"]
         params: list[Any] = [bucket, memory_id]
         clear = ""
         if content is not None:

@@ -18,6 +18,7 @@ import asyncpg
 from tokensvc.names import is_sql_identifier
 
 __all__ = [
+    "LOCK_ID",
     "Migration",
     "MigrationError",
     "apply_migrations",
@@ -26,7 +27,7 @@ __all__ = [
 ]
 
 # Arbitrary but fixed: the lock id every tokensvc process agrees on.
-_LOCK_ID = 0x746F6B656E737663  # "tokensvc"
+LOCK_ID = 0x746F6B656E737663  # "tokensvc"
 _FILE_NAME = re.compile(r"(\d{4})_([a-z0-9_]+)\.sql")
 
 
@@ -77,7 +78,7 @@ async def apply_migrations(conn: asyncpg.Connection, *, app_role: str) -> list[M
     migrations = available_migrations()
     applied: list[Migration] = []
     async with conn.transaction():
-        await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK_ID)
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", LOCK_ID)
         await _check_pgvector(conn)
         await conn.execute(_BOOKKEEPING)
         recorded = {

@@ -25,7 +25,7 @@ import asyncpg
 import numpy as np
 from opentelemetry import trace
 
-from tokensvc.storage.postgres.tenant import declare_settings, tenant_transaction
+from tokensvc.storage.postgres.tenant import declare, tenant_transaction
 from tokensvc.storage.records import Candidate, CandidateQuery, SearchPlan, Tenant
 
 __all__ = [
@@ -391,7 +391,7 @@ async def fetch_candidates(
             )
             query = plan(int(counted))
             if settings := search_settings(query):
-                await conn.execute(declare_settings(settings))
+                await declare(conn, settings)
         sql, params = search_statement(corpus, where, query)
         rows = await conn.fetch(sql, *params)
         if not query.exact and (len(rows) < query.k if plain_vector(query) else short(rows, query)):

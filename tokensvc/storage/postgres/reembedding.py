@@ -38,7 +38,9 @@ __all__ = ["PostgresEmbeddingMigrationStore"]
 _RUNNABLE = [MigrationState.BACKFILLING.value, MigrationState.RETIRING.value, MigrationState.CANCELLING.value]
 _FINISHED = [MigrationState.SUCCEEDED.value, MigrationState.CANCELLED.value]
 # The runner's lease, checked (and renewed) in the transaction that does the work.
-_LEASED = "id = $1 AND lease_owner = $2 AND lease_until >= clock_timestamp()"
+# Times are statement_timestamp(), not clock_timestamp(): the same within one statement, and Citus
+# refuses a volatile function in an UPDATE of a distributed or reference table.
+_LEASED = "id = $1 AND lease_owner = $2 AND lease_until >= statement_timestamp()"
 
 
 def _migration(row: asyncpg.Record) -> EmbeddingMigration:
@@ -220,8 +222,8 @@ class PostgresEmbeddingMigrationStore:
             await conn.execute("SELECT lock_migration_subject($1, true)", migration_id)
             row = await conn.fetchrow(
                 "UPDATE embedding_migrations SET state = $2, reason = $3, failures = 0, lease_owner = NULL, "
-                "lease_until = NULL, updated_at = clock_timestamp(), "
-                "finished_at = CASE WHEN $2 = ANY($5::text[]) THEN clock_timestamp() END, "
+                "lease_until = NULL, updated_at = statement_timestamp(), "
+                "finished_at = CASE WHEN $2 = ANY($5::text[]) THEN statement_timestamp() END, "
                 # The clean-up of a cancelled migration walks the space from the start.
                 "cursor_bucket = CASE WHEN $2 = 'cancelling' THEN NULL ELSE cursor_bucket END, "
                 "cursor_id = CASE WHEN $2 = 'cancelling' THEN NULL ELSE cursor_id END, "
@@ -240,12 +242,12 @@ class PostgresEmbeddingMigrationStore:
     ) -> EmbeddingMigration | None:
         async with self._pool.acquire() as conn:
             row = await conn.fetchrow(
-                "UPDATE embedding_migrations SET lease_owner = $1, updated_at = clock_timestamp(), "
-                "lease_until = clock_timestamp() + make_interval(secs => $2) "
+                "UPDATE embedding_migrations SET lease_owner = $1, updated_at = statement_timestamp(), "
+                "lease_until = statement_timestamp() + make_interval(secs => $2) "
                 "WHERE id = (SELECT id FROM embedding_migrations WHERE state = ANY($4::text[]) "
                 "AND (state <> 'backfilling' OR to_embedder = ANY($3::text[])) "
-                "AND (state <> 'retiring' OR cut_over_at + make_interval(secs => $5) <= clock_timestamp()) "
-                "AND (lease_owner IS NULL OR lease_owner = $1 OR lease_until < clock_timestamp()) "
+                "AND (state <> 'retiring' OR cut_over_at + make_interval(secs => $5) <= statement_timestamp()) "
+                "AND (lease_owner IS NULL OR lease_owner = $1 OR lease_until < statement_timestamp()) "
                 "ORDER BY created_at, id LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING *",
                 runner,
                 lease_seconds,
@@ -302,7 +304,7 @@ class PostgresEmbeddingMigrationStore:
                 "UPDATE embedding_migrations SET rows_done = rows_done + $2, "
                 "rows_total = greatest(rows_total, rows_done + $2), failures = 0, reason = '', "
                 "cursor_bucket = coalesce($3, cursor_bucket), cursor_id = coalesce($4::uuid, cursor_id), "
-                "lease_until = clock_timestamp() + make_interval(secs => $5), updated_at = clock_timestamp() "
+                "lease_until = statement_timestamp() + make_interval(secs => $5), updated_at = statement_timestamp() "
                 "WHERE id = $1 RETURNING *",
                 migration.id,
                 written,
@@ -315,7 +317,7 @@ class PostgresEmbeddingMigrationStore:
     async def renew(self, migration: EmbeddingMigration, runner: str, *, lease_seconds: float) -> bool:
         async with self._pool.acquire() as conn:
             result = await conn.execute(
-                "UPDATE embedding_migrations SET lease_until = clock_timestamp() + make_interval(secs => $3) "
+                "UPDATE embedding_migrations SET lease_until = statement_timestamp() + make_interval(secs => $3) "
                 "WHERE id = $1 AND lease_owner = $2 AND state = ANY($4::text[])",
                 migration.id,
                 runner,
@@ -328,7 +330,7 @@ class PostgresEmbeddingMigrationStore:
         async with self._pool.acquire() as conn:
             result = await conn.execute(
                 "UPDATE embedding_migrations SET cursor_bucket = NULL, cursor_id = NULL, cursor_document = NULL, "
-                f"updated_at = clock_timestamp() WHERE {_LEASED}",
+                f"updated_at = statement_timestamp() WHERE {_LEASED}",
                 migration.id,
                 runner,
             )
@@ -426,7 +428,7 @@ class PostgresEmbeddingMigrationStore:
                 "UPDATE embedding_migrations SET rows_done = rows_done + $2, "
                 "rows_total = greatest(rows_total, rows_done + $2), failures = 0, reason = '', "
                 "cursor_document = coalesce($3, cursor_document), "
-                "lease_until = clock_timestamp() + make_interval(secs => $4), updated_at = clock_timestamp() "
+                "lease_until = statement_timestamp() + make_interval(secs => $4), updated_at = statement_timestamp() "
                 "WHERE id = $1 RETURNING *",
                 migration.id,
                 written,
@@ -455,7 +457,7 @@ class PostgresEmbeddingMigrationStore:
         async with self._pool.acquire() as conn:
             row = await conn.fetchrow(
                 "UPDATE embedding_migrations SET failures = failures + 1, reason = $3, "
-                "updated_at = clock_timestamp(), "
+                "updated_at = statement_timestamp(), "
                 "state = CASE WHEN failures + 1 >= $4 THEN 'paused' ELSE state END, "
                 "lease_owner = CASE WHEN failures + 1 >= $4 THEN NULL ELSE lease_owner END, "
                 "lease_until = CASE WHEN failures + 1 >= $4 THEN NULL ELSE lease_until END "

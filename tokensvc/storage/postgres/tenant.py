@@ -11,11 +11,21 @@ The transaction start and the tenant declaration travel as ONE simple-protocol m
 query, COMMIT. The values are written as literals, which is safe because each one is checked
 first: `Tenant` validates every field, the other settings are our own constants and numbers, and
 `_literal` refuses a quote-breaking character anyway.
+
+On Citus the shards' policies run on the workers, where a coordinator's `set_config` never
+arrives: Citus forwards only `SET LOCAL` statements, and only with `citus.propagate_set_commands
+= 'local'`, replaying each statement's text when it opens a transaction on a worker. So a
+connection of a distributed database (`DistributedConnection`, chosen by `Database`) declares the
+settings as `SET LOCAL`s inside a `DO` block. The block matters: Citus forwards the text of the
+message a top-level SET came in, so a SET in the `BEGIN ...` message would send the BEGIN, the lock
+and the checks to the workers too; inside the block each SET is a statement of its own text. The
+lock and the checks then follow in a message of their own (one more round trip, on Citus only).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 
@@ -25,7 +35,7 @@ from tokensvc.observability.deadlines import remaining_ms
 from tokensvc.storage.postgres.errors import database_errors
 from tokensvc.storage.records import Tenant
 
-__all__ = ["declare_settings", "literal", "tenant_transaction"]
+__all__ = ["DistributedConnection", "declare", "declare_settings", "literal", "tenant_transaction"]
 
 _log = logging.getLogger(__name__)
 
@@ -35,6 +45,24 @@ _ISOLATION = {
     "repeatable_read": "REPEATABLE READ",
     "serializable": "SERIALIZABLE",
 }
+
+
+# A setting's name, written into SQL as it is: ours are constants such as `tokensvc.buckets`.
+_SETTING_NAME = re.compile(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)?")
+# The DO block's quote; no value may hold a `$`, so none can end the block.
+_BLOCK = "$tokensvc_tenant$"
+
+
+class DistributedConnection(asyncpg.Connection):
+    """A connection to a Citus coordinator: tenant settings are declared so the workers see them."""
+
+    distributed = True
+
+
+def is_distributed(conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy) -> bool:
+    """Whether `conn` reaches a distributed (Citus) database; a pooled proxy answers for its
+    connection."""
+    return getattr(conn, "distributed", False) is True
 
 
 def literal(value: str) -> str:
@@ -51,7 +79,10 @@ def _begin(
     timeout_ms: int | None,
     lock: str | None,
     checks: Sequence[str],
-) -> str:
+    *,
+    distributed: bool = False,
+) -> list[str]:
+    """The messages that open the transaction: one, or on Citus two when a lock or checks follow."""
     if any(name.startswith("tokensvc.") for name in settings):
         raise ValueError("the tenant settings come from the Tenant only")
     values = {
@@ -68,18 +99,43 @@ def _begin(
     # The caller's deadline bounds every statement; without one the server default stays.
     if timeout_ms is not None:
         values["statement_timeout"] = str(max(1, timeout_ms))
-    begin = f"BEGIN ISOLATION LEVEL {_ISOLATION[isolation]}; {declare_settings(values)}"
+    begin = (
+        f"BEGIN ISOLATION LEVEL {_ISOLATION[isolation]}; {declare_settings(values, distributed=distributed)}"
+    )
+    after = list(checks)
     if lock is not None:
         # The key's text travels hex-encoded: any characters (a document ref may hold quotes and
         # backslashes) become a literal of [0-9a-f] only, and the lock id is the text's hash.
         key = f"convert_from(decode('{lock.encode('utf-8').hex()}', 'hex'), 'UTF8')"
-        begin += f"; SELECT pg_advisory_xact_lock(hashtextextended({key}, 0))"
-    return "; ".join([begin, *checks])
+        after.insert(0, f"SELECT pg_advisory_xact_lock(hashtextextended({key}, 0))")
+    if distributed and after:
+        return [begin, "; ".join(after)]
+    return ["; ".join([begin, *after])]
 
 
-def declare_settings(settings: Mapping[str, str]) -> str:
-    """One statement setting these transaction-local settings (names are our own constants)."""
-    return "SELECT " + ", ".join(f"set_config({literal(k)}, {literal(v)}, true)" for k, v in settings.items())
+def declare_settings(settings: Mapping[str, str], *, distributed: bool = False) -> str:
+    """The statements setting these transaction-local settings (names are our own constants):
+    `set_config(..., true)` calls, or on Citus `SET LOCAL`s that reach the workers too."""
+    if not distributed:
+        return "SELECT " + ", ".join(
+            f"set_config({literal(k)}, {literal(v)}, true)" for k, v in settings.items()
+        )
+    for name, value in settings.items():
+        if not _SETTING_NAME.fullmatch(name) or "$" in value:
+            raise ValueError("not a setting to declare")
+    # A tenant transaction reads and writes one shard group: one connection per worker, so the
+    # statements of a transaction (a modifying CTE's parts too) never wait on each other's locks
+    # over two connections, which Citus would take for a distributed deadlock.
+    settings = {"citus.max_adaptive_executor_pool_size": "1", **settings}
+    sets = " ".join(f"SET LOCAL {name} = {literal(value)};" for name, value in settings.items())
+    return f"SET LOCAL citus.propagate_set_commands = 'local'; DO {_BLOCK} BEGIN {sets} END {_BLOCK}"
+
+
+async def declare(
+    conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy, settings: Mapping[str, str]
+) -> None:
+    """Declare more transaction-local settings in the transaction `conn` is in."""
+    await conn.execute(declare_settings(settings, distributed=is_distributed(conn)))
 
 
 @asynccontextmanager
@@ -111,7 +167,11 @@ async def tenant_transaction(
         async with pool.acquire(timeout=wait) as conn:
             left = remaining_ms()
             try:
-                await conn.execute(_begin(tenant, isolation, settings or {}, left, lock, checks))
+                messages = _begin(
+                    tenant, isolation, settings or {}, left, lock, checks, distributed=is_distributed(conn)
+                )
+                for message in messages:
+                    await conn.execute(message)
                 yield conn  # type: ignore[misc]
             except BaseException:
                 await _rollback(conn)

@@ -1,0 +1,117 @@
+"""The Citus integration suite: tokensvc's own tests, re-run against a real Citus coordinator.
+
+Opt-in, because no registry this project installs from offers Citus. Set
+`TOKENSVC_TEST_CITUS_DSN` to a superuser DSN (with its password) of a database on the coordinator
+that has the `citus` and `vector` extensions and its workers added; the database is the suite's
+own. The suite creates tokensvc's roles in the cluster (or gives them new passwords), makes the
+schema owner own the database, and runs `migrate`, which distributes the schema. Unset, every test
+here is skipped and the run ends with a banner saying that the suite did not run: a skip is never a
+pass. docs/scaling.md, "Testing against Citus", says how to build a cluster to run it on.
+
+The modules here import the tests they re-run, so one test body checks both engines; the session
+fixture `database` below overrides the embedded one for them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from tests.support import service_settings
+from tokensvc.app import migrate
+from tokensvc.auth.devpki import ensure_dev_material
+from tokensvc.storage.postgres import Database, EmbeddedPaths, citus_version, prepare_database
+from tokensvc.storage.records import DatabaseCredential
+from tokensvc.storage.secrets import FileCredentialSource
+
+ENVIRONMENT = "TOKENSVC_TEST_CITUS_DSN"
+_HERE = Path(__file__).parent
+_NOT_RUN = (
+    f"THE CITUS INTEGRATION SUITE DID NOT RUN: {ENVIRONMENT} is not set "
+    "(docs/scaling.md, 'Testing against Citus')"
+)
+
+
+def citus_dsn() -> str | None:
+    return os.environ.get(ENVIRONMENT) or None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if citus_dsn() is not None:
+        return
+    skip = pytest.mark.skip(reason=_NOT_RUN)
+    for item in items:
+        if _HERE in Path(item.path).parents:
+            item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    skipped = [
+        report
+        for report in terminalreporter.stats.get("skipped", [])
+        if _HERE in Path(str(report.fspath)).resolve().parents
+    ]
+    if citus_dsn() is None and skipped:
+        terminalreporter.write_sep("!", _NOT_RUN, red=True, bold=True)
+        terminalreporter.write_line(f"{len(skipped)} Citus tests were skipped, not passed.", red=True)
+
+
+@dataclass(frozen=True)
+class CitusDatabase:
+    """The coordinator, reached like the session's embedded database: DSN + credential dirs."""
+
+    dsn: str
+    paths: EmbeddedPaths
+
+    @property
+    def app_credential_dir(self) -> Path:
+        return self.paths.credential_dir("app")
+
+    @property
+    def owner_credential_dir(self) -> Path:
+        return self.paths.credential_dir("owner")
+
+    @property
+    def rotator_credential_dir(self) -> Path:
+        return self.paths.credential_dir("rotator")
+
+    @property
+    def superuser_credential_dir(self) -> Path:
+        return self.paths.credential_dir("superuser")
+
+
+@pytest.fixture(scope="session")
+async def database(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[CitusDatabase]:
+    """The Citus coordinator named by TOKENSVC_TEST_CITUS_DSN, with tokensvc's roles, migrated."""
+    given = citus_dsn()
+    assert given is not None, "collected without the variable: the tests should have been skipped"
+    parts = urlsplit(given)
+    name = parts.path.strip("/")
+    if not (parts.hostname and parts.username and parts.password and name):
+        raise pytest.UsageError(f"{ENVIRONMENT}: needs postgresql://SUPERUSER:PASSWORD@HOST:PORT/DATABASE")
+    root = Path(tempfile.mkdtemp(prefix="tokensvc-test-citus-"))
+    paths = EmbeddedPaths(root)
+    FileCredentialSource(paths.credential_dir("superuser")).write(
+        DatabaseCredential(parts.username, parts.password)
+    )
+    conn = await asyncpg.connect(given)
+    try:
+        if await citus_version(conn) is None:
+            raise pytest.UsageError(f"{ENVIRONMENT}: database {name!r} has no citus extension")
+        await prepare_database(conn, paths)
+    finally:
+        await conn.close()
+    address = f"{parts.hostname}:{parts.port or 5432}"
+    citus = CitusDatabase(urlunsplit(("postgresql", address, f"/{name}", "", "")), paths)
+    settings = service_settings(citus, ensure_dev_material(tmp_path_factory.mktemp("citus-mig")), Path("."))  # type: ignore[arg-type]
+    await migrate(await Database.locate(settings), settings)
+    yield citus
+    shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,3 @@
+"""tests/credentials/test_rotation.py on Citus."""
+
+from tests.credentials.test_rotation import *  # noqa: F403
