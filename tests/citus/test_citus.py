@@ -48,10 +48,11 @@ async def test_migrate_distributes_the_tenant_tables_and_keeps_the_global_ones_o
         placed = {
             row["name"]: row
             for row in await conn.fetch(
-                "SELECT logicalrelid::regclass::text AS name, partmethod, colocationid, "
-                "column_to_column_name(logicalrelid, partkey) AS column, "
+                "SELECT c.relname AS name, p.partmethod::text AS partmethod, p.colocationid, "
+                "column_to_column_name(p.logicalrelid, p.partkey) AS column, "
                 "(SELECT count(*) FROM pg_dist_shard s WHERE s.logicalrelid = p.logicalrelid) AS shards "
-                "FROM pg_dist_partition p WHERE logicalrelid::regclass::text NOT LIKE 'tokensvc.memories\\_p%'"
+                "FROM pg_dist_partition p JOIN pg_class c ON c.oid = p.logicalrelid "
+                "WHERE c.relnamespace = 'tokensvc'::regnamespace AND c.relname NOT LIKE 'memories\\_p%'"
             )
         }
         tables = {
@@ -62,11 +63,12 @@ async def test_migrate_distributes_the_tenant_tables_and_keeps_the_global_ones_o
             )
         }
         partitions = await conn.fetchval(
-            "SELECT count(*) FROM pg_dist_partition WHERE logicalrelid::regclass::text LIKE 'tokensvc.memories\\_p%' "
-            "AND partmethod = 'h' AND colocationid = (SELECT colocationid FROM pg_dist_partition "
+            "SELECT count(*) FROM pg_dist_partition p JOIN pg_class c ON c.oid = p.logicalrelid "
+            "WHERE c.relnamespace = 'tokensvc'::regnamespace AND c.relname LIKE 'memories\\_p%' "
+            "AND p.partmethod = 'h' AND p.colocationid = (SELECT colocationid FROM pg_dist_partition "
             "WHERE logicalrelid = 'tokensvc.memories'::regclass)"
         )
-    expected = {f"tokensvc.{p.table}": p for p in PLACEMENTS}
+    expected = {p.table: p for p in PLACEMENTS}
     assert set(placed) == set(expected)
     for name, placement in expected.items():
         row = placed[name]
@@ -74,11 +76,11 @@ async def test_migrate_distributes_the_tenant_tables_and_keeps_the_global_ones_o
             assert row["partmethod"] == "n", name  # a reference table: a copy on every node
         else:
             assert (row["partmethod"], row["column"], row["shards"]) == ("h", placement.column, 32), name
-    knowledge = {placed[f"tokensvc.{t}"]["colocationid"] for t in ("knowledge_bases", "documents", "chunks")}
+    knowledge = {placed[t]["colocationid"] for t in ("knowledge_bases", "documents", "chunks")}
     assert len(knowledge) == 1
     # Every one of the 256 partitions is distributed alongside its parent, by the same bucket.
     assert partitions == 256
-    assert tables - {name.removeprefix("tokensvc.") for name in placed} == COORDINATOR_TABLES
+    assert tables - set(placed) == COORDINATOR_TABLES
 
 
 async def test_a_second_migrate_changes_nothing(

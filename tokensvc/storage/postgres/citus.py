@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import asyncpg
 
+from tokensvc.storage.postgres.migrations import MigrationError
+
 __all__ = ["PLACEMENTS", "SHARD_COUNT", "Placement", "citus_version", "distribute"]
 
 _log = logging.getLogger(__name__)
@@ -41,6 +43,10 @@ class Placement:
     table: str
     column: str | None = None
     colocate_with: str | None = None
+
+    def shape(self) -> tuple[str, str | None]:
+        """(Citus's partition method, the distribution column) once placed."""
+        return ("n", None) if self.column is None else ("h", self.column)
 
     def statement(self) -> str:
         name = f"tokensvc.{self.table}"
@@ -82,12 +88,26 @@ async def distribute(conn: asyncpg.Connection, lock_id: int) -> list[str]:
     for placement in PLACEMENTS:
         async with conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock($1)", lock_id)
-            done = await conn.fetchval(
-                "SELECT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = to_regclass($1))",
-                f"tokensvc.{placement.table}",
+            name = f"tokensvc.{placement.table}"
+            placed_as = await conn.fetchrow(
+                "SELECT partmethod::text AS partmethod, column_to_column_name(logicalrelid, partkey) AS column"
+                " FROM pg_dist_partition WHERE logicalrelid = to_regclass($1)",
+                name,
             )
-            if done:
+            if placed_as is not None:
+                if (placed_as["partmethod"], placed_as["column"]) != placement.shape():
+                    raise MigrationError(
+                        f"{name} is placed as ({placed_as['partmethod']}, {placed_as['column']}), "
+                        f"not as tokensvc places it {placement.shape()}; undistribute it first"
+                    )
                 continue
+            # Citus would copy a table's rows with COPY, which row-level security refuses, and
+            # keep the local copy: only an empty table is placed.
+            if await conn.fetchval(f"SELECT EXISTS (SELECT FROM {name})"):
+                raise MigrationError(
+                    f"{name} holds rows: migrate places an empty schema only (moving a populated "
+                    "database onto Citus is not supported)"
+                )
             # The generation guards are triggers that read reference tables on the shard's own
             # node, which Citus runs; it asks for this opt-in to create a table with triggers.
             await conn.execute("SET LOCAL citus.enable_unsafe_triggers = on")

@@ -181,7 +181,7 @@ class Database:
         try:
             self.citus = await citus_version(probe)
         finally:
-            await probe.close()
+            await probe.close(timeout=target.connect_timeout)
         if self.citus is not None:
             _log.info("the database is a Citus %s coordinator: tenant settings reach its workers", self.citus)
             target = self.target = replace(target, citus=True)

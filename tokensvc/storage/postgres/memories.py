@@ -129,22 +129,32 @@ async def _copy_bucket(
     conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy, source: str, target: str
 ) -> int:
     """Move a bucket's rows into another on Citus, which never changes a row's distribution
-    column: insert copies under the new bucket (on its shard), then delete the originals."""
+    column: copies under the new bucket (on its shard), then the originals deleted.
+
+    The rows are locked first and only those are copied and deleted: a row written to the source
+    meanwhile (a replica still on the old pepper) stays there for the next move, never deleted
+    uncopied, as the single-node UPDATE would leave it.
+    """
+    ids = [row[0] for row in await conn.fetch("SELECT id FROM memories WHERE bucket = $1 FOR UPDATE", source)]
+    if not ids:
+        return 0
     columns = await conn.fetchval(
         "SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) FROM pg_attribute"
         " WHERE attrelid = 'tokensvc.memories'::regclass AND attnum > 0 AND NOT attisdropped"
         " AND attgenerated = ''"
     )
-    selected = ", ".join("$2" if column == "bucket" else column for column in columns.split(", "))
-    result = await conn.execute(
-        # RETURNING: Citus then inserts on the target's shard with INSERT ... SELECT, not with a
-        # COPY, which row-level security refuses.
-        f"INSERT INTO memories ({columns}) SELECT {selected} FROM memories WHERE bucket = $1 RETURNING id",
+    selected = ", ".join("$2" if column == "bucket" else column for column in str(columns).split(", "))
+    # RETURNING: Citus then inserts on the target's shard with INSERT ... SELECT, not with a
+    # COPY, which row-level security refuses.
+    copied = await conn.fetch(
+        f"INSERT INTO memories ({columns}) SELECT {selected} FROM memories"
+        " WHERE bucket = $1 AND id = ANY($3::uuid[]) RETURNING id",
         source,
         target,
+        ids,
     )
-    await conn.execute("DELETE FROM memories WHERE bucket = $1", source)
-    return int(result.split()[-1])
+    await conn.execute("DELETE FROM memories WHERE bucket = $1 AND id = ANY($2::uuid[])", source, ids)
+    return len(copied)
 
 
 @translate_errors
