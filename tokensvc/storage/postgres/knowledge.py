@@ -8,7 +8,6 @@ deletes to documents and chunks.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -25,7 +24,7 @@ from tokensvc.storage.postgres.ranking import (
     candidates_from,
     fetch_candidates,
 )
-from tokensvc.storage.postgres.tenant import is_distributed, literal, tenant_transaction
+from tokensvc.storage.postgres.tenant import literal, tenant_transaction
 from tokensvc.storage.records import (
     BaseRow,
     ChunkingSpec,
@@ -102,36 +101,6 @@ def _insert_chunks(first: int, generation: str, dimension: str) -> str:
     -- into the shard otherwise, which row-level security refuses.
     RETURNING chunk_index
 """
-
-
-_PARAMETER = re.compile(r"\$(\d+)")
-
-
-async def _write_together(
-    conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy,
-    document: str,
-    writes: Sequence[tuple[str, str]],
-    parameters: Sequence[Any],
-) -> asyncpg.Record | None:
-    """The document statement (its RETURNING row is the result) with its dependent writes: one
-    statement of data-modifying CTEs on one node. On Citus, the same statements one after
-    another: it runs a CTE's parts over connections of their own, whose row locks then wait on
-    each other (a distributed deadlock, measured); in one transaction, on one shard's
-    connection, the order gives the same result."""
-    if not is_distributed(conn):
-        ctes = ", ".join(f"{name} AS ({body})" for name, body in writes)
-        return await conn.fetchrow(f"WITH doc AS ({document}), {ctes} SELECT * FROM doc", *parameters)
-    row = await conn.fetchrow(*_standalone(document, parameters))
-    for _, body in writes:
-        await conn.execute(*_standalone(body, parameters))
-    return row
-
-
-def _standalone(sql: str, parameters: Sequence[Any]) -> tuple[Any, ...]:
-    """`sql` with only the parameters it names, renumbered from $1."""
-    used = sorted({int(n) for n in _PARAMETER.findall(sql)})
-    number = {old: new for new, old in enumerate(used, start=1)}
-    return (_PARAMETER.sub(lambda m: f"${number[int(m[1])]}", sql), *(parameters[n - 1] for n in used))
 
 
 def chunk_columns(chunks: Sequence[ChunkRow]) -> list[Any]:
@@ -339,17 +308,13 @@ class PostgresKnowledgeStore:
             )
             assert stored is not None
             if stored["version"] is not None and stored["content_sha256"] == content_sha256:
-                row = await _write_together(
-                    conn,
-                    "UPDATE documents SET metadata = $4, updated_at = statement_timestamp() "
-                    f"WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING {_DOC_COLUMNS}",
-                    [
-                        (
-                            "swept",
-                            "UPDATE chunks SET metadata = $4 WHERE namespace = $1 AND kb_ref = $2 AND doc_ref = $3",
-                        )
-                    ],
-                    [*keys, metadata],
+                row = await conn.fetchrow(
+                    "WITH doc AS (UPDATE documents SET metadata = $4, updated_at = statement_timestamp() "
+                    f"WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING {_DOC_COLUMNS}), "
+                    "swept AS (UPDATE chunks SET metadata = $4 WHERE namespace = $1 AND kb_ref = $2 "
+                    "AND doc_ref = $3) SELECT * FROM doc",
+                    *keys,
+                    metadata,
                 )
                 assert row is not None
                 return _document(row), False
@@ -373,12 +338,12 @@ class PostgresKnowledgeStore:
                 generation,
                 _dimension_of(chunks),
             ]
-            writes = [("added", _insert_chunks(11, "$17", "$18"))]
+            writes = [f"added AS ({_insert_chunks(11, '$17', '$18')})"]
             # Marked done for the migration only with its chunks; a new version is not.
             marker = ("NULL", "NULL")
             if next_chunks is not None and stored["dual_write"]:
                 parameters += [len(next_chunks), *chunk_columns(next_chunks), _dimension_of(next_chunks)]
-                writes.append(("added_next", _insert_chunks(20, "$17 + 1", "$26")))
+                writes.append(f"added_next AS ({_insert_chunks(20, '$17 + 1', '$26')})")
                 marker = ("$4", "$19")
             if stored["version"] is None:
                 document = (
@@ -395,15 +360,14 @@ class PostgresKnowledgeStore:
                 )
                 writes.insert(
                     0,
-                    (
-                        "gone",
-                        "DELETE FROM chunks WHERE namespace = $1 AND kb_ref = $2 AND doc_ref = $3 AND version < $4",
-                    ),
+                    "gone AS (DELETE FROM chunks WHERE namespace = $1 AND kb_ref = $2 AND doc_ref = $3 "
+                    "AND version < $4)",
                 )
             # One statement: the document row, the old version's chunks gone (of every
             # generation), the new ones in (the foreign key is checked at the statement's end,
             # when the document row exists).
-            row = await _write_together(conn, document, writes, parameters)
+            statement = f"WITH doc AS ({document}), {', '.join(writes)}"
+            row = await conn.fetchrow(f"{statement} SELECT * FROM doc", *parameters)
         assert row is not None
         return _document(row), True
 

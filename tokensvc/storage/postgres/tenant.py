@@ -123,10 +123,6 @@ def declare_settings(settings: Mapping[str, str], *, distributed: bool = False) 
     for name, value in settings.items():
         if not _SETTING_NAME.fullmatch(name) or "$" in value:
             raise ValueError("not a setting to declare")
-    # A tenant transaction reads and writes one shard group: one connection per worker, so the
-    # statements of a transaction (a modifying CTE's parts too) never wait on each other's locks
-    # over two connections, which Citus would take for a distributed deadlock.
-    settings = {"citus.max_adaptive_executor_pool_size": "1", **settings}
     sets = " ".join(f"SET LOCAL {name} = {literal(value)};" for name, value in settings.items())
     return f"SET LOCAL citus.propagate_set_commands = 'local'; DO {_BLOCK} BEGIN {sets} END {_BLOCK}"
 
