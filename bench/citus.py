@@ -206,44 +206,29 @@ def _stub(service: Service, dev: DevPaths) -> tuple[memory_pb2_grpc.MemoryServic
 async def _measure(engine: Engine, token: str, query: str, into: dict[str, list[float]]) -> None:
     metadata = (("authorization", f"Bearer {token}"),)
     stub = engine.stub
-    into.setdefault("search_vector", []).append(
-        await timed(
-            lambda: stub.SearchMemories(
-                memory_pb2.SearchMemoriesRequest(
-                    query_text=query, top_k=10, mode=common_pb2.SEARCH_MODE_VECTOR
-                ),
-                metadata=metadata,
-                timeout=TIMEOUT,
-            )
-        )
-    )
-    into.setdefault("search_hybrid", []).append(
-        await timed(
-            lambda: stub.SearchMemories(
-                memory_pb2.SearchMemoriesRequest(
-                    query_text=query, top_k=10, mode=common_pb2.SEARCH_MODE_HYBRID
-                ),
-                metadata=metadata,
-                timeout=TIMEOUT,
-            )
-        )
-    )
-    into.setdefault("remember_one", []).append(
-        await timed(
-            lambda: stub.Remember(
-                memory_pb2.RememberRequest(items=[memory_pb2.RememberItem(content=query)]),
-                metadata=metadata,
-                timeout=TIMEOUT,
-            )
-        )
-    )
-    into.setdefault("list_page", []).append(
-        await timed(
-            lambda: stub.ListMemories(
-                memory_pb2.ListMemoriesRequest(page_size=20), metadata=metadata, timeout=TIMEOUT
-            )
-        )
-    )
+    vector, hybrid = common_pb2.SEARCH_MODE_VECTOR, common_pb2.SEARCH_MODE_HYBRID
+    calls: dict[str, Callable[[], Awaitable[Any]]] = {
+        "search_vector": lambda: stub.SearchMemories(
+            memory_pb2.SearchMemoriesRequest(query_text=query, top_k=10, mode=vector),
+            metadata=metadata,
+            timeout=TIMEOUT,
+        ),
+        "search_hybrid": lambda: stub.SearchMemories(
+            memory_pb2.SearchMemoriesRequest(query_text=query, top_k=10, mode=hybrid),
+            metadata=metadata,
+            timeout=TIMEOUT,
+        ),
+        "remember_one": lambda: stub.Remember(
+            memory_pb2.RememberRequest(items=[memory_pb2.RememberItem(content=query)]),
+            metadata=metadata,
+            timeout=TIMEOUT,
+        ),
+        "list_page": lambda: stub.ListMemories(
+            memory_pb2.ListMemoriesRequest(page_size=20), metadata=metadata, timeout=TIMEOUT
+        ),
+    }
+    for name, call in calls.items():
+        into.setdefault(name, []).append(await timed(call))
 
 
 def main() -> None:
