@@ -28,19 +28,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
-import asyncpg
 import grpc
 
-from bench.env import bench_env
+from bench.env import bench_env, settings_for
 from bench.stats import latency_summary
 from tokensvc.app import Service, migrate
 from tokensvc.auth.devpki import DevPaths
-from tokensvc.settings import load_settings
-from tokensvc.storage.postgres import Database, EmbeddedPaths, citus_version, prepare_database
-from tokensvc.storage.records import DatabaseCredential
-from tokensvc.storage.secrets import FileCredentialSource
+from tokensvc.storage.postgres import Database, EmbeddedPaths, EmbeddedPostgresError, prepare_citus_database
 from tokensvc.v1 import common_pb2, memory_pb2, memory_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,52 +68,6 @@ def sentence(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(8)) + f" {rng.randrange(10**9)}"
 
 
-async def prepared_citus(dsn: str, root: Path) -> tuple[str, EmbeddedPaths]:
-    """The coordinator's credential-free DSN and the credentials of tokensvc's roles there."""
-    parts = urlsplit(dsn)
-    if not (parts.hostname and parts.username and parts.password and parts.path.strip("/")):
-        raise SystemExit("--citus-dsn: needs postgresql://SUPERUSER:PASSWORD@HOST:PORT/DATABASE")
-    paths = EmbeddedPaths(root)
-    FileCredentialSource(paths.credential_dir("superuser")).write(
-        DatabaseCredential(parts.username, parts.password)
-    )
-    conn = await asyncpg.connect(dsn)
-    try:
-        if await citus_version(conn) is None:
-            raise SystemExit("--citus-dsn: that database has no citus extension")
-        await prepare_database(conn, paths)
-    finally:
-        await conn.close()
-    address = f"{parts.hostname}:{parts.port or 5432}"
-    return urlunsplit(("postgresql", address, parts.path, "", "")), paths
-
-
-def settings_for(dsn: str, paths: EmbeddedPaths, dev: DevPaths, state: Path) -> Any:
-    return load_settings(
-        environ={},
-        overrides={
-            "listen_address": "127.0.0.1:0",
-            "state_dir": str(state),
-            "database_dsn": dsn,
-            "database_credential_dir": str(paths.credential_dir("app")),
-            "database_owner_credential_dir": str(paths.credential_dir("owner")),
-            "database_rotator_credential_dir": str(paths.credential_dir("rotator")),
-            "tls_cert_file": str(dev.server_cert),
-            "tls_key_file": str(dev.server_key),
-            "tls_client_ca_file": str(dev.ca_cert),
-            "trust_domain": "dev.local",
-            "admin_spiffe_ids": ["spiffe://dev.local/ns/tokensvc/sa/tokensvc-admin"],
-            "control_plane_spiffe_ids": ["spiffe://dev.local/ns/ctxmesh-system/sa/ctxmesh-controller"],
-            "trust_bundle_file": str(dev.trust_bundle),
-            "pepper_dir": str(dev.pepper_dir),
-            "signing_key_file": str(dev.signing_key),
-            "memory_embedder": "hash",
-            "log_level": "WARNING",
-            "shutdown_grace_seconds": 1.0,
-        },
-    )
-
-
 def channel_to(service: Service, dev: DevPaths) -> grpc.aio.Channel:
     cert, key = dev.client("launcher")
     credentials = grpc.ssl_channel_credentials(
@@ -141,8 +90,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     engines: list[Engine] = []
     try:
         async with bench_env() as env:
-            citus_dsn, citus_paths = await prepared_citus(args.citus_dsn, citus_root)
-            citus_settings = settings_for(citus_dsn, citus_paths, env.dev, citus_root / "state")
+            citus_paths = EmbeddedPaths(citus_root)
+            try:
+                citus_dsn = await prepare_citus_database(args.citus_dsn, citus_paths)
+            except EmbeddedPostgresError as exc:
+                raise SystemExit(f"--citus-dsn: {exc}") from None
+            citus_settings = settings_for(
+                citus_dsn, citus_paths, citus_root, env.dev, memory_embedder="hash", log_level="WARNING"
+            )
             began = time.perf_counter()
             await migrate(await Database.locate(citus_settings), citus_settings)
             migrate_s = time.perf_counter() - began

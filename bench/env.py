@@ -42,9 +42,9 @@ from tokensvc.auth.devpki import (
 )
 from tokensvc.credentials import FileCredentialSource
 from tokensvc.settings import Settings, load_settings
-from tokensvc.storage.postgres import Database, EmbeddedPostgres
+from tokensvc.storage.postgres import Database, EmbeddedPaths, EmbeddedPostgres
 
-__all__ = ["BenchEnv", "ServerProcess", "bench_env", "config_toml", "connect_as", "free_port"]
+__all__ = ["BenchEnv", "ServerProcess", "bench_env", "config_toml", "connect_as", "free_port", "settings_for"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -202,11 +202,16 @@ class ServerProcess:
 
 
 def service_settings(root: Path, dev: DevPaths, postgres: EmbeddedPostgres, **overrides: Any) -> Settings:
-    paths = postgres.paths
+    return settings_for(postgres.dsn(), postgres.paths, root, dev, **overrides)
+
+
+def settings_for(dsn: str, paths: EmbeddedPaths, root: Path, dev: DevPaths, **overrides: Any) -> Settings:
+    """Settings for a tokensvc on the database at `dsn`, logging in with the credentials under
+    `paths`, with the dev PKI and its state under `root`."""
     values: dict[str, Any] = {
         "listen_address": "127.0.0.1:0",
         "state_dir": str(root / "state"),
-        "database_dsn": postgres.dsn(),
+        "database_dsn": dsn,
         "database_credential_dir": str(paths.credential_dir("app")),
         "database_owner_credential_dir": str(paths.credential_dir("owner")),
         "database_rotator_credential_dir": str(paths.credential_dir("rotator")),

@@ -20,17 +20,13 @@ import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
-import asyncpg
 import pytest
 
 from tests.support import service_settings
 from tokensvc.app import migrate
 from tokensvc.auth.devpki import ensure_dev_material
-from tokensvc.storage.postgres import Database, EmbeddedPaths, citus_version, prepare_database
-from tokensvc.storage.records import DatabaseCredential
-from tokensvc.storage.secrets import FileCredentialSource
+from tokensvc.storage.postgres import Database, EmbeddedPaths, EmbeddedPostgresError, prepare_citus_database
 
 ENVIRONMENT = "TOKENSVC_TEST_CITUS_DSN"
 _HERE = Path(__file__).parent
@@ -93,24 +89,13 @@ async def database(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Ci
     """The Citus coordinator named by TOKENSVC_TEST_CITUS_DSN, with tokensvc's roles, migrated."""
     given = citus_dsn()
     assert given is not None, "collected without the variable: the tests should have been skipped"
-    parts = urlsplit(given)
-    name = parts.path.strip("/")
-    if not (parts.hostname and parts.username and parts.password and name):
-        raise pytest.UsageError(f"{ENVIRONMENT}: needs postgresql://SUPERUSER:PASSWORD@HOST:PORT/DATABASE")
     root = Path(tempfile.mkdtemp(prefix="tokensvc-test-citus-"))
     paths = EmbeddedPaths(root)
-    FileCredentialSource(paths.credential_dir("superuser")).write(
-        DatabaseCredential(parts.username, parts.password)
-    )
-    conn = await asyncpg.connect(given)
     try:
-        if await citus_version(conn) is None:
-            raise pytest.UsageError(f"{ENVIRONMENT}: database {name!r} has no citus extension")
-        await prepare_database(conn, paths)
-    finally:
-        await conn.close()
-    address = f"{parts.hostname}:{parts.port or 5432}"
-    citus = CitusDatabase(urlunsplit(("postgresql", address, f"/{name}", "", "")), paths)
+        dsn = await prepare_citus_database(given, paths)
+    except EmbeddedPostgresError as exc:
+        raise pytest.UsageError(f"{ENVIRONMENT}: {exc}") from None
+    citus = CitusDatabase(dsn, paths)
     settings = service_settings(citus, ensure_dev_material(tmp_path_factory.mktemp("citus-mig")), Path("."))  # type: ignore[arg-type]
     await migrate(await Database.locate(settings), settings)
     yield citus

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from tests.storage.test_memory_rls import NAMESPACE, new_bucket, open_pool, rows
+from tests.storage.test_memory_rls import NAMESPACE, SEARCH_KINDS, new_bucket, open_pool, rows
 from tests.support import service_settings, superuser
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.retrieval import candidate_query
@@ -107,16 +107,7 @@ async def test_the_tenant_reaches_the_worker_holding_the_bucket_and_ends_with_th
         assert await conn.fetchval("SELECT count(*) FROM memories WHERE bucket = $1", tenant.buckets[0]) == 0
 
 
-@pytest.mark.parametrize(
-    ("text", "exact", "neighbours"),
-    [
-        pytest.param(None, True, False, id="vector-exact"),
-        pytest.param(None, False, False, id="vector-hnsw"),
-        pytest.param("memory", True, False, id="text"),
-        pytest.param("memory", True, True, id="hybrid-exact"),
-        pytest.param("memory", False, True, id="hybrid-hnsw"),
-    ],
-)
+@pytest.mark.parametrize(("text", "exact", "neighbours"), SEARCH_KINDS)
 async def test_every_kind_of_search_is_a_router_query_to_one_shard(
     pool: asyncpg.Pool, text: str | None, exact: bool, neighbours: bool
 ) -> None:

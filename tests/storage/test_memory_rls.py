@@ -346,16 +346,17 @@ async def test_a_partition_cannot_be_read_or_written_directly_even_by_its_tenant
         assert await owner.fetchval(f"SELECT count(*) FROM tokensvc.{partition}") == 0  # noqa: S608
 
 
-@pytest.mark.parametrize(
-    ("text", "exact", "neighbours"),
-    [
-        pytest.param(None, True, False, id="vector-exact"),
-        pytest.param(None, False, False, id="vector-hnsw"),
-        pytest.param("memory", True, False, id="text"),
-        pytest.param("memory", True, True, id="hybrid-exact"),
-        pytest.param("memory", False, True, id="hybrid-hnsw"),
-    ],
-)
+# Every kind of memory search: (text, exact, neighbours).
+SEARCH_KINDS = [
+    pytest.param(None, True, False, id="vector-exact"),
+    pytest.param(None, False, False, id="vector-hnsw"),
+    pytest.param("memory", True, False, id="text"),
+    pytest.param("memory", True, True, id="hybrid-exact"),
+    pytest.param("memory", False, True, id="hybrid-hnsw"),
+]
+
+
+@pytest.mark.parametrize(("text", "exact", "neighbours"), SEARCH_KINDS)
 async def test_every_kind_of_bucket_search_reads_one_partition(
     pool: asyncpg.Pool, two_buckets: tuple[Tenant, Tenant], text: str | None, exact: bool, neighbours: bool
 ) -> None:

@@ -11,6 +11,7 @@ from tokensvc.storage.postgres.embedded import (
     EmbeddedPostgres,
     EmbeddedPostgresError,
     ensure_roles,
+    prepare_citus_database,
     prepare_database,
 )
 from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
@@ -50,6 +51,7 @@ __all__ = [
     "citus_version",
     "connect_once",
     "ensure_roles",
+    "prepare_citus_database",
     "prepare_database",
     "schema_version",
 ]

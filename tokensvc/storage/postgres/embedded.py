@@ -42,6 +42,7 @@ __all__ = [
     "EmbeddedPostgres",
     "EmbeddedPostgresError",
     "ensure_roles",
+    "prepare_citus_database",
     "prepare_database",
     "process_alive",
 ]
@@ -405,6 +406,30 @@ async def prepare_database(conn: asyncpg.Connection, paths: EmbeddedPaths) -> No
     await conn.execute(f"REVOKE ALL ON DATABASE {quoted} FROM PUBLIC")
     await conn.execute(f"GRANT CONNECT ON DATABASE {quoted} TO {APP_GROUP_ROLE}, {ROTATOR_ROLE}")
     await conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+
+
+async def prepare_citus_database(superuser_dsn: str, paths: EmbeddedPaths) -> str:
+    """`prepare_database` on a Citus coordinator's database named by a superuser DSN (with its
+    password), the credentials kept under `paths`; returns the credential-free DSN tokensvc is
+    configured with. For the Citus tests and bench."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from tokensvc.storage.postgres.citus import citus_version
+
+    parts = urlsplit(superuser_dsn)
+    if not (parts.hostname and parts.username and parts.password and parts.path.strip("/")):
+        raise EmbeddedPostgresError("needs postgresql://SUPERUSER:PASSWORD@HOST:PORT/DATABASE")
+    FileCredentialSource(paths.credential_dir("superuser")).write(
+        DatabaseCredential(parts.username, parts.password)
+    )
+    conn = await asyncpg.connect(superuser_dsn)
+    try:
+        if await citus_version(conn) is None:
+            raise EmbeddedPostgresError(f"database {parts.path.strip('/')!r} has no citus extension")
+        await prepare_database(conn, paths)
+    finally:
+        await conn.close()
+    return urlunsplit(("postgresql", f"{parts.hostname}:{parts.port or 5432}", parts.path, "", ""))
 
 
 def _ensure_credential(paths: EmbeddedPaths, who: str, username: str) -> DatabaseCredential:
