@@ -213,7 +213,7 @@ class Service:
             fusion=fusion,
             space_cache_seconds=settings.memory_space_cache_seconds,
         )
-        migration_store = PostgresEmbeddingMigrationStore(pool)
+        migration_store = PostgresEmbeddingMigrationStore(pool, distributed=database.citus is not None)
         self.migration_runner = MigrationRunner(
             migration_store,
             self.embedders,

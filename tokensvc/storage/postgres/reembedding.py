@@ -17,6 +17,7 @@ import numpy as np
 from asyncpg.pool import PoolConnectionProxy
 from pgvector import Vector
 
+from tokensvc.errors import NotImplementedRpc
 from tokensvc.storage.postgres.errors import translate_errors
 from tokensvc.storage.postgres.knowledge import chunk_columns
 from tokensvc.storage.postgres.memories import ensure_vector_index
@@ -105,10 +106,18 @@ def _cursor(migration: EmbeddingMigration) -> tuple[str | None, str | None]:
 
 @translate_errors
 class PostgresEmbeddingMigrationStore:
-    def __init__(self, pool: asyncpg.Pool):
+    def __init__(self, pool: asyncpg.Pool, *, distributed: bool = False):
         self._pool = pool
+        self._distributed = distributed
 
     async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
+        if self._distributed:
+            # The runner's functions (0014, 0015) declare the subject's tenant with set_config and
+            # write as the owner beside the serving role's writes: on Citus neither reaches the
+            # workers as one transaction expects. Refused before anything is written.
+            raise NotImplementedRpc(
+                "re-embedding migrations do not run on a Citus database yet (docs/scaling.md)"
+            )
         if migration.kb_ref is not None:
             return await self._create_for_base(migration)
         async with self._pool.acquire() as conn:
