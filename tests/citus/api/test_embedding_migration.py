@@ -25,10 +25,15 @@ async def test_a_migration_is_refused_as_unimplemented_and_nothing_is_written(
     assert (failure.code, failure.reason) == (grpc.StatusCode.UNIMPLEMENTED, "NOT_IMPLEMENTED")
     assert "Citus" in failure.message
 
-    listed = await stub.ListEmbeddingMigrations(migration_pb2.ListEmbeddingMigrationsRequest(), timeout=TIMEOUT)
+    listed = await stub.ListEmbeddingMigrations(
+        migration_pb2.ListEmbeddingMigrationsRequest(), timeout=TIMEOUT
+    )
     assert [m for m in listed.migrations if m.memory_space.agent == agent] == []
     async with superuser(database) as conn:
-        assert await conn.fetchval("SELECT count(*) FROM tokensvc.embedding_migrations WHERE agent = $1", agent) == 0
+        assert (
+            await conn.fetchval("SELECT count(*) FROM tokensvc.embedding_migrations WHERE agent = $1", agent)
+            == 0
+        )
     assert [hit.memory.content for hit in await caller.search("the space that would move", top_k=1)] == [
         "a memory of the space that would move"
     ]
