@@ -22,7 +22,12 @@ import pytest
 from tests.storage.migration_support import connect
 from tests.storage.test_memory_rls import new_bucket, open_pool
 from tests.support import SharedDatabase
+from tokensvc.audit import AuditLog
 from tokensvc.auth.devpki import DevPaths
+from tokensvc.embedders import EmbedderRegistry, HashEmbedder
+from tokensvc.errors import NotImplementedRpc
+from tokensvc.memory.reembedding import EmbeddingMigrations
+from tokensvc.storage.memory import InMemoryAuditStore
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
 from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
 from tokensvc.storage.postgres.tenant import declare_settings
@@ -196,3 +201,26 @@ async def test_a_write_that_waited_for_a_cutover_is_refused_as_stale(
         embedder="x",
     )
     assert [r.content for r in rows] == ["before the migration"]
+
+
+async def test_a_store_on_citus_refuses_before_reading_and_never_claims(pool: asyncpg.Pool) -> None:
+    """The Citus gate, on one node (the Citus suite checks it end to end): with the store told
+    its database is distributed, a start is refused before anything is read (a dry run of a space
+    that does not exist too), and a migration recorded by an older replica is never claimed."""
+    _, recorded, _ = await ready_to_cut_over(pool)
+    distributed = PostgresEmbeddingMigrationStore(pool, distributed=True)
+    memories = PostgresMemoryStore(pool)
+    embedders = EmbedderRegistry({"target": HashEmbedder(dimension=4)})
+    service = EmbeddingMigrations(distributed, memories, embedders, AuditLog(InMemoryAuditStore()))
+    for call in (
+        service.start(NAMESPACE, "no-such-agent", "target", dry_run=True, actor="test"),
+        service.start(NAMESPACE, recorded.agent or "", "target", dry_run=False, actor="test"),
+        service.start_knowledge_base(NAMESPACE, "no-such-base", "target", None, dry_run=True, actor="test"),
+    ):
+        with pytest.raises(NotImplementedRpc, match="Citus"):
+            await call
+    assert (
+        await distributed.claim("racer", lease_seconds=60, embedders=["target"], retire_after_seconds=0)
+        is None
+    )
+    assert (await distributed.get(recorded.id)) is not None  # readable, only not run

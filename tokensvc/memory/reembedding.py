@@ -43,7 +43,14 @@ from opentelemetry import trace
 
 from tokensvc.audit import SYSTEM_ACTOR, AuditKind, AuditLog, AuditOutcome
 from tokensvc.embedders import Embedder, EmbedderRegistry, EmbedderSpec
-from tokensvc.errors import EmbedderUnavailable, InvalidArgument, NotFound, Reason, TokensvcError
+from tokensvc.errors import (
+    EmbedderUnavailable,
+    InvalidArgument,
+    NotFound,
+    NotImplementedRpc,
+    Reason,
+    TokensvcError,
+)
 from tokensvc.knowledge.chunking import ChunkingStrategy, chunk_document
 from tokensvc.observability.metrics import METRICS, observe_embedding
 from tokensvc.retrieval import unit_vector
@@ -162,6 +169,7 @@ class EmbeddingMigrations:
     async def start(
         self, namespace: str, agent: str, embedder_name: str, *, dry_run: bool, actor: str
     ) -> tuple[EmbeddingMigration | None, MigrationEstimate]:
+        self._refuse_unsupported()
         space = await self._memories.get_space(Tenant(namespace, agent))
         if space is None:
             raise NotFound(f"no memory space {namespace}/{agent}: nothing has been remembered there")
@@ -195,6 +203,7 @@ class EmbeddingMigrations:
         actor: str,
     ) -> tuple[EmbeddingMigration | None, MigrationEstimate]:
         """As `start`, for a knowledge base; `chunking` None keeps the base's chunking strategy."""
+        self._refuse_unsupported()
         assert self._knowledge is not None, "knowledge-base migrations need the knowledge store"
         bases = await self._knowledge.get_bases(
             Tenant(namespace, knowledge_bases=(ALL_KNOWLEDGE_BASES,)), [kb_ref]
@@ -236,6 +245,11 @@ class EmbeddingMigrations:
         if dry_run:
             return None, estimate
         return await self._create(planned, estimate, f"knowledge base {namespace}/{kb_ref}", "documents")
+
+    def _refuse_unsupported(self) -> None:
+        """Before any read or estimate: a dry run must not suggest what a start would refuse."""
+        if (reason := self._store.unsupported()) is not None:
+            raise NotImplementedRpc(reason)
 
     def _configured(self, embedder_name: str) -> Embedder:
         if embedder_name not in self._embedders.names:

@@ -188,6 +188,11 @@ class EmbeddingMigrationStore(Protocol):
     together, so a runner killed mid-batch leaves that batch to do again and nothing else.
     """
 
+    def unsupported(self) -> str | None:
+        """Why this store's database cannot run migrations (shown to the caller), or None. A store
+        that says why records nothing (`create` raises NotImplementedRpc) and claims nothing."""
+        ...
+
     async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
         """Record `migration` (state BACKFILLING, no lease) with `rows_total` set to the space's
         live memories now (a knowledge base's: its documents), after making sure the target

@@ -46,6 +46,9 @@ class InMemoryEmbeddingMigrationStore:
         self._migrations: dict[str, EmbeddingMigration] = {}
         self._leases: dict[str, datetime] = {}
 
+    def unsupported(self) -> str | None:
+        return None
+
     def _now(self) -> datetime:
         return self._memories._clock.now()
 

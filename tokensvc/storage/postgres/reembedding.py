@@ -110,14 +110,17 @@ class PostgresEmbeddingMigrationStore:
         self._pool = pool
         self._distributed = distributed
 
-    async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
+    def unsupported(self) -> str | None:
+        # The runner's functions (0014, 0015) declare the subject's tenant with set_config and
+        # write as the owner beside the serving role's writes: on Citus neither reaches the
+        # workers as one transaction expects.
         if self._distributed:
-            # The runner's functions (0014, 0015) declare the subject's tenant with set_config and
-            # write as the owner beside the serving role's writes: on Citus neither reaches the
-            # workers as one transaction expects. Refused before anything is written.
-            raise NotImplementedRpc(
-                "re-embedding migrations do not run on a Citus database yet (docs/scaling.md)"
-            )
+            return "re-embedding migrations do not run on a Citus database yet (docs/scaling.md)"
+        return None
+
+    async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
+        if (reason := self.unsupported()) is not None:
+            raise NotImplementedRpc(reason)
         if migration.kb_ref is not None:
             return await self._create_for_base(migration)
         async with self._pool.acquire() as conn:
@@ -249,6 +252,8 @@ class PostgresEmbeddingMigrationStore:
     async def claim(
         self, runner: str, *, lease_seconds: float, embedders: Sequence[str], retire_after_seconds: float
     ) -> EmbeddingMigration | None:
+        if self.unsupported() is not None:
+            return None  # one an older replica recorded during a rolling update stays unclaimed
         async with self._pool.acquire() as conn:
             row = await conn.fetchrow(
                 "UPDATE embedding_migrations SET lease_owner = $1, updated_at = statement_timestamp(), "
