@@ -281,7 +281,11 @@ class PostgresMemoryStore:
                      WITH ORDINALITY AS u(id, content, sha, metadata, key, embedding, ttl{next_name}, ord)
                 -- One clock reading per row (the reference to u makes it per row, in batch order):
                 -- created == updated on insert, later items are newer, and the TTL counts from it.
-                CROSS JOIN LATERAL (SELECT clock_timestamp() AS at WHERE u.ord IS NOT NULL) t
+                -- Plus `ord` microseconds: two readings can fall in one microsecond (on Citus,
+                -- which reads them on the coordinator in a tight loop, they did), and later items
+                -- must be strictly newer.
+                CROSS JOIN LATERAL (SELECT clock_timestamp() + make_interval(secs => u.ord / 1e6) AS at
+                                    WHERE u.ord IS NOT NULL) t
                 ON CONFLICT DO NOTHING
                 RETURNING id, content_sha256, idempotency_key
                 """,
