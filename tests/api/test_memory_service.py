@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -478,14 +479,17 @@ async def test_update_to_another_memorys_content_is_already_exists_and_changes_n
 
 async def test_expired_memory_is_returned_before_and_never_after_it_expires(launchers: Launchers) -> None:
     caller = launchers.caller()
+    # 3 s: a first write can take over a second on a cold Citus worker connection.
     [short, keeper] = await caller.remember(
-        memory_pb2.RememberItem(content="ephemeral otter fact", ttl=ttl(1)), "durable otter fact"
+        memory_pb2.RememberItem(content="ephemeral otter fact", ttl=ttl(3)), "durable otter fact"
     )
     get = memory_pb2.GetMemoryRequest(id=short)
-    assert (await caller.call("GetMemory", get)).memory.HasField("expires_at")
+    stored = (await caller.call("GetMemory", get)).memory
+    assert stored.HasField("expires_at")
     assert short in {r.memory.id for r in await caller.search("otter fact")}
     assert short in {m.id for m in await caller.list_all()}
-    await asyncio.sleep(1.5)
+    expires = stored.expires_at.ToDatetime(tzinfo=UTC)
+    await asyncio.sleep(max(0.0, (expires - datetime.now(UTC)).total_seconds()) + 0.5)
     assert (await caller.fail("GetMemory", get)).code == grpc.StatusCode.NOT_FOUND
     assert [r.memory.id for r in await caller.search("otter fact")] == [keeper]
     assert [r.memory.id for r in await caller.search("otter", mode=HYBRID)] == [keeper]
