@@ -56,7 +56,13 @@ from tokensvc.storage.postgres.monitoring import PostgresHealth, PostgresStatist
 from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
 from tokensvc.storage.postgres.revocations import PostgresRevocationStore
 from tokensvc.storage.postgres.rotations import PostgresRotationJournal
-from tokensvc.supervision import HealthMonitor, refresh_gauges_forever, sweep_forever
+from tokensvc.storage.postgres.vector_indexes import PostgresVectorIndexes
+from tokensvc.supervision import (
+    HealthMonitor,
+    finish_vector_indexes_forever,
+    refresh_gauges_forever,
+    sweep_forever,
+)
 from tokensvc.tls import ReloadingServerCredentials, TlsMaterialError
 
 __all__ = ["Service", "run_service"]
@@ -68,6 +74,9 @@ _log = logging.getLogger(__name__)
 # are refreshed: the alerts on them wait 15 minutes or more, every replica runs the same reads,
 # and counting memories per space scans the memories table.
 _DATABASE_GAUGE_SECONDS = 60.0
+# How often each replica looks in the catalogue for vector-index builds to finish: a first write
+# of a new dimension on Citus starts one, and search is exact on its partitions until it ends.
+_VECTOR_INDEX_SECONDS = 5.0
 
 
 class SchemaOutdated(RuntimeError):
@@ -335,6 +344,9 @@ class Service:
             "credential-watch": self.custodian.watch(settings.credential_watch_seconds),
             "memory-sweeper": sweep_forever(self.memory, settings.memory_sweep_interval_seconds),
             "embedding-migrations": self.migration_runner.run(),
+            "vector-indexes": finish_vector_indexes_forever(
+                PostgresVectorIndexes(pool), _VECTOR_INDEX_SECONDS
+            ),
             "database-gauges": refresh_gauges_forever(
                 PostgresStatistics(pool),
                 PostgresRotationJournal(pool),

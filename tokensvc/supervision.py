@@ -1,5 +1,5 @@
 """Background duties of a running tokensvc: database health, embedded-PostgreSQL supervision,
-the expired-memory sweeper and the gauges read from the database.
+the expired-memory sweeper, unfinished vector-index builds and the gauges read from the database.
 
 Health follows the database: when it cannot be reached, every service turns NOT_SERVING (load
 balancers stop sending traffic) and RPCs fail fast with UNAVAILABLE; when it returns, stale
@@ -23,9 +23,16 @@ from tokensvc.storage.ports import (
     DatabaseServer,
     EmbeddingMigrationStore,
     MemoryStatistics,
+    VectorIndexMaintenance,
 )
 
-__all__ = ["HealthMonitor", "read_database_gauges", "refresh_gauges_forever", "sweep_forever"]
+__all__ = [
+    "HealthMonitor",
+    "finish_vector_indexes_forever",
+    "read_database_gauges",
+    "refresh_gauges_forever",
+    "sweep_forever",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -107,6 +114,30 @@ async def sweep_forever(memory: LongTermMemory, interval: float) -> None:
         METRICS.sweep_last_success.set(time.time())
         if swept:
             _log.info("expired memories deleted", extra={"count": swept})
+
+
+async def finish_vector_indexes_forever(indexes: VectorIndexMaintenance, interval: float) -> None:
+    """Finish every vector-index build that was started and not finished, now and every
+    `interval` seconds: a new dimension's on Citus (its first write only starts it), one a stopped
+    replica left half done. Every replica does this; two on the same index build each partition
+    once."""
+    while True:
+        try:
+            for dimension, slot in await indexes.unfinished():
+                _log.info("finishing a vector index", extra={"dimension": dimension, "slot": slot})
+                started = time.monotonic()
+                await indexes.finish(dimension, slot)
+                _log.info(
+                    "vector index finished",
+                    extra={
+                        "dimension": dimension,
+                        "slot": slot,
+                        "seconds": round(time.monotonic() - started, 1),
+                    },
+                )
+        except Exception as exc:
+            _log.warning("vector index build failed", extra={"error": type(exc).__name__})
+        await asyncio.sleep(interval)
 
 
 async def read_database_gauges(

@@ -5,7 +5,8 @@ single large host without Kubernetes, `tokensvc serve --workers N` (setting `wor
 worker processes (spawned: nothing inherited but the settings) that each bind `listen_address`
 with `grpc.so_reuseport` = 1; the kernel spreads incoming connections over them. Each worker is a
 full server, as a replica is: its own database pool (so up to N x `pool_max_size` connections),
-caches, background duties (health monitor, credential watch, sweeper, revocation poller), and,
+caches, background duties (health monitor, credential watch, sweeper, revocation poller, vector
+indexes), and,
 when `metrics_address` is host:P, its own metrics port P + worker index (0-based; port 0 stays 0:
 each worker picks a free one). The parent serves nothing itself:
 

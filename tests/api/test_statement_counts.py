@@ -36,12 +36,14 @@ from tokensvc.v1 import (
 )
 
 # Statements of the service's own background duties (revocation polling, health probes, the
-# database gauges, the TTL sweeper): not part of any RPC.
+# database gauges, the TTL sweeper, unfinished vector indexes): not part of any RPC.
 _BACKGROUND = re.compile(
     r"capability_revocations WHERE|FROM capability_revocations\s*$|^SELECT 1$|memory_rows_by_space|sweep_expired_memories"
     r"|FROM credential_rotations WHERE outcome = 'in_progress'|FROM embedding_migrations WHERE state <> ALL"
     # The embedding-migration runner's poll for work (every replica, every poll_seconds).
     r"|^UPDATE embedding_migrations SET lease_owner = \$1"
+    # The vector-indexes duty's look for unfinished builds (every replica, every 5 s).
+    r"|FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
 )
 
 # RPC (and path) -> statements sent, at most. A tenant transaction is at least 3 (the BEGIN

@@ -65,6 +65,7 @@ __all__ = [
     "RevocationStore",
     "StaleKnowledgeBases",
     "StaleMemorySpace",
+    "VectorIndexMaintenance",
 ]
 
 
@@ -486,6 +487,18 @@ class MemoryStatistics(Protocol):
 
     async def rows_by_space(self) -> dict[tuple[str, str], int]:
         """Live memories per (namespace, agent); spaces without rows are absent."""
+
+
+class VectorIndexMaintenance(Protocol):
+    """The approximate-search indexes of memories' vectors, one per (dimension, slot): builds that
+    were started and not finished (a search is exact, and correct, where an index is missing)."""
+
+    async def unfinished(self) -> list[tuple[int, int]]:
+        """(dimension, slot) of every index whose build started and did not finish, sorted."""
+
+    async def finish(self, dimension: int, slot: int) -> None:
+        """Build what is missing of the index of (dimension, slot); a no-op when it is complete.
+        Safe beside another replica finishing the same index."""
 
 
 # --- database credentials (custody and rotation) ------------------------------------------------

@@ -27,6 +27,7 @@ from tokensvc.storage.postgres.monitoring import PostgresHealth, PostgresStatist
 from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
 from tokensvc.storage.postgres.revocations import PostgresRevocationStore
 from tokensvc.storage.postgres.rotations import PostgresRotationJournal
+from tokensvc.storage.postgres.vector_indexes import PostgresVectorIndexes
 
 __all__ = [
     "PLACEMENTS",
@@ -46,6 +47,7 @@ __all__ = [
     "PostgresRevocationStore",
     "PostgresRotationJournal",
     "PostgresStatistics",
+    "PostgresVectorIndexes",
     "apply_migrations",
     "available_migrations",
     "citus_version",

@@ -35,7 +35,13 @@ from tokensvc.storage.records import (
     Tenant,
 )
 
-__all__ = ["PostgresMemoryStore", "ensure_vector_index", "memory_record", "search_statement"]
+__all__ = [
+    "PostgresMemoryStore",
+    "ensure_vector_index",
+    "memory_record",
+    "search_statement",
+    "start_vector_index",
+]
 
 _LIVE = "(expires_at IS NULL OR expires_at > now())"
 _COLUMNS = "id, content, metadata, created_at, updated_at, expires_at"
@@ -125,6 +131,16 @@ async def ensure_vector_index(
         part += 1
 
 
+async def start_vector_index(
+    conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy, dimension: int, slot: int
+) -> None:
+    """The parent HNSW index of (slot, dimension) and its first partition's, when the index is not
+    ready: an unfinished build that the `vector-indexes` duty finds (`PostgresVectorIndexes`) and
+    finishes in the background."""
+    if not await conn.fetchval("SELECT memory_vector_index_ready($1, $2)", dimension, slot):
+        await conn.fetchval("SELECT ensure_memory_partition_index($1, $2, 0)", dimension, slot)
+
+
 async def _copy_bucket(
     conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy, source: str, target: str
 ) -> int:
@@ -188,7 +204,15 @@ class PostgresMemoryStore:
             row = await conn.fetchrow(_SPACE_SQL, tenant.namespace, tenant.agent)
             assert row is not None
             pinned = _space(row)
-        await self.ensure_vector_index(pinned.embedder.dimension, slot=pinned.slot)
+        spec, slot = pinned.embedder, pinned.slot
+        async with self._pool.acquire() as conn:
+            # On Citus each partition's build is 32 shards' on the workers (seconds each, minutes
+            # for all 256): the write starts the build and the `vector-indexes` duty finishes it.
+            # Until then a partition without its index is searched exactly, which is correct.
+            if is_distributed(conn):
+                await start_vector_index(conn, spec.dimension, slot)
+            else:
+                await ensure_vector_index(conn, spec.dimension, slot)
         return pinned
 
     async def ensure_vector_index(self, dimension: int, *, slot: int = 0) -> None:
