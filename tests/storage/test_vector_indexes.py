@@ -18,6 +18,7 @@ import asyncpg
 import numpy as np
 import pytest
 
+from tests.conftest import ServiceFactory
 from tests.storage.search_support import vector_search
 from tests.storage.test_memory_rls import NAMESPACE, new_bucket, open_pool
 from tests.storage.test_tenant_declaration import distributed_pool  # noqa: F401 - a fixture
@@ -33,6 +34,7 @@ from tokensvc.supervision import finish_vector_indexes_forever
 # Dimensions no other test uses: each test here starts its own builds.
 CITUS_WRITE_DIM = 1997
 SECOND_SLOT_DIM = 1993
+LEFT_BY_A_REPLICA_DIM = 1991
 
 
 @pytest.fixture
@@ -72,6 +74,14 @@ def memory(dimension: int, content: str) -> NewMemory:
     )
 
 
+async def wait_until_built(database: SharedDatabase, parent: str, running: asyncio.Task[None] | None) -> None:
+    deadline = time.monotonic() + 900  # Citus: 1 to 2 s a partition
+    while await built(database, parent) != (256, True):
+        assert time.monotonic() < deadline, f"{parent} was not finished"
+        assert running is None or not running.done()
+        await asyncio.sleep(0.2)
+
+
 async def test_a_first_write_on_citus_starts_the_index_and_the_duty_finishes_it(
     distributed_pool: asyncpg.Pool,  # noqa: F811 - the fixture imported above
     pool: asyncpg.Pool,
@@ -103,11 +113,7 @@ async def test_a_first_write_on_citus_starts_the_index_and_the_duty_finishes_it(
 
     duty = asyncio.create_task(finish_vector_indexes_forever(indexes, 0.05))
     try:
-        deadline = time.monotonic() + 900  # Citus: 1 to 2 s a partition
-        while await built(database, f"memories_hnsw_{CITUS_WRITE_DIM}") != (256, True):
-            assert time.monotonic() < deadline, "the duty did not finish the index"
-            assert not duty.done()
-            await asyncio.sleep(0.2)
+        await wait_until_built(database, f"memories_hnsw_{CITUS_WRITE_DIM}", duty)
     finally:
         duty.cancel()
     assert (CITUS_WRITE_DIM, 0) not in await indexes.unfinished()
@@ -115,6 +121,16 @@ async def test_a_first_write_on_citus_starts_the_index_and_the_duty_finishes_it(
         store, tenant, tenant.buckets[0], written.embedding, k=3, filter_=None, exact=False, embedder="hash"
     )
     assert found.memory.id == written.id
+
+
+async def test_a_running_service_finishes_a_build_a_stopped_replica_left(
+    start_service: ServiceFactory, pool: asyncpg.Pool, database: SharedDatabase
+) -> None:
+    async with pool.acquire() as conn:  # a replica stopped after the first partition
+        assert await conn.fetchval("SELECT ensure_memory_partition_index($1, 0, 0)", LEFT_BY_A_REPLICA_DIM)
+    assert await built(database, f"memories_hnsw_{LEFT_BY_A_REPLICA_DIM}") == (1, False)
+    await start_service()
+    await wait_until_built(database, f"memories_hnsw_{LEFT_BY_A_REPLICA_DIM}", None)
 
 
 async def test_finish_completes_a_half_built_second_slot_index_and_ignores_other_indexes(
