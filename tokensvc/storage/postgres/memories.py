@@ -119,15 +119,20 @@ def _bucket_predicate(bucket: str, filter_: Filter | None) -> Callable[[list[Any
     return where
 
 
-async def ensure_vector_index(
-    conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy, dimension: int, slot: int
-) -> None:
+async def ensure_vector_index(pool: asyncpg.Pool, dimension: int, slot: int) -> None:
     """The HNSW indexes of (slot, dimension) on every partition, built one partition per
-    statement (each its own transaction: a build holds up writes to one partition at a time)."""
-    if await conn.fetchval("SELECT memory_vector_index_ready($1, $2)", dimension, slot):
-        return
-    part = 0
-    while await conn.fetchval("SELECT ensure_memory_partition_index($1, $2, $3)", dimension, slot, part):
+    statement (each its own transaction: a build holds up writes to one partition at a time),
+    each on a connection taken from `pool` for that statement only: a build of minutes (Citus)
+    never keeps a connection from the RPCs."""
+    async with pool.acquire() as conn:
+        if await conn.fetchval("SELECT memory_vector_index_ready($1, $2)", dimension, slot):
+            return
+    part, more = 0, True
+    while more:
+        async with pool.acquire() as conn:
+            more = await conn.fetchval(
+                "SELECT ensure_memory_partition_index($1, $2, $3)", dimension, slot, part
+            )
         part += 1
 
 
@@ -206,18 +211,18 @@ class PostgresMemoryStore:
             pinned = _space(row)
         spec, slot = pinned.embedder, pinned.slot
         async with self._pool.acquire() as conn:
-            # On Citus each partition's build is 32 shards' on the workers (seconds each, minutes
-            # for all 256): the write starts the build and the `vector-indexes` duty finishes it.
-            # Until then a partition without its index is searched exactly, which is correct.
-            if is_distributed(conn):
+            # On Citus each partition's build is 32 shards' on the workers (seconds each under
+            # load, minutes for all 256): the write starts the build and the `vector-indexes` duty
+            # finishes it. Until then a partition without its index is searched exactly (correct).
+            distributed = is_distributed(conn)
+            if distributed:
                 await start_vector_index(conn, spec.dimension, slot)
-            else:
-                await ensure_vector_index(conn, spec.dimension, slot)
+        if not distributed:
+            await ensure_vector_index(self._pool, spec.dimension, slot)
         return pinned
 
     async def ensure_vector_index(self, dimension: int, *, slot: int = 0) -> None:
-        async with self._pool.acquire() as conn:
-            await ensure_vector_index(conn, dimension, slot)
+        await ensure_vector_index(self._pool, dimension, slot)
 
     # --- writes -----------------------------------------------------------------------------
 

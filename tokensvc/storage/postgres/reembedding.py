@@ -123,8 +123,7 @@ class PostgresEmbeddingMigrationStore:
             raise NotImplementedRpc(reason)
         if migration.kb_ref is not None:
             return await self._create_for_base(migration)
-        async with self._pool.acquire() as conn:
-            await ensure_vector_index(conn, migration.target.dimension, migration.target_slot)
+        await ensure_vector_index(self._pool, migration.target.dimension, migration.target_slot)
         source, target = migration.source, migration.target
         async with tenant_transaction(self._pool, _space(migration)) as conn:
             row = await conn.fetchrow(

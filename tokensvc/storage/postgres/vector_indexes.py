@@ -42,5 +42,4 @@ class PostgresVectorIndexes:
         return sorted(found)
 
     async def finish(self, dimension: int, slot: int) -> None:
-        async with self._pool.acquire() as conn:
-            await ensure_vector_index(conn, dimension, slot)
+        await ensure_vector_index(self._pool, dimension, slot)
