@@ -31,10 +31,21 @@ from tokensvc.storage.postgres.vector_indexes import PostgresVectorIndexes
 from tokensvc.storage.records import Tenant
 from tokensvc.supervision import finish_vector_indexes_forever
 
-# Dimensions no other test uses: each test here starts its own builds.
-CITUS_WRITE_DIM = 1997
-SECOND_SLOT_DIM = 1993
-LEFT_BY_A_REPLICA_DIM = 1991
+
+async def unused_dimension(database: SharedDatabase) -> int:
+    """A dimension no index exists for, in a range no other test uses: each test here starts its
+    own build, also on a Citus database the suite keeps between runs."""
+    async with superuser(database) as conn:
+        taken = {
+            int(name.rsplit("_", 1)[1])
+            for (name,) in await conn.fetch(
+                "SELECT relname FROM pg_class WHERE relnamespace = 'tokensvc'::regnamespace"
+                " AND relname ~ '^memories_hnsw_(b_)?[0-9]+$'"
+            )
+        }
+    free = sorted(set(range(1000, 1990)) - taken)
+    assert free, "every dimension of the range has an index"
+    return free[np.random.default_rng().integers(len(free))]
 
 
 @pytest.fixture
@@ -87,16 +98,17 @@ async def test_a_first_write_on_citus_starts_the_index_and_the_duty_finishes_it(
     pool: asyncpg.Pool,
     database: SharedDatabase,
 ) -> None:
-    space = MemorySpace(EmbedderSpec("hash", "hash-v1", CITUS_WRITE_DIM, True), "english")
+    dim = await unused_dimension(database)
+    space = MemorySpace(EmbedderSpec("hash", "hash-v1", dim, True), "english")
     tenant = Tenant(NAMESPACE, f"new-dim-{uuid.uuid4().hex[:12]}", (new_bucket(),))
     store = PostgresMemoryStore(distributed_pool)
     assert await store.pin_space(tenant, space) == space
-    assert await built(database, f"memories_hnsw_{CITUS_WRITE_DIM}") == (1, False)  # partition 0 only
+    assert await built(database, f"memories_hnsw_{dim}") == (1, False)  # partition 0 only
     indexes = PostgresVectorIndexes(pool)
-    assert (CITUS_WRITE_DIM, 0) in await indexes.unfinished()
+    assert (dim, 0) in await indexes.unfinished()
 
     # Until the index is finished, a search is exact on the partitions it has not reached.
-    written = memory(CITUS_WRITE_DIM, "written before the index was finished")
+    written = memory(dim, "written before the index was finished")
     await store.insert(tenant, tenant.buckets[0], [written])
     for exact in (True, False):
         [found] = await vector_search(
@@ -113,10 +125,10 @@ async def test_a_first_write_on_citus_starts_the_index_and_the_duty_finishes_it(
 
     duty = asyncio.create_task(finish_vector_indexes_forever(indexes, 0.05))
     try:
-        await wait_until_built(database, f"memories_hnsw_{CITUS_WRITE_DIM}", duty)
+        await wait_until_built(database, f"memories_hnsw_{dim}", duty)
     finally:
         duty.cancel()
-    assert (CITUS_WRITE_DIM, 0) not in await indexes.unfinished()
+    assert (dim, 0) not in await indexes.unfinished()
     [found] = await vector_search(
         store, tenant, tenant.buckets[0], written.embedding, k=3, filter_=None, exact=False, embedder="hash"
     )
@@ -126,11 +138,12 @@ async def test_a_first_write_on_citus_starts_the_index_and_the_duty_finishes_it(
 async def test_a_running_service_finishes_a_build_a_stopped_replica_left(
     start_service: ServiceFactory, pool: asyncpg.Pool, database: SharedDatabase
 ) -> None:
+    dim = await unused_dimension(database)
     async with pool.acquire() as conn:  # a replica stopped after the first partition
-        assert await conn.fetchval("SELECT ensure_memory_partition_index($1, 0, 0)", LEFT_BY_A_REPLICA_DIM)
-    assert await built(database, f"memories_hnsw_{LEFT_BY_A_REPLICA_DIM}") == (1, False)
+        assert await conn.fetchval("SELECT ensure_memory_partition_index($1, 0, 0)", dim)
+    assert await built(database, f"memories_hnsw_{dim}") == (1, False)
     await start_service()
-    await wait_until_built(database, f"memories_hnsw_{LEFT_BY_A_REPLICA_DIM}", None)
+    await wait_until_built(database, f"memories_hnsw_{dim}", None)
 
 
 async def test_finish_completes_a_half_built_second_slot_index_and_ignores_other_indexes(
@@ -139,25 +152,24 @@ async def test_finish_completes_a_half_built_second_slot_index_and_ignores_other
     """A replica stopped after two partitions of a re-embedding target's index: `unfinished`
     names it by (dimension, slot) and `finish` builds the other 254. An invalid index of another
     name (an operator's, say) is not tokensvc's to build."""
+    dim = await unused_dimension(database)
     async with pool.acquire() as conn:
         for part in (0, 1):
-            assert await conn.fetchval(
-                "SELECT ensure_memory_partition_index($1, 1, $2)", SECOND_SLOT_DIM, part
-            )
+            assert await conn.fetchval("SELECT ensure_memory_partition_index($1, 1, $2)", dim, part)
     async with superuser(database) as conn:
         await conn.execute("CREATE INDEX operators_own_index ON ONLY tokensvc.memories (created_at)")
     try:
         indexes = PostgresVectorIndexes(pool)
         unfinished = await indexes.unfinished()
-        assert (SECOND_SLOT_DIM, 1) in unfinished
+        assert (dim, 1) in unfinished
         assert unfinished == sorted(unfinished)
         assert (384, 0) not in unfinished  # the migrations built it whole
-        await indexes.finish(SECOND_SLOT_DIM, 1)
-        assert await built(database, f"memories_hnsw_b_{SECOND_SLOT_DIM}") == (256, True)
-        assert (SECOND_SLOT_DIM, 1) not in await indexes.unfinished()
-        await indexes.finish(SECOND_SLOT_DIM, 1)  # complete: nothing to do
+        await indexes.finish(dim, 1)
+        assert await built(database, f"memories_hnsw_b_{dim}") == (256, True)
+        assert (dim, 1) not in await indexes.unfinished()
+        await indexes.finish(dim, 1)  # complete: nothing to do
         async with pool.acquire() as conn:
-            assert await conn.fetchval("SELECT memory_vector_index_ready($1, 1)", SECOND_SLOT_DIM)
+            assert await conn.fetchval("SELECT memory_vector_index_ready($1, 1)", dim)
     finally:
         async with superuser(database) as conn:
             await conn.execute("DROP INDEX tokensvc.operators_own_index")
