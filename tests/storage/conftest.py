@@ -5,11 +5,27 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 
+import asyncpg
 import pytest
 
 from tests.storage.migration_support import connect
-from tests.support import SharedDatabase
+from tests.support import SharedDatabase, service_settings
+from tokensvc.auth.devpki import DevPaths
 from tokensvc.credentials import FileCredentialSource
+from tokensvc.storage.postgres import Database
+
+
+@pytest.fixture
+async def pool(
+    database: SharedDatabase, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[asyncpg.Pool]:
+    """The serving role's pool, opened as the service opens it (modules that share one across
+    their tests keep their own, module-scoped)."""
+    db = await Database.locate(service_settings(database, dev, tmp_path_factory.mktemp("pool")))
+    try:
+        yield await db.open_pool()
+    finally:
+        await db.close()
 
 
 @pytest.fixture

@@ -24,10 +24,8 @@ import pytest
 from pgvector import Vector
 
 from tests.storage.migration_support import connect
-from tests.storage.test_memory_rls import open_pool
 from tests.storage.test_reembedding_races import waiting_for_a_lock
 from tests.support import SharedDatabase
-from tokensvc.auth.devpki import DevPaths
 from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
 from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
 from tokensvc.storage.postgres.tenant import declare_settings
@@ -43,17 +41,6 @@ from tokensvc.storage.records import (
 
 TARGET = EmbedderSpec("target", "target-model", 4, True)
 CHUNKING = ChunkingSpec("fixed", 64, 0)
-
-
-@pytest.fixture
-async def pool(
-    database: SharedDatabase, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[asyncpg.Pool]:
-    db, pool = await open_pool(database, dev, tmp_path_factory)
-    try:
-        yield pool
-    finally:
-        await db.close()
 
 
 @pytest.fixture

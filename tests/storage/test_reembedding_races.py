@@ -13,17 +13,15 @@ import asyncio
 import dataclasses
 import hashlib
 import uuid
-from collections.abc import AsyncIterator
 
 import asyncpg
 import numpy as np
 import pytest
 
 from tests.storage.migration_support import connect
-from tests.storage.test_memory_rls import new_bucket, open_pool
+from tests.storage.test_memory_rls import new_bucket
 from tests.support import SharedDatabase
 from tokensvc.audit import AuditLog
-from tokensvc.auth.devpki import DevPaths
 from tokensvc.embedders import EmbedderRegistry, HashEmbedder
 from tokensvc.errors import NotImplementedRpc
 from tokensvc.memory.reembedding import EmbeddingMigrations
@@ -43,17 +41,6 @@ from tokensvc.storage.records import (
 NAMESPACE = "races"
 SPACE = MemorySpace(EmbedderSpec("hash", "hash-v1", 8, True), "simple")
 TARGET = EmbedderSpec("target", "target-model", 4, True)
-
-
-@pytest.fixture
-async def pool(
-    database: SharedDatabase, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[asyncpg.Pool]:
-    db, pool = await open_pool(database, dev, tmp_path_factory)
-    try:
-        yield pool
-    finally:
-        await db.close()
 
 
 def one_memory(content: str) -> NewMemory:

@@ -12,18 +12,15 @@ import asyncio
 import hashlib
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import asyncpg
 import numpy as np
-import pytest
 
 from tests.conftest import ServiceFactory
 from tests.storage.search_support import vector_search
-from tests.storage.test_memory_rls import NAMESPACE, new_bucket, open_pool
+from tests.storage.test_memory_rls import NAMESPACE, new_bucket
 from tests.storage.test_tenant_declaration import distributed_pool  # noqa: F401 - a fixture
 from tests.support import SharedDatabase, superuser
-from tokensvc.auth.devpki import DevPaths
 from tokensvc.embedders import EmbedderSpec
 from tokensvc.memory.models import MemorySpace, NewMemory
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
@@ -46,18 +43,6 @@ async def unused_dimension(database: SharedDatabase) -> int:
     free = sorted(set(range(1000, 1990)) - taken)
     assert free, "every dimension of the range has an index"
     return free[np.random.default_rng().integers(len(free))]
-
-
-@pytest.fixture
-async def pool(
-    database: SharedDatabase, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[asyncpg.Pool]:
-    """The serving role's pool as the service opens it (one node: tenants declared with set_config)."""
-    db, pool = await open_pool(database, dev, tmp_path_factory)
-    try:
-        yield pool
-    finally:
-        await db.close()
 
 
 async def built(database: SharedDatabase, parent: str) -> tuple[int, bool | None]:
