@@ -40,7 +40,6 @@ __all__ = [
     "ensure_vector_index",
     "memory_record",
     "search_statement",
-    "start_vector_index",
 ]
 
 _LIVE = "(expires_at IS NULL OR expires_at > now())"
@@ -119,11 +118,15 @@ def _bucket_predicate(bucket: str, filter_: Filter | None) -> Callable[[list[Any
     return where
 
 
-async def ensure_vector_index(pool: asyncpg.Pool, dimension: int, slot: int) -> None:
+async def ensure_vector_index(
+    pool: asyncpg.Pool, dimension: int, slot: int, *, first_partition_only: bool = False
+) -> None:
     """The HNSW indexes of (slot, dimension) on every partition, built one partition per
     statement (each its own transaction: a build holds up writes to one partition at a time),
     each on a connection taken from `pool` for that statement only: a build of minutes (Citus)
-    never keeps a connection from the RPCs."""
+    never keeps a connection from the RPCs. `first_partition_only`: start the build (the parent
+    index and partition 0's), an unfinished build the `vector-indexes` duty finishes
+    (`PostgresVectorIndexes`)."""
     async with pool.acquire() as conn:
         if await conn.fetchval("SELECT memory_vector_index_ready($1, $2)", dimension, slot):
             return
@@ -134,16 +137,7 @@ async def ensure_vector_index(pool: asyncpg.Pool, dimension: int, slot: int) -> 
                 "SELECT ensure_memory_partition_index($1, $2, $3)", dimension, slot, part
             )
         part += 1
-
-
-async def start_vector_index(
-    conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy, dimension: int, slot: int
-) -> None:
-    """The parent HNSW index of (slot, dimension) and its first partition's, when the index is not
-    ready: an unfinished build that the `vector-indexes` duty finds (`PostgresVectorIndexes`) and
-    finishes in the background."""
-    if not await conn.fetchval("SELECT memory_vector_index_ready($1, $2)", dimension, slot):
-        await conn.fetchval("SELECT ensure_memory_partition_index($1, $2, 0)", dimension, slot)
+        more = more and not first_partition_only
 
 
 async def _copy_bucket(
@@ -209,16 +203,14 @@ class PostgresMemoryStore:
             row = await conn.fetchrow(_SPACE_SQL, tenant.namespace, tenant.agent)
             assert row is not None
             pinned = _space(row)
-        spec, slot = pinned.embedder, pinned.slot
         async with self._pool.acquire() as conn:
-            # On Citus each partition's build is 32 shards' on the workers (seconds each under
-            # load, minutes for all 256): the write starts the build and the `vector-indexes` duty
-            # finishes it. Until then a partition without its index is searched exactly (correct).
             distributed = is_distributed(conn)
-            if distributed:
-                await start_vector_index(conn, spec.dimension, slot)
-        if not distributed:
-            await ensure_vector_index(self._pool, spec.dimension, slot)
+        # On Citus each partition's build is 32 shards' on the workers (seconds each under load,
+        # minutes for all 256): the write starts the build and the `vector-indexes` duty finishes
+        # it. Until then a partition without its index is searched exactly (correct, slower).
+        await ensure_vector_index(
+            self._pool, pinned.embedder.dimension, pinned.slot, first_partition_only=distributed
+        )
         return pinned
 
     async def ensure_vector_index(self, dimension: int, *, slot: int = 0) -> None:
