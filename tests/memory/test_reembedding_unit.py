@@ -7,6 +7,7 @@ then pausing (with the reason, audited) and resuming, and a stale pin redone for
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 from collections.abc import Sequence
@@ -158,3 +159,57 @@ async def test_a_write_with_a_stale_pin_is_embedded_again_for_the_new_model(worl
     assert target.calls == calls + 1
     hits = await memory.search(user, SearchQuery("after the cutover", None, 1, None, None, SearchMode.VECTOR))
     assert hits[0].item.content == "after the cutover"
+
+
+async def test_a_start_beside_an_unfinished_migration_is_refused_before_it_embeds(world) -> None:  # type: ignore[no-untyped-def]
+    """The estimate embeds a whole batch: a start that can only conflict must not spend it beside
+    the running migration's own batches."""
+    memory, service, _, target, _ = world
+    await memory.remember(scope(1), items("a fact", "another fact"))
+    migration, _ = await service.start("team-a", "helper", "target", dry_run=False, actor="admin")
+    assert migration is not None
+    calls = target.calls
+    with pytest.raises(MigrationConflict, match="team-a/helper already has a migration"):
+        await service.start("team-a", "helper", "target", dry_run=False, actor="admin")
+    assert target.calls == calls
+    _, estimate = await service.start("team-a", "helper", "target", dry_run=True, actor="admin")
+    assert estimate.rows == 2  # a dry run still estimates
+    assert target.calls == calls + 1
+
+
+class SlowEmbedder(HashEmbedder):
+    """A hash embedder of another dimension that takes `seconds` for every batch."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__("target", 32)
+        self.seconds = seconds
+
+    async def embed_documents(self, texts: Sequence[str]) -> np.ndarray:
+        await asyncio.sleep(self.seconds)
+        return await super().embed_documents(texts)
+
+
+async def test_a_batch_slower_than_the_lease_keeps_it_and_the_migration_finishes() -> None:
+    """Leased from its read to its write, a batch that outlasts the lease would find it lapsed at
+    every write and never progress: the runner renews the lease while it works."""
+    memories = InMemoryMemoryStore()
+    audit_store = InMemoryAuditStore()
+    migrations = InMemoryEmbeddingMigrationStore(memories, audit_store)
+    embedders = EmbedderRegistry({"hash": HashEmbedder(), "target": SlowEmbedder(0.5)})
+    audit = AuditLog(audit_store)
+    lease = 0.3
+    runner = MigrationRunner(
+        migrations, embedders, audit, RunnerSettings(lease_seconds=lease, retire_seconds=0, batch_size=2)
+    )
+    service = EmbeddingMigrations(migrations, memories, embedders, audit, wake=runner.wake)
+    memory = LongTermMemory(memories, embedders, default_embedder="hash", space_cache_seconds=0.000_001)
+    await memory.remember(scope(1), items(*(f"fact {i}" for i in range(6))))
+    migration, _ = await service.start("team-a", "helper", "target", dry_run=False, actor="admin")
+    assert migration is not None
+
+    for _ in range(3):  # each step claims it again; without renewals none would write a batch
+        if not await runner.step():
+            break
+    done = (await service.get(migration.id)).migration
+    assert done.state is MigrationState.SUCCEEDED
+    assert done.rows_done == 6

@@ -47,7 +47,6 @@ from tokensvc.errors import (
     EmbedderUnavailable,
     InvalidArgument,
     NotFound,
-    NotImplementedRpc,
     Reason,
     TokensvcError,
 )
@@ -169,7 +168,6 @@ class EmbeddingMigrations:
     async def start(
         self, namespace: str, agent: str, embedder_name: str, *, dry_run: bool, actor: str
     ) -> tuple[EmbeddingMigration | None, MigrationEstimate]:
-        self._refuse_unsupported()
         space = await self._memories.get_space(Tenant(namespace, agent))
         if space is None:
             raise NotFound(f"no memory space {namespace}/{agent}: nothing has been remembered there")
@@ -186,11 +184,14 @@ class EmbeddingMigrations:
             state=MigrationState.BACKFILLING,
             created_by=actor,
         )
+        described = f"memory space {namespace}/{agent}"
+        if not dry_run:
+            await self._refuse_unfinished(planned, described)
         rows, average_chars = await self._store.space_size(namespace, agent)
         estimate = await _estimate(planned, embedder, rows, rows, average_chars)
         if dry_run:
             return None, estimate
-        return await self._create(planned, estimate, f"memory space {namespace}/{agent}", "memories")
+        return await self._create(replace(planned, rows_total=rows), estimate, described, "memories")
 
     async def start_knowledge_base(
         self,
@@ -203,7 +204,6 @@ class EmbeddingMigrations:
         actor: str,
     ) -> tuple[EmbeddingMigration | None, MigrationEstimate]:
         """As `start`, for a knowledge base; `chunking` None keeps the base's chunking strategy."""
-        self._refuse_unsupported()
         assert self._knowledge is not None, "knowledge-base migrations need the knowledge store"
         bases = await self._knowledge.get_bases(
             Tenant(namespace, knowledge_bases=(ALL_KNOWLEDGE_BASES,)), [kb_ref]
@@ -239,17 +239,15 @@ class EmbeddingMigrations:
             state=MigrationState.BACKFILLING,
             created_by=actor,
         )
+        described = f"knowledge base {namespace}/{kb_ref}"
+        if not dry_run:
+            await self._refuse_unfinished(planned, described)
         # Re-chunked, a base has about as many chunks as its text holds chunks of the new size.
         expected_chunks = round(chunks * before.size / after.size) if after != before else chunks
         estimate = await _estimate(planned, embedder, documents, expected_chunks, average_chars)
         if dry_run:
             return None, estimate
-        return await self._create(planned, estimate, f"knowledge base {namespace}/{kb_ref}", "documents")
-
-    def _refuse_unsupported(self) -> None:
-        """Before any read or estimate: a dry run must not suggest what a start would refuse."""
-        if (reason := self._store.unsupported()) is not None:
-            raise NotImplementedRpc(reason)
+        return await self._create(planned, estimate, described, "documents")
 
     def _configured(self, embedder_name: str) -> Embedder:
         if embedder_name not in self._embedders.names:
@@ -259,14 +257,18 @@ class EmbeddingMigrations:
             )
         return self._embedders.get(embedder_name)
 
+    async def _refuse_unfinished(self, planned: EmbeddingMigration, described: str) -> None:
+        """Before the estimate: a start that would conflict answers at once instead of first
+        embedding a batch beside the running migration's own. `create` still decides a race."""
+        if any(m.subject == planned.subject for m in await self._store.active()):
+            raise _conflict(described)
+
     async def _create(
-        self, planned: EmbeddingMigration, estimate: MigrationEstimate, subject: str, rows: str
+        self, planned: EmbeddingMigration, estimate: MigrationEstimate, described: str, rows: str
     ) -> tuple[EmbeddingMigration, MigrationEstimate]:
         created = await self._store.create(planned)
         if created is None:
-            raise MigrationConflict(
-                f"{subject} already has a migration that has not finished (tokensvc admin migrate list)"
-            )
+            raise _conflict(described)
         self._wake()
         METRICS.migration_events.labels("started").inc()
         chunking = ""
@@ -334,6 +336,12 @@ class EmbeddingMigrations:
             outcome=AuditOutcome.STARTED,
         )
         return progress_of(changed)
+
+
+def _conflict(described: str) -> MigrationConflict:
+    return MigrationConflict(
+        f"{described} already has a migration that has not finished (tokensvc admin migrate list)"
+    )
 
 
 async def _estimate(
@@ -423,15 +431,35 @@ class MigrationRunner:
         )
         if migration is None:
             return False
-        if migration.state is MigrationState.BACKFILLING and migration.kb_ref is not None:
-            await self._backfill_base(migration)
-        elif migration.state is MigrationState.BACKFILLING:
-            await self._backfill(migration)
-        elif migration.state is MigrationState.RETIRING:
-            await self._retire(migration)
-        elif migration.state is MigrationState.CANCELLING:
-            await self._clear(migration, MigrationState.CANCELLED, "cancelled")
+        keeper = asyncio.create_task(self._keep_lease(migration))
+        try:
+            if migration.state is MigrationState.BACKFILLING and migration.kb_ref is not None:
+                await self._backfill_base(migration)
+            elif migration.state is MigrationState.BACKFILLING:
+                await self._backfill(migration)
+            elif migration.state is MigrationState.RETIRING:
+                await self._retire(migration)
+            elif migration.state is MigrationState.CANCELLING:
+                await self._clear(migration, MigrationState.CANCELLED, "cancelled")
+        finally:
+            keeper.cancel()
         return True
+
+    async def _keep_lease(self, migration: EmbeddingMigration) -> None:
+        """Renew the lease every third of it while this runner works on the migration. A batch
+        is leased from its read to its write: one that outlasts the lease (a slow embedder, a busy
+        machine) would otherwise find it lapsed at every write and never make progress. Ends when
+        the lease is lost (taken over, cancelled): the work finds out at its next write."""
+        lease = self._settings.lease_seconds
+        while True:
+            await asyncio.sleep(lease / 3)
+            try:
+                if not await self._store.renew(migration, self.runner_id, lease_seconds=lease):
+                    return
+            except TokensvcError as exc:  # the database is away: the next write will tell
+                _log.warning("migration %s: the lease was not renewed (%s)", migration.id, exc.reason)
+            except Exception:
+                _log.exception("migration %s: the lease was not renewed", migration.id)
 
     async def _target_embedder(self, migration: EmbeddingMigration) -> Embedder | None:
         """The configured target embedder; None (the migration paused) when it differs."""
