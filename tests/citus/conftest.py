@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from tests.support import service_settings
@@ -98,5 +99,20 @@ async def database(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Ci
     citus = CitusDatabase(dsn, paths)
     settings = service_settings(citus, ensure_dev_material(tmp_path_factory.mktemp("citus-mig")), Path("."))  # type: ignore[arg-type]
     await migrate(await Database.locate(settings), settings)
+    await _cancel_leftover_migrations(given)
     yield citus
     shutil.rmtree(root, ignore_errors=True)
+
+
+async def _cancel_leftover_migrations(superuser_dsn: str) -> None:
+    """The database outlives a run: migrations an interrupted run left unfinished are cancelled
+    (the runners clear their slots), so this run's runners are not busy with them first."""
+    conn = await asyncpg.connect(superuser_dsn)
+    try:
+        await conn.execute(
+            "UPDATE tokensvc.embedding_migrations SET state = 'cancelling', lease_owner = NULL, "
+            "lease_until = NULL, cursor_bucket = NULL, cursor_id = NULL, cursor_document = NULL "
+            "WHERE state IN ('backfilling', 'paused')"
+        )
+    finally:
+        await conn.close()

@@ -29,6 +29,7 @@ def planned(agent: str) -> EmbeddingMigration:
         namespace=NAMESPACE,
         agent=agent,
         from_generation=0,
+        rows_total=3,  # the space's count (space_size), as the domain passes it
         source=SPACE.embedder,
         target=EmbedderSpec("target", "target-model", 4, True),
         state=MigrationState.BACKFILLING,

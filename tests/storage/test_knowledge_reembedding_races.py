@@ -21,14 +21,14 @@ from datetime import UTC, datetime
 import asyncpg
 import numpy as np
 import pytest
+from asyncpg.pool import PoolConnectionProxy
 from pgvector import Vector
 
 from tests.storage.migration_support import connect
-from tests.storage.test_reembedding_races import waiting_for_a_lock
+from tests.storage.test_reembedding_races import begin, waiting_for_a_lock
 from tests.support import SharedDatabase
 from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
 from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
-from tokensvc.storage.postgres.tenant import declare_settings
 from tokensvc.storage.records import (
     BaseRow,
     ChunkingSpec,
@@ -124,8 +124,8 @@ async def runner_writes_open(
 ) -> None:
     """The runner's batch for `doc` on `conn` (as store_documents runs it), its transaction open."""
     (pending,) = await PostgresEmbeddingMigrationStore(pool).pending_documents(migration, limit=10)
-    await conn.execute("BEGIN")
-    await conn.execute("SELECT lock_migration_subject($1, false)", migration.id)
+    await begin(conn, base_settings(migration.namespace))
+    assert await conn.fetchval("SELECT hold_migration($1, 'racer')", migration.id)
     written = await conn.fetchval(
         "SELECT kb_migration_store($1, 'racer', ARRAY[$2], ARRAY[$3::bigint], ARRAY[$4::bytea], ARRAY[1], "
         "ARRAY[0], ARRAY['version one'], ARRAY[0], ARRAY[11], ARRAY['[]'], ARRAY[$5::vector])",
@@ -138,9 +138,14 @@ async def runner_writes_open(
     assert written == 1
 
 
+def base_settings(ns: str, kb: str = "kb") -> dict[str, str]:
+    """The settings a runner's transaction declares for the base it migrates (`*`: every base)."""
+    return {"tokensvc.namespace": ns, "tokensvc.kbs": kb}
+
+
 async def generations(pool: asyncpg.Pool, ns: str) -> list[tuple[int, int, str, str]]:
     async with pool.acquire() as conn:
-        await conn.execute(f"BEGIN; {declare_settings({'tokensvc.namespace': ns, 'tokensvc.kbs': 'kb'})}")
+        await begin(conn, base_settings(ns))
         found = await conn.fetch(
             "SELECT generation, version, text, metadata::text FROM chunks WHERE namespace = $1 ORDER BY 1, 2",
             ns,
@@ -197,15 +202,16 @@ async def test_a_batch_in_flight_and_a_cutover_never_deadlock(
     cutting = await pool.acquire()
     try:
         (pending,) = await PostgresEmbeddingMigrationStore(pool).pending_documents(migration, limit=10)
-        await batch.execute("BEGIN")
+        await begin(batch, base_settings(ns))
         await batch.execute("SELECT lock_migration_subject($1, false)", migration.id)
+        await begin(cutting, base_settings(ns))
         cut = asyncio.create_task(
             cutting.fetchval("SELECT cut_over_knowledge_base($1, 'racer')", migration.id)
         )
         assert await waiting_for_a_lock(watcher, cutting.get_server_pid()), "the cutover did not wait"
-        assert await batch.fetchval(
-            "SELECT 1 FROM embedding_migrations WHERE id = $1 FOR UPDATE", migration.id
-        ), "the batch could not take the migration row"
+        assert await batch.fetchval("SELECT hold_migration($1, 'racer')", migration.id), (
+            "the batch could not take the migration row"
+        )
         written = await batch.fetchval(
             "SELECT kb_migration_store($1, 'racer', ARRAY[$2], ARRAY[$3::bigint], ARRAY[$4::bytea], ARRAY[1], "
             "ARRAY[0], ARRAY['version one'], ARRAY[0], ARRAY[11], ARRAY['[]'], ARRAY[$5::vector])",
@@ -218,6 +224,7 @@ async def test_a_batch_in_flight_and_a_cutover_never_deadlock(
         assert written == 1
         await batch.execute("COMMIT")
         assert await cut is True  # after the batch: every document has its chunks
+        await cutting.execute("COMMIT")
     finally:
         await pool.release(batch)
         await pool.release(cutting)
@@ -234,7 +241,7 @@ async def test_deleting_a_base_cancels_a_migration_whose_start_it_waited_for(poo
     starting = await pool.acquire()
     try:
         # A start that holds the base row FOR SHARE, not committed yet.
-        await starting.execute(f"BEGIN; {declare_settings({'tokensvc.namespace': ns, 'tokensvc.kbs': 'kb'})}")
+        await begin(starting, base_settings(ns))
         assert await starting.fetchval("SELECT knowledge_base_generation($1, 'kb')", ns) == 0
         second = str(uuid.uuid4())
         await starting.execute(
@@ -264,9 +271,9 @@ async def test_a_chunk_for_a_generation_that_is_gone_is_refused(pool: asyncpg.Po
         # Backfill "doc", then cut over as the runner does.
         await runner_writes_open(pool, conn, migration)
         await conn.execute("COMMIT")
-        assert await conn.fetchval("SELECT cut_over_knowledge_base($1, 'racer')", migration.id)
+        await cut_over(conn, migration)
         # A replica that never learnt of generations writes the column's default, 0.
-        await conn.execute(f"BEGIN; {declare_settings({'tokensvc.namespace': ns, 'tokensvc.kbs': '*'})}")
+        await begin(conn, base_settings(ns, "*"))
         with pytest.raises(asyncpg.PostgresError) as refused:
             await conn.execute(
                 "INSERT INTO chunks (namespace, kb_ref, doc_ref, version, chunk_index, text, start_offset, "
@@ -278,6 +285,13 @@ async def test_a_chunk_for_a_generation_that_is_gone_is_refused(pool: asyncpg.Po
         assert refused.value.sqlstate == "TK003"
         await conn.execute("ROLLBACK")
     assert await generations(pool, ns) == [(0, 1, "version one", ""), (1, 1, "version one", "")]
+
+
+async def cut_over(conn: PoolConnectionProxy[asyncpg.Record], migration: EmbeddingMigration) -> None:
+    """The cutover as the runner runs it, in a transaction of its own."""
+    await begin(conn, base_settings(migration.namespace))
+    assert await conn.fetchval("SELECT cut_over_knowledge_base($1, 'racer')", migration.id)
+    await conn.execute("COMMIT")
 
 
 async def _upload_pid(watcher: asyncpg.Connection) -> int:
@@ -303,16 +317,16 @@ async def test_the_clean_up_waits_for_an_upload_of_the_same_document(
     async with pool.acquire() as conn:
         await runner_writes_open(pool, conn, migration)
         await conn.execute("COMMIT")
-        assert await conn.fetchval("SELECT cut_over_knowledge_base($1, 'racer')", migration.id)
+        await cut_over(conn, migration)
     retiring = await migrations.get(migration.id)
     assert retiring is not None
     assert retiring.state is MigrationState.RETIRING
     uploading = await pool.acquire()
     clearing = await pool.acquire()
     try:
-        await uploading.execute(f"BEGIN; {declare_settings({'tokensvc.namespace': ns, 'tokensvc.kbs': '*'})}")
+        await begin(uploading, base_settings(ns, "*"))
         await uploading.fetchrow("SELECT * FROM document_write_state($1, 'kb', 'doc', NULL)", ns)
-        await clearing.execute("BEGIN")
+        await begin(clearing, base_settings(ns))
         await clearing.execute("SELECT lock_migration_subject($1, false)", migration.id)
         clear = asyncio.create_task(
             clearing.fetchval("SELECT kb_migration_clear($1, 'racer', 10, 60)", migration.id)

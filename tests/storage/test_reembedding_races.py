@@ -17,18 +17,14 @@ import uuid
 import asyncpg
 import numpy as np
 import pytest
+from asyncpg.pool import PoolConnectionProxy
 
 from tests.storage.migration_support import connect
 from tests.storage.test_memory_rls import new_bucket
 from tests.support import SharedDatabase
-from tokensvc.audit import AuditLog
-from tokensvc.embedders import EmbedderRegistry, HashEmbedder
-from tokensvc.errors import NotImplementedRpc
-from tokensvc.memory.reembedding import EmbeddingMigrations
-from tokensvc.storage.memory import InMemoryAuditStore
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
 from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
-from tokensvc.storage.postgres.tenant import declare_settings
+from tokensvc.storage.postgres.tenant import declare_settings, is_distributed
 from tokensvc.storage.records import (
     EmbedderSpec,
     EmbeddingMigration,
@@ -49,6 +45,11 @@ def one_memory(content: str) -> NewMemory:
     return NewMemory(
         str(uuid.uuid4()), content, hashlib.sha256(content.encode()).digest(), {}, None, None, vector
     )
+
+
+def space(tenant: Tenant) -> dict[str, str]:
+    """The settings a runner's transaction declares for the space it migrates."""
+    return {"tokensvc.namespace": tenant.namespace, "tokensvc.agent": tenant.agent}
 
 
 async def ready_to_cut_over(
@@ -89,12 +90,28 @@ async def ready_to_cut_over(
     return tenant, stored, migrations
 
 
+async def begin(
+    conn: asyncpg.Connection | PoolConnectionProxy[asyncpg.Record], settings: dict[str, str]
+) -> None:
+    """Open a transaction with `settings` declared as the stores declare them (on Citus, so that
+    the workers see them)."""
+    await conn.execute(f"BEGIN; {declare_settings(settings, distributed=is_distributed(conn))}")
+
+
+# The backend `pid` of the coordinator, or any worker backend of its distributed transaction
+# (Citus gives them its global pid), waits for a lock.
+_WAITING_ON_CITUS = (
+    "SELECT 'Lock' FROM citus_stat_activity WHERE wait_event_type = 'Lock' AND global_pid = "
+    "citus_calculate_gpid((SELECT nodeid FROM pg_dist_node WHERE groupid = 0), $1) LIMIT 1"
+)
+
+
 async def waiting_for_a_lock(watcher: asyncpg.Connection, pid: int) -> bool:
+    """Whether the backend `pid` comes to wait for a lock (on Citus: on any node) within 4 s."""
+    citus = await watcher.fetchval("SELECT count(*) = 1 FROM pg_extension WHERE extname = 'citus'")
+    query = _WAITING_ON_CITUS if citus else "SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1"
     for _ in range(200):
-        if (
-            await watcher.fetchval("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1", pid)
-            == "Lock"
-        ):
+        if await watcher.fetchval(query, pid) == "Lock":
             return True
         await asyncio.sleep(0.02)
     return False
@@ -113,7 +130,7 @@ async def test_a_cutover_waits_for_a_write_in_flight_and_then_refuses_to_switch(
             "tokensvc.agent": tenant.agent,
             "tokensvc.generation": "0",
         }
-        await writer.execute(f"BEGIN; {declare_settings(settings)}")
+        await begin(writer, settings)
         await writer.execute(
             "INSERT INTO memories (bucket, id, namespace, agent, content, content_sha256, dimension, embedding) "
             "VALUES ($1, gen_random_uuid(), $2, $3, 'written during the cutover', '\\x01', 8, $4)",
@@ -124,14 +141,14 @@ async def test_a_cutover_waits_for_a_write_in_flight_and_then_refuses_to_switch(
         )
         async with pool.acquire() as cutting:
             pid = cutting.get_server_pid()
+            await begin(cutting, space(tenant))  # what cut_over runs
             cut = asyncio.create_task(
-                cutting.fetchval(
-                    "SELECT cut_over_memory_space($1, 'racer')", migration.id
-                )  # what cut_over runs
+                cutting.fetchval("SELECT cut_over_memory_space($1, 'racer')", migration.id)
             )
             assert await waiting_for_a_lock(watcher, pid), "the cutover did not wait for the write"
             await writer.execute("COMMIT")
             assert await cut is False  # the new memory has no target vector: no switch
+            await cutting.execute("COMMIT")
     finally:
         await pool.release(writer)
         await watcher.close()
@@ -148,7 +165,7 @@ async def test_a_write_that_waited_for_a_cutover_is_refused_as_stale(
     watcher = await connect(database, "superuser", database.dsn.rsplit("/", 1)[1])
     try:
         # The cutover runs to its commit; its transaction is held open meanwhile.
-        await cutting.execute("BEGIN")
+        await begin(cutting, space(tenant))
         assert await cutting.fetchval("SELECT cut_over_memory_space($1, 'racer')", migration.id)
         settings = {
             "tokensvc.buckets": tenant.buckets[0],
@@ -156,7 +173,7 @@ async def test_a_write_that_waited_for_a_cutover_is_refused_as_stale(
             "tokensvc.agent": tenant.agent,
             "tokensvc.generation": "0",  # what a replica with the old pin declares
         }
-        await writer.execute(f"BEGIN; {declare_settings(settings)}")
+        await begin(writer, settings)
         write = asyncio.create_task(
             writer.execute(
                 "INSERT INTO memories (bucket, id, namespace, agent, content, content_sha256, dimension, "
@@ -188,26 +205,3 @@ async def test_a_write_that_waited_for_a_cutover_is_refused_as_stale(
         embedder="x",
     )
     assert [r.content for r in rows] == ["before the migration"]
-
-
-async def test_a_store_on_citus_refuses_before_reading_and_never_claims(pool: asyncpg.Pool) -> None:
-    """The Citus gate, on one node (the Citus suite checks it end to end): with the store told
-    its database is distributed, a start is refused before anything is read (a dry run of a space
-    that does not exist too), and a migration recorded by an older replica is never claimed."""
-    _, recorded, _ = await ready_to_cut_over(pool)
-    distributed = PostgresEmbeddingMigrationStore(pool, distributed=True)
-    memories = PostgresMemoryStore(pool)
-    embedders = EmbedderRegistry({"target": HashEmbedder(dimension=4)})
-    service = EmbeddingMigrations(distributed, memories, embedders, AuditLog(InMemoryAuditStore()))
-    for call in (
-        service.start(NAMESPACE, "no-such-agent", "target", dry_run=True, actor="test"),
-        service.start(NAMESPACE, recorded.agent or "", "target", dry_run=False, actor="test"),
-        service.start_knowledge_base(NAMESPACE, "no-such-base", "target", None, dry_run=True, actor="test"),
-    ):
-        with pytest.raises(NotImplementedRpc, match="Citus"):
-            await call
-    assert (
-        await distributed.claim("racer", lease_seconds=60, embedders=["target"], retire_after_seconds=0)
-        is None
-    )
-    assert (await distributed.get(recorded.id)) is not None  # readable, only not run

@@ -189,18 +189,14 @@ class EmbeddingMigrationStore(Protocol):
     together, so a runner killed mid-batch leaves that batch to do again and nothing else.
     """
 
-    def unsupported(self) -> str | None:
-        """Why this store's database cannot run migrations (shown to the caller), or None. A store
-        that says why records nothing (`create` raises NotImplementedRpc) and claims nothing."""
-        ...
-
     async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
-        """Record `migration` (state BACKFILLING, no lease) with `rows_total` set to the space's
-        live memories now (a knowledge base's: its documents), after making sure the target
+        """Record `migration` (state BACKFILLING, no lease), after making sure the target
         dimension can be indexed. None (nothing recorded) when the space (base) already has an
         active migration (`MigrationState.active`) or its generation is no longer
         `migration.from_generation`. A knowledge base's documents start with no next-generation
-        chunks written (`pending_documents` lists them all)."""
+        chunks written (`pending_documents` lists them all). A space's `rows_total` is kept as
+        given, the caller's `space_size` (a count over every bucket: on Citus every shard, so a
+        start counts once); a knowledge base's is set to its documents now."""
 
     async def get(self, migration_id: str) -> EmbeddingMigration | None:
         """The migration with this id."""

@@ -53,12 +53,13 @@ async def space_with(memories: MemoryStore, buckets: int, per_bucket: int) -> tu
     return agent, tenants
 
 
-def planned(agent: str, generation: int = 0) -> EmbeddingMigration:
+def planned(agent: str, generation: int = 0, rows_total: int = 0) -> EmbeddingMigration:
     return EmbeddingMigration(
         id=str(uuid.uuid4()),
         namespace=NAMESPACE,
         agent=agent,
         from_generation=generation,
+        rows_total=rows_total,
         source=SPACE.embedder,
         target=TARGET,
         state=MigrationState.BACKFILLING,
@@ -96,10 +97,11 @@ async def test_a_migration_fills_the_other_slot_and_the_cutover_switches_searche
     memories: MemoryStore, migrations: EmbeddingMigrationStore
 ) -> None:
     agent, tenants = await space_with(memories, buckets=3, per_bucket=4)
-    created = await migrations.create(planned(agent))
+    assert await migrations.space_size(NAMESPACE, agent) == (12, len("fact 0.0"))
+    created = await migrations.create(planned(agent, rows_total=12))
     assert created is not None
     assert created.state is MigrationState.BACKFILLING
-    assert created.rows_total == 12
+    assert created.rows_total == 12  # the caller's count, kept
     assert created.rows_done == 0
     assert created.target_slot == 1
     assert await migrations.create(planned(agent)) is None  # one active migration per space
@@ -394,7 +396,7 @@ async def test_active_lists_the_unfinished_migrations_oldest_first(
     created = []
     for _ in range(3):
         agent, _ = await space_with(memories, buckets=1, per_bucket=2)
-        migration = await migrations.create(planned(agent))
+        migration = await migrations.create(planned(agent, rows_total=2))
         assert migration is not None
         created.append(migration)
     finished = await migrations.transition(

@@ -46,9 +46,6 @@ class InMemoryEmbeddingMigrationStore:
         self._migrations: dict[str, EmbeddingMigration] = {}
         self._leases: dict[str, datetime] = {}
 
-    def unsupported(self) -> str | None:
-        return None
-
     def _now(self) -> datetime:
         return self._memories._clock.now()
 
@@ -121,12 +118,10 @@ class InMemoryEmbeddingMigrationStore:
             ):
                 return None
             now = self._now()
-            live = sum(row.live(now) for row in self._space_rows(migration))
             created = replace(
                 migration,
                 id=str(uuid.UUID(migration.id)),
                 state=MigrationState.BACKFILLING,
-                rows_total=live,
                 rows_done=0,
                 failures=0,
                 lease_owner=None,

@@ -14,10 +14,8 @@ from typing import Any
 
 import asyncpg
 import numpy as np
-from asyncpg.pool import PoolConnectionProxy
 from pgvector import Vector
 
-from tokensvc.errors import NotImplementedRpc
 from tokensvc.storage.postgres.errors import translate_errors
 from tokensvc.storage.postgres.knowledge import chunk_columns
 from tokensvc.storage.postgres.memories import ensure_vector_index
@@ -84,20 +82,53 @@ def _space(migration: EmbeddingMigration) -> Tenant:
     return Tenant(migration.namespace, migration.agent or "")
 
 
+def _subject(namespace: str, agent: str | None, kb_ref: str | None) -> Tenant:
+    """The tenant a runner's transaction declares: the migrated space or knowledge base. The
+    runner's functions set it too, but only on the coordinator; on Citus the workers' row-level
+    security sees what the service declares."""
+    if kb_ref is None:
+        return Tenant(namespace, agent or "")
+    return Tenant(namespace, knowledge_bases=(kb_ref,))
+
+
+def _of(migration: EmbeddingMigration) -> Tenant:
+    return _subject(migration.namespace, migration.agent, migration.kb_ref)
+
+
 # Raised by tokensvc.leased_migration (0014): the runner does not hold the migration's lease.
 _NOT_LEASED = "TK002"
 
 
-async def _hold(conn: PoolConnectionProxy[asyncpg.Record], migration_id: str, runner: str) -> bool:
+async def _hold(conn: asyncpg.Connection, migration_id: str, runner: str) -> bool:
     """In a batch's transaction: the subject row FOR SHARE, then the migration row FOR UPDATE
-    (0015's lock order), when `runner` holds the BACKFILLING migration's lease."""
-    await conn.execute("SELECT lock_migration_subject($1, false)", migration_id)
-    held = await conn.fetchval(
-        f"SELECT 1 FROM embedding_migrations WHERE {_LEASED} AND state = 'backfilling' FOR UPDATE",
-        migration_id,
+    (0015's lock order), when `runner` holds the BACKFILLING migration's lease. The owner takes
+    both, as it takes every lock and write of the batch (0018): on Citus two roles' locks on one
+    row in one transaction are two worker backends waiting on each other."""
+    return bool(await conn.fetchval("SELECT hold_migration($1, $2)", migration_id, runner))
+
+
+async def _progress(
+    conn: asyncpg.Connection,
+    migration: EmbeddingMigration,
+    runner: str,
+    written: int,
+    *,
+    cursor: tuple[str, str] | None = None,
+    document: str | None = None,
+    lease_seconds: float,
+) -> EmbeddingMigration | None:
+    """Record a held batch's progress (migration_progress, 0018); None when the lease is gone."""
+    row = await conn.fetchrow(
+        "SELECT * FROM migration_progress($1, $2, $3, $4, $5::uuid, $6, $7)",
+        migration.id,
         runner,
+        written,
+        None if cursor is None else cursor[0],
+        None if cursor is None else cursor[1],
+        document,
+        lease_seconds,
     )
-    return held is not None
+    return None if row is None else _migration(row)
 
 
 def _cursor(migration: EmbeddingMigration) -> tuple[str | None, str | None]:
@@ -110,28 +141,23 @@ class PostgresEmbeddingMigrationStore:
         self._pool = pool
         self._distributed = distributed
 
-    def unsupported(self) -> str | None:
-        # The runner's functions (0014, 0015) declare the subject's tenant with set_config and
-        # write as the owner beside the serving role's writes: on Citus neither reaches the
-        # workers as one transaction expects.
-        if self._distributed:
-            return "re-embedding migrations do not run on a Citus database yet (docs/scaling.md)"
-        return None
-
     async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
-        if (reason := self.unsupported()) is not None:
-            raise NotImplementedRpc(reason)
         if migration.kb_ref is not None:
             return await self._create_for_base(migration)
-        await ensure_vector_index(self._pool, migration.target.dimension, migration.target_slot)
+        # On Citus the duty `vector-indexes` builds the rest, as for a new space's first write.
+        await ensure_vector_index(
+            self._pool,
+            migration.target.dimension,
+            migration.target_slot,
+            first_partition_only=self._distributed,
+        )
         source, target = migration.source, migration.target
         async with tenant_transaction(self._pool, _space(migration)) as conn:
             row = await conn.fetchrow(
                 "INSERT INTO embedding_migrations (id, namespace, agent, from_generation, from_embedder, "
                 "from_model, from_dimension, to_embedder, to_model, to_dimension, to_normalized, state, "
                 "rows_total, created_by) "
-                "SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'backfilling', "
-                "(SELECT live FROM migration_space_size($2, $3)), $12 "
+                "SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'backfilling', $12, $13 "
                 "WHERE EXISTS (SELECT 1 FROM memory_spaces WHERE namespace = $2 AND agent = $3 "
                 "AND generation = $4) "
                 "ON CONFLICT DO NOTHING RETURNING *",
@@ -146,6 +172,7 @@ class PostgresEmbeddingMigrationStore:
                 target.model,
                 target.dimension,
                 target.normalized,
+                migration.rows_total,
                 migration.created_by,
             )
         return None if row is None else _migration(row)
@@ -161,14 +188,25 @@ class PostgresEmbeddingMigrationStore:
         base = Tenant(migration.namespace, knowledge_bases=(migration.kb_ref,))
         async with tenant_transaction(self._pool, base) as conn:
             # The base row FOR SHARE: no cutover or deletion races the check of its generation.
+            # Each read is a statement of its own: Citus cannot read a distributed table inside
+            # an INSERT into a reference table.
+            generation = await conn.fetchval(
+                "SELECT knowledge_base_generation($1, $2)", migration.namespace, migration.kb_ref
+            )
+            if generation != migration.from_generation:
+                return None
+            documents = await conn.fetchval(
+                "SELECT count(*) FROM documents WHERE namespace = $1 AND kb_ref = $2",
+                migration.namespace,
+                migration.kb_ref,
+            )
             row = await conn.fetchrow(
                 "INSERT INTO embedding_migrations (id, namespace, kb_ref, from_generation, from_embedder, "
                 "from_model, from_dimension, to_embedder, to_model, to_dimension, to_normalized, "
                 "from_chunking, from_chunk_size, from_chunk_overlap, to_chunking, to_chunk_size, "
                 "to_chunk_overlap, state, rows_total, created_by) "
-                "SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, "
-                "'backfilling', (SELECT count(*) FROM documents WHERE namespace = $2 AND kb_ref = $3), $18 "
-                "WHERE knowledge_base_generation($2, $3) = $4 "
+                "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, "
+                "'backfilling', $18, $19) "
                 "ON CONFLICT DO NOTHING RETURNING *",
                 migration.id,
                 migration.namespace,
@@ -187,6 +225,7 @@ class PostgresEmbeddingMigrationStore:
                 after.kind,
                 after.size,
                 after.overlap,
+                documents,
                 migration.created_by,
             )
             if row is not None:
@@ -228,13 +267,20 @@ class PostgresEmbeddingMigrationStore:
     async def transition(
         self, migration_id: str, *, expect: Sequence[MigrationState], state: MigrationState, reason: str = ""
     ) -> EmbeddingMigration | None:
-        async with self._pool.acquire() as conn, conn.transaction():
+        async with self._pool.acquire() as conn:
+            subject = await conn.fetchrow(
+                "SELECT namespace, agent, kb_ref FROM embedding_migrations WHERE id = $1", migration_id
+            )
+        if subject is None:
+            return None
+        async with tenant_transaction(self._pool, _subject(*subject)) as conn:
             # The subject row first (0015's lock order): a cancel is ordered with every write of it.
             await conn.execute("SELECT lock_migration_subject($1, true)", migration_id)
             row = await conn.fetchrow(
                 "UPDATE embedding_migrations SET state = $2, reason = $3, failures = 0, lease_owner = NULL, "
                 "lease_until = NULL, updated_at = statement_timestamp(), "
-                "finished_at = CASE WHEN $2 = ANY($5::text[]) THEN statement_timestamp() END, "
+                # Not a CASE: Citus refuses a non-immutable function inside one.
+                f"finished_at = {'statement_timestamp()' if state.value in _FINISHED else 'NULL'}, "
                 # The clean-up of a cancelled migration walks the space from the start.
                 "cursor_bucket = CASE WHEN $2 = 'cancelling' THEN NULL ELSE cursor_bucket END, "
                 "cursor_id = CASE WHEN $2 = 'cancelling' THEN NULL ELSE cursor_id END, "
@@ -244,15 +290,12 @@ class PostgresEmbeddingMigrationStore:
                 state.value,
                 reason,
                 [s.value for s in expect],
-                _FINISHED,
             )
         return None if row is None else _migration(row)
 
     async def claim(
         self, runner: str, *, lease_seconds: float, embedders: Sequence[str], retire_after_seconds: float
     ) -> EmbeddingMigration | None:
-        if self.unsupported() is not None:
-            return None  # one an older replica recorded during a rolling update stays unclaimed
         async with self._pool.acquire() as conn:
             row = await conn.fetchrow(
                 "UPDATE embedding_migrations SET lease_owner = $1, updated_at = statement_timestamp(), "
@@ -272,7 +315,7 @@ class PostgresEmbeddingMigrationStore:
 
     async def pending(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingMemory]:
         try:
-            async with self._pool.acquire() as conn:
+            async with tenant_transaction(self._pool, _of(migration)) as conn:
                 rows = await conn.fetch(
                     "SELECT * FROM migration_pending($1, $2, $3, $4::uuid, $5)",
                     migration.id,
@@ -301,7 +344,7 @@ class PostgresEmbeddingMigrationStore:
         lease_seconds: float,
     ) -> EmbeddingMigration | None:
         last = rows[-1][0] if rows else None
-        async with self._pool.acquire() as conn, conn.transaction():
+        async with tenant_transaction(self._pool, _of(migration)) as conn:
             if not await _hold(conn, migration.id, runner):
                 return None
             written = await conn.fetchval(
@@ -313,19 +356,14 @@ class PostgresEmbeddingMigrationStore:
                 [pending.content_sha256 for pending, _ in rows],
                 [Vector(v) for _, v in rows],
             )
-            row = await conn.fetchrow(
-                "UPDATE embedding_migrations SET rows_done = rows_done + $2, "
-                "rows_total = greatest(rows_total, rows_done + $2), failures = 0, reason = '', "
-                "cursor_bucket = coalesce($3, cursor_bucket), cursor_id = coalesce($4::uuid, cursor_id), "
-                "lease_until = statement_timestamp() + make_interval(secs => $5), updated_at = statement_timestamp() "
-                "WHERE id = $1 RETURNING *",
-                migration.id,
+            return await _progress(
+                conn,
+                migration,
+                runner,
                 written,
-                None if last is None else last.bucket,
-                None if last is None else last.id,
-                lease_seconds,
+                cursor=None if last is None else (last.bucket, last.id),
+                lease_seconds=lease_seconds,
             )
-        return None if row is None else _migration(row)
 
     async def renew(self, migration: EmbeddingMigration, runner: str, *, lease_seconds: float) -> bool:
         async with self._pool.acquire() as conn:
@@ -351,7 +389,7 @@ class PostgresEmbeddingMigrationStore:
 
     async def cut_over(self, migration: EmbeddingMigration, runner: str) -> bool:
         function = "cut_over_memory_space" if migration.kb_ref is None else "cut_over_knowledge_base"
-        async with self._pool.acquire() as conn:
+        async with tenant_transaction(self._pool, _of(migration)) as conn:
             done = await conn.fetchval(f"SELECT {function}($1, $2)", migration.id, runner)
         return bool(done)
 
@@ -359,7 +397,7 @@ class PostgresEmbeddingMigrationStore:
         self, migration: EmbeddingMigration, runner: str, *, limit: int, lease_seconds: float
     ) -> tuple[int, EmbeddingMigration] | None:
         try:
-            async with self._pool.acquire() as conn, conn.transaction():
+            async with tenant_transaction(self._pool, _of(migration)) as conn:
                 await conn.execute("SELECT lock_migration_subject($1, false)", migration.id)  # lock order
                 function = "migration_clear" if migration.kb_ref is None else "kb_migration_clear"
                 cleared = await conn.fetchval(
@@ -375,7 +413,7 @@ class PostgresEmbeddingMigrationStore:
 
     async def pending_documents(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingDocument]:
         try:
-            async with self._pool.acquire() as conn, conn.transaction():
+            async with tenant_transaction(self._pool, _of(migration)) as conn:
                 documents = await conn.fetch(
                     "SELECT * FROM kb_migration_pending($1, $2, $3, $4)",
                     migration.id,
@@ -422,9 +460,8 @@ class PostgresEmbeddingMigrationStore:
     ) -> EmbeddingMigration | None:
         positions = [position for position, (_, chunks) in enumerate(documents, 1) for _ in chunks]
         chunks = [chunk for _, rows in documents for chunk in rows]
-        async with self._pool.acquire() as conn, conn.transaction():
-            held = await _hold(conn, migration.id, runner)
-            if not held:
+        async with tenant_transaction(self._pool, _of(migration)) as conn:
+            if not await _hold(conn, migration.id, runner):
                 return None
             written = await conn.fetchval(
                 "SELECT kb_migration_store($1, $2, $3::text[], $4::bigint[], $5::bytea[], $6::int[], "
@@ -437,18 +474,14 @@ class PostgresEmbeddingMigrationStore:
                 positions,
                 *chunk_columns(chunks),
             )
-            row = await conn.fetchrow(
-                "UPDATE embedding_migrations SET rows_done = rows_done + $2, "
-                "rows_total = greatest(rows_total, rows_done + $2), failures = 0, reason = '', "
-                "cursor_document = coalesce($3, cursor_document), "
-                "lease_until = statement_timestamp() + make_interval(secs => $4), updated_at = statement_timestamp() "
-                "WHERE id = $1 RETURNING *",
-                migration.id,
+            return await _progress(
+                conn,
+                migration,
+                runner,
                 written,
-                documents[-1][0].ref if documents else None,
-                lease_seconds,
+                document=documents[-1][0].ref if documents else None,
+                lease_seconds=lease_seconds,
             )
-        return None if row is None else _migration(row)
 
     async def base_size(self, namespace: str, kb_ref: str) -> tuple[int, int, int, int]:
         async with tenant_transaction(self._pool, Tenant(namespace, knowledge_bases=(kb_ref,))) as conn:
