@@ -41,9 +41,11 @@ class FlakyEmbedder(HashEmbedder):
         super().__init__("target", 32)
         self.failing = False
         self.calls = 0
+        self.texts: list[str] = []
 
     async def embed_documents(self, texts: Sequence[str]) -> np.ndarray:
         self.calls += 1
+        self.texts.extend(texts)
         if self.failing:
             raise EmbedderUnavailable("the endpoint answered 503")
         return await super().embed_documents(texts)
@@ -175,6 +177,21 @@ async def test_a_start_beside_an_unfinished_migration_is_refused_before_it_embed
     _, estimate = await service.start("team-a", "helper", "target", dry_run=True, actor="admin")
     assert estimate.rows == 2  # a dry run still estimates
     assert target.calls == calls + 1
+
+
+async def test_the_estimate_embeds_a_bounded_sample_of_long_memories(world) -> None:  # type: ignore[no-untyped-def]
+    """The start waits for the estimate: a whole batch of long texts took the embedded model 12-35 s
+    (past a start's deadline), so long texts are sampled fewer at a time."""
+    memory, service, _, target, _ = world
+    await memory.remember(scope(1), items(*[f"fact {i}: " + "a long memory " * 300 for i in range(3)]))
+    _, estimate = await service.start("team-a", "helper", "target", dry_run=True, actor="admin")
+    assert estimate.rows == 3
+    assert estimate.items_per_second > 0
+    assert len(target.texts) == 1  # about 4,000 characters each: one is the sample
+    await memory.remember(scope(1), items(*[f"short {i}" for i in range(100)]))
+    target.texts.clear()
+    await service.start("team-a", "helper", "target", dry_run=True, actor="admin")
+    assert 1 < len(target.texts) <= 64  # short ones: a batch
 
 
 class SlowEmbedder(HashEmbedder):

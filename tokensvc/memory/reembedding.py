@@ -81,6 +81,10 @@ __all__ = [
 _log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("tokensvc.memory.reembedding")
 _DEFAULT_BATCH = 64
+# The estimate's sample: a batch, but no more text than this. The start waits for it, and the
+# embedded model embeds about 1,000 characters a second per thread on two shared cores (measured):
+# a batch of 16 knowledge-base passages took 12-15 s there, 35 s on a loaded machine.
+_SAMPLE_CHARS = 2_000
 # The dry run's sample text: words of a typical length (5 letters and a space), not the space's.
 _WORDS = (
     "memory",
@@ -352,10 +356,8 @@ async def _estimate(
     rate = 0.0
     if texts:
         words = max(1, average_chars // 6)
-        sample = [
-            " ".join(_WORDS[(i + w) % len(_WORDS)] for w in range(words))
-            for i in range(batch_size_of(embedder))
-        ]
+        count = max(1, min(batch_size_of(embedder), _SAMPLE_CHARS // max(1, average_chars)))
+        sample = [" ".join(_WORDS[(i + w) % len(_WORDS)] for w in range(words)) for i in range(count)]
         began = time.perf_counter()
         await embedder.embed_documents(sample)
         rate = len(sample) / max(time.perf_counter() - began, 1e-6)
