@@ -37,6 +37,7 @@ def test_environment_overrides_the_config_file_and_flags_override_both(tmp_path:
         ({"TOKENSVC_DATABASE_DSN": "postgresql://u:secret@db:5432/x"}, "database_dsn"),
         ({"TOKENSVC_DATABASE_DSN": "postgresql://db:5432/x"}, "database_credential_dir"),
         ({"TOKENSVC_LAUNCHER_SPIFFE_TEMPLATE": "spiffe://x/{agent}"}, "launcher_spiffe_template"),
+        ({"TOKENSVC_MIGRATION_PARALLEL": "0"}, "migration_parallel"),
     ],
 )
 def test_bad_setting_gives_a_readable_error_naming_it(environ: dict[str, str], named: str) -> None:

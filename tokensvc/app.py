@@ -232,6 +232,7 @@ class Service:
                 retire_seconds=settings.migration_retire_seconds,
                 pause_after=settings.migration_pause_after_failures,
                 batch_size=settings.migration_batch_size,
+                parallel=settings.migration_parallel,
             ),
         )
         self.extraction = ExtractionPool(

@@ -184,6 +184,10 @@ class Settings:
     migration_pause_after_failures: int = field(
         default=5, metadata=_doc("Consecutive embedder failures after which a migration pauses.")
     )
+    migration_parallel: int = field(
+        default=2,
+        metadata=_doc("Migrations one replica drives at once (a slow one does not hold the others back)."),
+    )
 
     knowledge_max_upload_bytes: int = field(
         default=64 * 1024 * 1024, metadata=_doc("Largest document UploadDocument accepts.")
@@ -340,6 +344,8 @@ class Settings:
             raise SettingsError("migration_batch_size: must be between 0 and 4096")
         if self.migration_pause_after_failures < 1:
             raise SettingsError("migration_pause_after_failures: must be at least 1")
+        if not 1 <= self.migration_parallel <= 16:
+            raise SettingsError("migration_parallel: must be between 1 and 16")
 
     def _validate_search(self) -> None:
         if not 0.0 <= self.search_vector_weight <= 1.0:

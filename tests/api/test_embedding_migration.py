@@ -263,13 +263,15 @@ async def test_the_cli_starts_follows_lists_and_reports_a_migration(migrating: A
     conn = connection(service, dev)
     space = ["--namespace", "default", "--agent", agent, "--embedder", E5]
 
-    code, out, err = await tokensvc("admin", "migrate", "start", *space, "--dry-run", "--json", *conn)
+    # A start counts the space over every bucket: on Citus every shard, seconds (docs/scaling.md).
+    code, out, err = await tokensvc(
+        "admin", "migrate", "start", *space, "--dry-run", "--json", *conn, "--timeout", "60"
+    )
     assert code == 0, err
     estimate = json.loads(out)["estimate"]
     assert (estimate["rows"], estimate["target"]["dimension"]) == ("4", 384)
     assert "migration" not in json.loads(out)
 
-    # A start counts the space over every bucket: on Citus every shard, seconds (docs/scaling.md).
     code, out, err = await tokensvc("admin", "migrate", "start", *space, "--wait", *conn, "--timeout", "60")
     assert code == 0, err
     assert "succeeded" in out

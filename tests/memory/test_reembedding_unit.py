@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -32,6 +34,7 @@ from tokensvc.storage.memory import (
     InMemoryEmbeddingMigrationStore,
     InMemoryMemoryStore,
 )
+from tokensvc.storage.records import EmbeddingMigration, PendingMemory
 
 
 class FlakyEmbedder(HashEmbedder):
@@ -230,3 +233,89 @@ async def test_a_batch_slower_than_the_lease_keeps_it_and_the_migration_finishes
     done = (await service.get(migration.id)).migration
     assert done.state is MigrationState.SUCCEEDED
     assert done.rows_done == 6
+
+
+class HangingEmbedder(HashEmbedder):
+    """A hash embedder that answers its first call (the start's estimate), then hangs."""
+
+    def __init__(self) -> None:
+        super().__init__("hanging", 16)
+        self.calls = 0
+
+    async def embed_documents(self, texts: Sequence[str]) -> np.ndarray:
+        self.calls += 1
+        if self.calls > 1:
+            await asyncio.Event().wait()
+        return await super().embed_documents(texts)
+
+
+async def test_a_stuck_migration_does_not_hold_back_the_next_one() -> None:
+    """The runner drives two migrations at once: the older one, whose embedder hangs, keeps one
+    slot, and the younger one still finishes (with one slot it would wait forever)."""
+    memories = InMemoryMemoryStore()
+    audit_store = InMemoryAuditStore()
+    migrations = InMemoryEmbeddingMigrationStore(memories, audit_store)
+    hanging = HangingEmbedder()
+    embedders = EmbedderRegistry({"hash": HashEmbedder(), "target": FlakyEmbedder(), "hanging": hanging})
+    audit = AuditLog(audit_store)
+    runner = MigrationRunner(
+        migrations, embedders, audit, RunnerSettings(retire_seconds=0, batch_size=2, poll_seconds=0.01)
+    )
+    service = EmbeddingMigrations(migrations, memories, embedders, audit, wake=runner.wake)
+    memory = LongTermMemory(memories, embedders, default_embedder="hash", space_cache_seconds=0.000_001)
+    await memory.remember(replace(scope(1), agent="stuck"), items("a fact that never moves"))
+    await memory.remember(scope(2), items(*(f"fact {i}" for i in range(5))))
+    stuck, _ = await service.start("team-a", "stuck", "hanging", dry_run=False, actor="admin")
+    moving, _ = await service.start("team-a", "helper", "target", dry_run=False, actor="admin")
+    assert stuck is not None
+    assert moving is not None
+
+    running = asyncio.create_task(runner.run())
+    try:
+        for _ in range(1000):
+            if (await service.get(moving.id)).migration.state is MigrationState.SUCCEEDED:
+                break
+            await asyncio.sleep(0.01)
+        assert (await service.get(moving.id)).migration.state is MigrationState.SUCCEEDED
+        assert (await service.get(stuck.id)).migration.state is MigrationState.BACKFILLING
+        assert hanging.calls == 2  # the stuck one's first batch is still out
+    finally:
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+
+
+class CountingStore(InMemoryEmbeddingMigrationStore):
+    """The in-memory store, counting the backfill's reads."""
+
+    reads = 0
+
+    async def pending(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingMemory]:
+        self.reads += 1
+        return await super().pending(migration, limit=limit)
+
+
+async def test_a_space_backfill_reads_hundreds_of_memories_at_once_and_embeds_them_in_batches() -> None:
+    """On Citus each read of a space is a multi-shard statement (seconds): one read serves many
+    embedder batches, and the backfill is as complete as with one read per batch."""
+    memories = InMemoryMemoryStore()
+    audit_store = InMemoryAuditStore()
+    migrations = CountingStore(memories, audit_store)
+    target = FlakyEmbedder()
+    embedders = EmbedderRegistry({"hash": HashEmbedder(), "target": target})
+    audit = AuditLog(audit_store)
+    runner = MigrationRunner(migrations, embedders, audit, RunnerSettings(retire_seconds=0, batch_size=2))
+    service = EmbeddingMigrations(migrations, memories, embedders, audit, wake=runner.wake)
+    memory = LongTermMemory(memories, embedders, default_embedder="hash", space_cache_seconds=0.000_001)
+    for user in range(4):
+        await memory.remember(scope(user), items(*(f"user {user} fact {i}" for i in range(10))))
+    migration, _ = await service.start("team-a", "helper", "target", dry_run=False, actor="admin")
+    assert migration is not None
+    target.calls = 0
+    while await runner.step():
+        pass
+    done = (await service.get(migration.id)).migration
+    assert (done.state, done.rows_done) == (MigrationState.SUCCEEDED, 40)
+    assert target.calls == 20  # batches of 2
+    # One read of all 40, one that finds nothing after them, one from the start before the cutover.
+    assert migrations.reads == 3

@@ -29,7 +29,6 @@ and the cutover pins the target and bumps the base's generation; searches read o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -103,7 +102,11 @@ _CLEAR_DOCUMENTS = 100  # a knowledge base's: documents (each with all its chunk
 # Documents read per knowledge-base batch (one transaction); their chunks are embedded in the
 # embedder's batches.
 _DOCUMENT_BATCH = 32
+# Memories a space's backfill reads at once (handed to the embedder a batch at a time): on Citus
+# each read is a multi-shard statement of seconds, paid per few hundred memories so.
+_MEMORY_READ = 256
 _Item = TypeVar("_Item")
+_Result = TypeVar("_Result")
 _Vectors = TypeVar("_Vectors")
 
 
@@ -380,10 +383,14 @@ class RunnerSettings:
     max_backoff_seconds: float = 60.0
     poll_seconds: float = 2.0
     batch_size: int = 0  # 0: the target embedder's own
+    # Migrations one runner drives at once, each in a task of its own, so a slow one (a large
+    # space on Citus, an embedder that keeps failing) does not hold the others back.
+    parallel: int = 2
 
 
 class MigrationRunner:
-    """Runs migrations in the background: claims one, drives it as far as it can, repeats."""
+    """Runs migrations in the background: claims up to `parallel`, drives each as far as it can,
+    claims again."""
 
     def __init__(
         self,
@@ -400,39 +407,75 @@ class MigrationRunner:
         self._settings = settings or RunnerSettings()
         self.runner_id = runner_id or f"runner-{uuid.uuid4()}"
         self._woken = asyncio.Event()
+        self._driving: set[str] = set()  # ids of the migrations this runner drives now
 
     def wake(self) -> None:
         """Look for work now instead of at the next poll (a migration was started here)."""
         self._woken.set()
 
     async def run(self) -> None:
-        """Forever: work while there is work, else wait `poll_seconds`. Errors are logged."""
-        while True:
-            try:
-                worked = await self.step()
-            except asyncio.CancelledError:
-                raise
-            except TokensvcError as exc:  # the database or the embedder is away: try again later
-                _log.warning("embedding migration runner paused a turn (%s); retrying", exc.reason)
-                worked = False
-            except Exception:
-                _log.exception("embedding migration runner failed; retrying")
-                worked = False
-            if not worked:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._woken.wait(), self._settings.poll_seconds)
+        """Forever: drive up to `parallel` migrations at once; when none is left to claim, wait
+        `poll_seconds` (or a wake-up, or the end of a drive). Errors are logged."""
+        driving: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                claimed = None
+                if len(driving) < self._settings.parallel:
+                    claimed = await self._logged(self._claim())
+                if claimed is not None:
+                    driving.add(asyncio.create_task(self._logged(self._drive(claimed))))
+                    continue  # perhaps another one
+                woken = asyncio.create_task(self._woken.wait())
+                try:
+                    await asyncio.wait(
+                        {woken, *driving},
+                        timeout=self._settings.poll_seconds,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                finally:
+                    woken.cancel()
                 self._woken.clear()
+                driving = {task for task in driving if not task.done()}
+        finally:
+            for task in driving:
+                task.cancel()
+            await asyncio.gather(*driving, return_exceptions=True)
+
+    async def _logged(self, work: Awaitable[_Result]) -> _Result | None:
+        """The result of `work`, or None when it failed (logged: the next turn tries again)."""
+        try:
+            return await work
+        except asyncio.CancelledError:
+            raise
+        except TokensvcError as exc:  # the database or the embedder is away: try again later
+            _log.warning("embedding migration runner paused a turn (%s); retrying", exc.reason)
+        except Exception:
+            _log.exception("embedding migration runner failed; retrying")
+        return None
 
     async def step(self) -> bool:
         """Claim one migration and drive it until it finishes, waits or is lost; False: none."""
+        migration = await self._claim()
+        if migration is None:
+            return False
+        await self._drive(migration)
+        return True
+
+    async def _claim(self) -> EmbeddingMigration | None:
+        """The next migration to drive, not one this runner drives already; marked as driven."""
         migration = await self._store.claim(
             self.runner_id,
             lease_seconds=self._settings.lease_seconds,
             embedders=self._embedders.names,
             retire_after_seconds=self._settings.retire_seconds,
+            busy=frozenset(self._driving),
         )
-        if migration is None:
-            return False
+        if migration is not None:
+            self._driving.add(migration.id)
+        return migration
+
+    async def _drive(self, migration: EmbeddingMigration) -> None:
+        """Drive a claimed migration until it finishes, waits or is lost."""
         keeper = asyncio.create_task(self._keep_lease(migration))
         try:
             if migration.state is MigrationState.BACKFILLING and migration.kb_ref is not None:
@@ -445,7 +488,7 @@ class MigrationRunner:
                 await self._clear(migration, MigrationState.CANCELLED, "cancelled")
         finally:
             keeper.cancel()
-        return True
+            self._driving.discard(migration.id)
 
     async def _keep_lease(self, migration: EmbeddingMigration) -> None:
         """Renew the lease every third of it while this runner works on the migration. A batch
@@ -532,9 +575,7 @@ class MigrationRunner:
         if embedder is None:
             return
         size = self._settings.batch_size or batch_size_of(embedder)
-
-        async def read(at: EmbeddingMigration) -> list[PendingMemory]:
-            return await self._store.pending(at, limit=size)
+        read = _ReadAhead(self._store, batch=size, rows=max(size, _MEMORY_READ)).read
 
         async def store(
             at: EmbeddingMigration, batch: list[PendingMemory], vectors: np.ndarray
@@ -722,6 +763,29 @@ class MigrationRunner:
             reason=Reason.EMBEDDER_UNAVAILABLE,
             detail=reason,
         )
+
+
+class _ReadAhead:
+    """A space's pending memories read `rows` at a time and handed out a `batch` at a time. A
+    read continues the batch handed out before only when the cursor is that batch's end; from any
+    other cursor (a rewind to the start, a retried batch) it reads the store again. The rows held
+    may go stale (changed or forgotten since): the store's write skips those, as it does for a
+    single batch read ahead, and the next pass catches what changed."""
+
+    def __init__(self, store: EmbeddingMigrationStore, *, batch: int, rows: int):
+        self._store = store
+        self._batch = batch
+        self._rows = rows
+        self._held: list[PendingMemory] = []
+        self._held_after: tuple[str, str] | None = None  # the cursor `_held` continues
+
+    async def read(self, at: EmbeddingMigration) -> list[PendingMemory]:
+        if at.cursor is None or at.cursor != self._held_after or not self._held:
+            self._held = await self._store.pending(at, limit=self._rows)
+        batch, self._held = self._held[: self._batch], self._held[self._batch :]
+        if batch:
+            self._held_after = (batch[-1].bucket, batch[-1].id)
+        return batch
 
 
 async def _chunks_of(migration: EmbeddingMigration, document: PendingDocument) -> tuple[StoredChunk, ...]:

@@ -14,7 +14,7 @@ storage trusts its input (validation happened at the API edge and in the domain)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from typing import Any, Protocol
@@ -217,12 +217,19 @@ class EmbeddingMigrationStore(Protocol):
         CANCELLED also set `finished_at`."""
 
     async def claim(
-        self, runner: str, *, lease_seconds: float, embedders: Sequence[str], retire_after_seconds: float
+        self,
+        runner: str,
+        *,
+        lease_seconds: float,
+        embedders: Sequence[str],
+        retire_after_seconds: float,
+        busy: Collection[str] = (),
     ) -> EmbeddingMigration | None:
         """Take (or renew) the lease of the oldest runnable migration whose lease is free,
-        expired or `runner`'s own; a BACKFILLING one only when its target embedder is among
-        `embedders` (this runner can embed for it), a RETIRING one only `retire_after_seconds`
-        after its cutover. None when there is none."""
+        expired or `runner`'s own, other than those in `busy` (the ids `runner` is driving
+        already); a BACKFILLING one only when its target embedder is among `embedders` (this
+        runner can embed for it), a RETIRING one only `retire_after_seconds` after its cutover.
+        None when there is none."""
 
     async def pending(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingMemory]:
         """Up to `limit` live memories of the space without a vector in the target slot, in

@@ -309,6 +309,34 @@ async def test_one_runner_at_a_time_and_another_takes_over_an_expired_lease(
     )
 
 
+async def test_a_runner_is_not_given_again_a_migration_it_says_it_is_driving(
+    memories: MemoryStore, migrations: EmbeddingMigrationStore
+) -> None:
+    """A runner drives several migrations at once: its own lease would hand it the oldest one
+    again and again, so it names those it drives (`busy`) and gets another or none."""
+    agent, _ = await space_with(memories, buckets=1, per_bucket=1)
+    created = await migrations.create(planned(agent))
+    assert created is not None
+    await claim(migrations, "runner-1", created.id)
+    again = await migrations.claim(
+        "runner-1", lease_seconds=LEASE, embedders=[TARGET.name], retire_after_seconds=0
+    )
+    assert again is not None
+    assert again.id == created.id  # its own lease: renewed
+    for _ in range(50):
+        other = await migrations.claim(
+            "runner-1",
+            lease_seconds=LEASE,
+            embedders=[TARGET.name],
+            retire_after_seconds=0,
+            busy=[created.id],
+        )
+        assert other is None or other.id != created.id
+        if other is None:
+            break
+        await migrations.transition(other.id, expect=[other.state], state=MigrationState.CANCELLED)
+
+
 async def test_cancel_before_the_cutover_clears_the_target_slot_and_changes_nothing_searched(
     memories: MemoryStore, migrations: EmbeddingMigrationStore
 ) -> None:

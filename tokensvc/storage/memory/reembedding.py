@@ -11,7 +11,7 @@ relies on the order being total and consistent, not on which one it is.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 
@@ -206,12 +206,18 @@ class InMemoryEmbeddingMigrationStore:
             )
 
     async def claim(
-        self, runner: str, *, lease_seconds: float, embedders: Sequence[str], retire_after_seconds: float
+        self,
+        runner: str,
+        *,
+        lease_seconds: float,
+        embedders: Sequence[str],
+        retire_after_seconds: float,
+        busy: Collection[str] = (),
     ) -> EmbeddingMigration | None:
         async with self._memories._lock:
             now = self._now()
             for migration in sorted(self._migrations.values(), key=lambda m: (m.created_at, m.id)):
-                if not migration.state.runnable:
+                if not migration.state.runnable or migration.id in busy:
                     continue
                 if migration.state is MigrationState.BACKFILLING and migration.target.name not in embedders:
                     continue

@@ -8,7 +8,7 @@ lease the caller holds, never through a policy of the serving role.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -294,7 +294,13 @@ class PostgresEmbeddingMigrationStore:
         return None if row is None else _migration(row)
 
     async def claim(
-        self, runner: str, *, lease_seconds: float, embedders: Sequence[str], retire_after_seconds: float
+        self,
+        runner: str,
+        *,
+        lease_seconds: float,
+        embedders: Sequence[str],
+        retire_after_seconds: float,
+        busy: Collection[str] = (),
     ) -> EmbeddingMigration | None:
         async with self._pool.acquire() as conn:
             row = await conn.fetchrow(
@@ -304,12 +310,14 @@ class PostgresEmbeddingMigrationStore:
                 "AND (state <> 'backfilling' OR to_embedder = ANY($3::text[])) "
                 "AND (state <> 'retiring' OR cut_over_at + make_interval(secs => $5) <= statement_timestamp()) "
                 "AND (lease_owner IS NULL OR lease_owner = $1 OR lease_until < statement_timestamp()) "
+                "AND id <> ALL($6::uuid[]) "
                 "ORDER BY created_at, id LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING *",
                 runner,
                 lease_seconds,
                 list(embedders),
                 _RUNNABLE,
                 retire_after_seconds,
+                list(busy),
             )
         return None if row is None else _migration(row)
 
