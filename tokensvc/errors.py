@@ -17,6 +17,7 @@ __all__ = [
     "CapabilityMissing",
     "CapabilityRevoked",
     "ConcurrencyLimit",
+    "ConcurrentChange",
     "DatabaseRefused",
     "DatabaseUnavailable",
     "DeadlineExceeded",
@@ -147,6 +148,14 @@ class DatabaseUnavailable(TokensvcError):
     reason = Reason.DATABASE_UNAVAILABLE
 
     def __init__(self, message: str = "the database is unavailable; retry later"):
+        super().__init__(message)
+
+
+class ConcurrentChange(DatabaseUnavailable):
+    """The database rolled the transaction back for a conflict with another one (a deadlock, a
+    serialization failure): nothing of it was written, so it may be run again as it was."""
+
+    def __init__(self, message: str = "a concurrent change conflicted with this one; retry"):
         super().__init__(message)
 
 

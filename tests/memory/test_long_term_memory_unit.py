@@ -19,8 +19,17 @@ import pytest
 
 from tokensvc.auth.scope import TenantScope
 from tokensvc.embedders import EmbedderRegistry, EmbedderSpec, HashEmbedder
-from tokensvc.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, PinnedConfiguration
+from tokensvc.errors import (
+    AlreadyExists,
+    ConcurrentChange,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    PinnedConfiguration,
+    Reason,
+)
 from tokensvc.memory.filters import Condition, Operator
+from tokensvc.memory.models import NewMemory
 from tokensvc.memory.paging import PageCursor
 from tokensvc.memory.service import LongTermMemory, RememberItem, SearchMode, SearchQuery
 from tokensvc.storage.memory import InMemoryMemoryStore
@@ -503,3 +512,46 @@ async def test_one_agents_memories_are_invisible_to_another_agent_and_user(
         with pytest.raises(NotFound):
             await ltm.get(stranger, memory_id)
         assert await ltm.search(stranger, query("private to this user")) == []
+
+
+# --- conflicts the database resolves by rolling a transaction back --------------------------
+
+
+class ConflictingStore(InMemoryMemoryStore):
+    """The in-memory store, whose next `conflicts` inserts are rolled back (a deadlock on Citus)."""
+
+    def __init__(self, conflicts: int) -> None:
+        super().__init__()
+        self.conflicts = conflicts
+        self.inserts = 0
+
+    async def insert(self, tenant: Tenant, bucket: str, rows: Sequence[NewMemory]) -> list[StoredRef]:
+        self.inserts += 1
+        if self.conflicts > 0:
+            self.conflicts -= 1
+            raise ConcurrentChange()
+        return await super().insert(tenant, bucket, rows)
+
+
+async def test_a_write_rolled_back_for_a_conflict_is_done_again(
+    hashing: EmbedderRegistry, scope: TenantScope
+) -> None:
+    store = ConflictingStore(conflicts=2)
+    ltm = LongTermMemory(store, hashing, default_embedder="hash")
+    await ltm.remember(scope, [item("written on the third try")])
+    assert store.inserts == 3
+    listed, _ = await ltm.list_page(scope, page_size=10, cursor=None, filter_=None)
+    assert [m.content for m in listed] == ["written on the third try"]
+
+
+async def test_a_write_that_keeps_conflicting_answers_unavailable_and_writes_nothing(
+    hashing: EmbedderRegistry, scope: TenantScope
+) -> None:
+    store = ConflictingStore(conflicts=3)
+    ltm = LongTermMemory(store, hashing, default_embedder="hash")
+    with pytest.raises(ConcurrentChange) as caught:
+        await ltm.remember(scope, [item("never written")])
+    assert caught.value.reason == Reason.DATABASE_UNAVAILABLE
+    assert "retry" in str(caught.value)
+    assert store.inserts == 3
+    assert await ltm.list_page(scope, page_size=10, cursor=None, filter_=None) == ([], None)

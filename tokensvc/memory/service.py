@@ -29,6 +29,7 @@ from tokensvc.auth.scope import TenantScope
 from tokensvc.embedders import Embedder, EmbedderRegistry, EmbedderSpec
 from tokensvc.errors import (
     AlreadyExists,
+    ConcurrentChange,
     DatabaseUnavailable,
     InvalidArgument,
     NotFound,
@@ -61,8 +62,10 @@ _log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("tokensvc.memory")
 T = TypeVar("T")
 _SPACE_CACHE_SIZE = 10_000
-# A write refused because a migration cut over is embedded again for the new pin, this many times.
-_STALE_ATTEMPTS = 3
+# A write refused because a migration cut over (embedded again for the new pin), or rolled back
+# for a conflict with another transaction, is tried this many times in all.
+_WRITE_ATTEMPTS = 3
+_CONFLICT_PAUSE_S = 0.05  # before the second attempt; twice that before the third
 
 SearchHit = Ranked[MemoryRecord]
 
@@ -172,13 +175,24 @@ class LongTermMemory:
         )
 
     async def _fresh(self, scope: TenantScope, attempt: Callable[[], Awaitable[T]]) -> T:
-        """Run a write; when a migration's cutover made its pin stale, read the pin again and redo it."""
-        for _ in range(_STALE_ATTEMPTS):
+        """Run a write; when a migration's cutover made its pin stale, read the pin again and redo
+        it, and when the database rolled it back for a conflict, redo it after a pause. On Citus a
+        write's share lock on its space row is a lock on the whole replicated table, so a cutover
+        or a first write of another space can deadlock with it: the cluster cancels one of them."""
+        failure: DatabaseUnavailable = DatabaseUnavailable(
+            "the memory space changed embedder while writing; retry"
+        )
+        for number in range(1, _WRITE_ATTEMPTS + 1):
             try:
                 return await attempt()
             except StaleMemorySpace:
                 self._spaces.pop((scope.namespace, scope.agent), None)
-        raise DatabaseUnavailable("the memory space changed embedder while writing; retry")
+            except ConcurrentChange as exc:
+                failure = exc
+                self._spaces.pop((scope.namespace, scope.agent), None)
+                if number < _WRITE_ATTEMPTS:
+                    await asyncio.sleep(_CONFLICT_PAUSE_S * number)
+        raise failure
 
     def _pinned_embedder(self, spec: EmbedderSpec) -> Embedder | None:
         """The configured embedder matching the pin, None if the name is gone; refuse a drifted one."""

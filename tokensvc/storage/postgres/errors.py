@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from tokensvc.errors import DatabaseUnavailable, DeadlineExceeded, TokensvcError
+from tokensvc.errors import ConcurrentChange, DatabaseUnavailable, DeadlineExceeded, TokensvcError
 from tokensvc.storage.ports import StaleMemorySpace
 
 __all__ = ["STALE_GENERATION", "database_errors", "domain_error", "translate_errors"]
@@ -67,7 +67,7 @@ def domain_error(exc: BaseException) -> TokensvcError | None:
     if isinstance(exc, _UNAVAILABLE):
         return DatabaseUnavailable()
     if isinstance(exc, asyncpg.TransactionRollbackError):
-        return DatabaseUnavailable("a concurrent change conflicted with this one; retry")
+        return ConcurrentChange()
     return None
 
 
