@@ -20,7 +20,7 @@ import pytest
 from tokensvc.audit import AuditLog
 from tokensvc.auth.scope import TenantScope
 from tokensvc.embedders import EmbedderRegistry, HashEmbedder
-from tokensvc.errors import EmbedderUnavailable, InvalidArgument, NotFound
+from tokensvc.errors import DatabaseUnavailable, EmbedderUnavailable, InvalidArgument, NotFound
 from tokensvc.memory.reembedding import (
     EmbeddingMigrations,
     MigrationConflict,
@@ -319,3 +319,38 @@ async def test_a_space_backfill_reads_hundreds_of_memories_at_once_and_embeds_th
     assert target.calls == 20  # batches of 2
     # One read of all 40, one that finds nothing after them, one from the start before the cutover.
     assert migrations.reads == 3
+
+
+class AwayStore(InMemoryEmbeddingMigrationStore):
+    """The in-memory store, whose backfill reads fail (a database that is away)."""
+
+    reads = 0
+
+    async def pending(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingMemory]:
+        self.reads += 1
+        raise DatabaseUnavailable()
+
+
+async def test_a_failing_drive_waits_a_poll_before_the_migration_is_tried_again() -> None:
+    """A drive that fails (the database is away) holds its slot for `poll_seconds`: the runner
+    does not ask again at once, in a loop."""
+    memories = InMemoryMemoryStore()
+    audit_store = InMemoryAuditStore()
+    migrations = AwayStore(memories, audit_store)
+    embedders = EmbedderRegistry({"hash": HashEmbedder(), "target": FlakyEmbedder()})
+    audit = AuditLog(audit_store)
+    runner = MigrationRunner(
+        migrations, embedders, audit, RunnerSettings(retire_seconds=0, batch_size=2, poll_seconds=0.1)
+    )
+    service = EmbeddingMigrations(migrations, memories, embedders, audit, wake=runner.wake)
+    memory = LongTermMemory(memories, embedders, default_embedder="hash", space_cache_seconds=0.000_001)
+    await memory.remember(scope(1), items("a fact"))
+    await service.start("team-a", "helper", "target", dry_run=False, actor="admin")
+
+    running = asyncio.create_task(runner.run())
+    await asyncio.sleep(0.5)
+    running.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
+    # About one read per slot and poll (two slots, five polls); a loop without the wait: thousands.
+    assert 1 <= migrations.reads <= 40

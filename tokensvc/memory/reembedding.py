@@ -423,7 +423,7 @@ class MigrationRunner:
                 if len(driving) < self._settings.parallel:
                     claimed = await self._logged(self._claim())
                 if claimed is not None:
-                    driving.add(asyncio.create_task(self._logged(self._drive(claimed))))
+                    driving.add(asyncio.create_task(self._turn(claimed)))
                     continue  # perhaps another one
                 woken = asyncio.create_task(self._woken.wait())
                 try:
@@ -440,6 +440,12 @@ class MigrationRunner:
             for task in driving:
                 task.cancel()
             await asyncio.gather(*driving, return_exceptions=True)
+
+    async def _turn(self, migration: EmbeddingMigration) -> None:
+        """Drive a claimed migration; after a failure, hold its slot for `poll_seconds`, so a
+        database or an embedder that is away is not asked again at once, in a loop."""
+        if await self._logged(self._drive(migration)) is None:
+            await asyncio.sleep(self._settings.poll_seconds)
 
     async def _logged(self, work: Awaitable[_Result]) -> _Result | None:
         """The result of `work`, or None when it failed (logged: the next turn tries again)."""
@@ -474,8 +480,9 @@ class MigrationRunner:
             self._driving.add(migration.id)
         return migration
 
-    async def _drive(self, migration: EmbeddingMigration) -> None:
-        """Drive a claimed migration until it finishes, waits or is lost."""
+    async def _drive(self, migration: EmbeddingMigration) -> bool:
+        """Drive a claimed migration until it finishes, waits or is lost; True when it did not
+        fail."""
         keeper = asyncio.create_task(self._keep_lease(migration))
         try:
             if migration.state is MigrationState.BACKFILLING and migration.kb_ref is not None:
@@ -489,6 +496,7 @@ class MigrationRunner:
         finally:
             keeper.cancel()
             self._driving.discard(migration.id)
+        return True
 
     async def _keep_lease(self, migration: EmbeddingMigration) -> None:
         """Renew the lease every third of it while this runner works on the migration. A batch
