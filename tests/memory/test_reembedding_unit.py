@@ -72,6 +72,21 @@ def scope(user: int) -> TenantScope:
     )
 
 
+def wired(
+    memories: InMemoryMemoryStore,
+    migrations: InMemoryEmbeddingMigrationStore,
+    embedders: EmbedderRegistry,
+    audit_store: InMemoryAuditStore,
+    settings: RunnerSettings,
+) -> tuple[MigrationRunner, EmbeddingMigrations, LongTermMemory]:
+    """A runner, the operators' service and long-term memory over the same in-memory stores."""
+    audit = AuditLog(audit_store)
+    runner = MigrationRunner(migrations, embedders, audit, settings)
+    service = EmbeddingMigrations(migrations, memories, embedders, audit, wake=runner.wake)
+    memory = LongTermMemory(memories, embedders, default_embedder="hash", space_cache_seconds=0.000_001)
+    return runner, service, memory
+
+
 @pytest.fixture
 def world() -> tuple[LongTermMemory, EmbeddingMigrations, MigrationRunner, FlakyEmbedder, InMemoryAuditStore]:
     memories = InMemoryMemoryStore()
@@ -257,12 +272,13 @@ async def test_a_stuck_migration_does_not_hold_back_the_next_one() -> None:
     migrations = InMemoryEmbeddingMigrationStore(memories, audit_store)
     hanging = HangingEmbedder()
     embedders = EmbedderRegistry({"hash": HashEmbedder(), "target": FlakyEmbedder(), "hanging": hanging})
-    audit = AuditLog(audit_store)
-    runner = MigrationRunner(
-        migrations, embedders, audit, RunnerSettings(retire_seconds=0, batch_size=2, poll_seconds=0.01)
+    runner, service, memory = wired(
+        memories,
+        migrations,
+        embedders,
+        audit_store,
+        RunnerSettings(retire_seconds=0, batch_size=2, poll_seconds=0.01),
     )
-    service = EmbeddingMigrations(migrations, memories, embedders, audit, wake=runner.wake)
-    memory = LongTermMemory(memories, embedders, default_embedder="hash", space_cache_seconds=0.000_001)
     await memory.remember(replace(scope(1), agent="stuck"), items("a fact that never moves"))
     await memory.remember(scope(2), items(*(f"fact {i}" for i in range(5))))
     stuck, _ = await service.start("team-a", "stuck", "hanging", dry_run=False, actor="admin")
@@ -303,10 +319,9 @@ async def test_a_space_backfill_reads_hundreds_of_memories_at_once_and_embeds_th
     migrations = CountingStore(memories, audit_store)
     target = FlakyEmbedder()
     embedders = EmbedderRegistry({"hash": HashEmbedder(), "target": target})
-    audit = AuditLog(audit_store)
-    runner = MigrationRunner(migrations, embedders, audit, RunnerSettings(retire_seconds=0, batch_size=2))
-    service = EmbeddingMigrations(migrations, memories, embedders, audit, wake=runner.wake)
-    memory = LongTermMemory(memories, embedders, default_embedder="hash", space_cache_seconds=0.000_001)
+    runner, service, memory = wired(
+        memories, migrations, embedders, audit_store, RunnerSettings(retire_seconds=0, batch_size=2)
+    )
     for user in range(4):
         await memory.remember(scope(user), items(*(f"user {user} fact {i}" for i in range(10))))
     migration, _ = await service.start("team-a", "helper", "target", dry_run=False, actor="admin")
@@ -338,12 +353,13 @@ async def test_a_failing_drive_waits_a_poll_before_the_migration_is_tried_again(
     audit_store = InMemoryAuditStore()
     migrations = AwayStore(memories, audit_store)
     embedders = EmbedderRegistry({"hash": HashEmbedder(), "target": FlakyEmbedder()})
-    audit = AuditLog(audit_store)
-    runner = MigrationRunner(
-        migrations, embedders, audit, RunnerSettings(retire_seconds=0, batch_size=2, poll_seconds=0.1)
+    runner, service, memory = wired(
+        memories,
+        migrations,
+        embedders,
+        audit_store,
+        RunnerSettings(retire_seconds=0, batch_size=2, poll_seconds=0.1),
     )
-    service = EmbeddingMigrations(migrations, memories, embedders, audit, wake=runner.wake)
-    memory = LongTermMemory(memories, embedders, default_embedder="hash", space_cache_seconds=0.000_001)
     await memory.remember(scope(1), items("a fact"))
     await service.start("team-a", "helper", "target", dry_run=False, actor="admin")
 
