@@ -205,3 +205,54 @@ async def test_a_write_that_waited_for_a_cutover_is_refused_as_stale(
         embedder="x",
     )
     assert [r.content for r in rows] == ["before the migration"]
+
+
+async def test_a_clean_up_batch_empties_its_memories_before_it_waits_and_rolls_back_without_the_lease(
+    pool: asyncpg.Pool, database: SharedDatabase
+) -> None:
+    """Migration 0020: the batch's multi-shard UPDATE runs before the space and migration row
+    locks (table locks on Citus), and a runner that lost its lease meanwhile empties nothing."""
+    tenant, migration, _ = await ready_to_cut_over(pool)
+    async with pool.acquire() as cutting:
+        await begin(cutting, space(tenant))
+        assert await cutting.fetchval("SELECT cut_over_memory_space($1, 'racer')", migration.id)
+        await cutting.execute("COMMIT")
+    dbname = database.dsn.rsplit("/", 1)[1]
+    holder = await connect(database, "superuser", dbname)
+    watcher = await connect(database, "superuser", dbname)
+    clearing = await pool.acquire()
+    try:
+        await holder.execute("BEGIN")
+        await holder.execute(
+            "SELECT 1 FROM tokensvc.embedding_migrations WHERE id = $1 FOR UPDATE", migration.id
+        )
+        await begin(clearing, space(tenant))  # what clear_slot runs
+        clear = asyncio.create_task(
+            clearing.fetchval("SELECT migration_clear($1, 'racer', 10, 60)", migration.id)
+        )
+        assert await waiting_for_a_lock(watcher, clearing.get_server_pid()), "the batch did not wait"
+        # The batch's memory is updated already (locked by the waiting batch), not after the wait.
+        with pytest.raises(asyncpg.LockNotAvailableError):
+            await watcher.execute(
+                "SELECT 1 FROM tokensvc.memories WHERE bucket = $1 AND agent = $2 FOR UPDATE NOWAIT",
+                tenant.buckets[0],
+                tenant.agent,
+            )
+        # Meanwhile another runner takes the lease: the batch refuses, and its UPDATE rolls back.
+        await holder.execute(
+            "UPDATE tokensvc.embedding_migrations SET lease_owner = 'other' WHERE id = $1", migration.id
+        )
+        await holder.execute("COMMIT")
+        with pytest.raises(asyncpg.PostgresError) as refused:
+            await clear
+        assert refused.value.sqlstate == "TK002"
+        await clearing.execute("ROLLBACK")
+    finally:
+        await pool.release(clearing)
+        await holder.close()
+        await watcher.close()
+    async with pool.acquire() as conn:
+        await begin(conn, {**space(tenant), "tokensvc.buckets": tenant.buckets[0]})
+        slots = await conn.fetch("SELECT dimension, dimension_b FROM memories WHERE agent = $1", tenant.agent)
+        await conn.execute("COMMIT")
+    assert [tuple(row) for row in slots] == [(8, 4)]  # the old generation's vector is still there

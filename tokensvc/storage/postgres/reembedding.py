@@ -406,8 +406,12 @@ class PostgresEmbeddingMigrationStore:
     ) -> tuple[int, EmbeddingMigration] | None:
         try:
             async with tenant_transaction(self._pool, _of(migration)) as conn:
-                await conn.execute("SELECT lock_migration_subject($1, false)", migration.id)  # lock order
-                function = "migration_clear" if migration.kb_ref is None else "kb_migration_clear"
+                if migration.kb_ref is None:
+                    # Locks the space row and the migration row itself, after its batch (0020).
+                    function = "migration_clear"
+                else:
+                    await conn.execute("SELECT lock_migration_subject($1, false)", migration.id)  # lock order
+                    function = "kb_migration_clear"
                 cleared = await conn.fetchval(
                     f"SELECT {function}($1, $2, $3, $4)", migration.id, runner, limit, lease_seconds
                 )
