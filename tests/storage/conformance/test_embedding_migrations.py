@@ -67,11 +67,13 @@ def planned(agent: str, generation: int = 0, rows_total: int = 0) -> EmbeddingMi
     )
 
 
-async def claim(store: EmbeddingMigrationStore, runner: str, migration_id: str) -> EmbeddingMigration:
+async def claim(
+    store: EmbeddingMigrationStore, runner: str, migration_id: str, *, lease_seconds: float = LEASE
+) -> EmbeddingMigration:
     """Claim until this migration is the one claimed (other tests' migrations share PostgreSQL)."""
     for _ in range(200):
         claimed = await store.claim(
-            runner, lease_seconds=LEASE, embedders=[TARGET.name], retire_after_seconds=0
+            runner, lease_seconds=lease_seconds, embedders=[TARGET.name], retire_after_seconds=0
         )
         assert claimed is not None
         if claimed.id == migration_id:
@@ -288,7 +290,8 @@ async def test_one_runner_at_a_time_and_another_takes_over_an_expired_lease(
     )
     assert not await migrations.cut_over(first, "runner-2")
     # The first runner's lease expires (a lease of ~0 s): the second takes over and can write.
-    await migrations.claim("runner-1", lease_seconds=0.01, embedders=[TARGET.name], retire_after_seconds=0)
+    # Through the helper: an older migration another test left runnable would be claimed first.
+    await claim(migrations, "runner-1", created.id, lease_seconds=0.01)
     await asyncio.sleep(0.05)
     # A runner without the target embedder is never given the backfill, free as it now is.
     for _ in range(50):
