@@ -56,6 +56,7 @@ bench: install  ## Benchmarks (bench/, docs/benchmarks.md); BENCH_ARGS=--quick /
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m bench.run $(BENCH_ARGS)
 	$(PY) -m bench.cpu --workers 1 2 --rounds 3 $(CPU_ARGS)
+	$(PY) -m bench.noisy $(NOISY_ARGS)
 	$(PY) -m bench.quality $(QUALITY_ARGS)
 
 bench-quality: install  ## Retrieval quality alone: LoCoMo recall, the knowledge-base question set (bench/quality.py).

@@ -148,7 +148,11 @@ class Service:
             raise SettingsError(f"tls_cert_file/tls_key_file/tls_client_ca_file: {exc}") from None
 
     def _embedders(self) -> EmbedderRegistry:
-        embedders = load_embedders(self.settings.embedders_file, local_threads=self.settings.embedder_threads)
+        embedders = load_embedders(
+            self.settings.embedders_file,
+            local_threads=self.settings.embedder_threads,
+            tenant_queue_texts=self.settings.embedder_queue_texts,
+        )
         if self.settings.memory_embedder not in embedders.names:
             raise SettingsError(
                 f"memory_embedder: {self.settings.memory_embedder!r} is not a configured embedder "

@@ -130,6 +130,14 @@ class Settings:
     embedder_threads: int = field(
         default=2, metadata=_doc("Worker threads of the built-in embedded model (one per core is best).")
     )
+    embedder_queue_texts: int = field(
+        default=4096,
+        metadata=_doc(
+            "Texts one tenant may have waiting for one embedder in one class (query, interactive, "
+            "bulk); a call past it gets RESOURCE_EXHAUSTED, reason CONCURRENCY_LIMIT (never a call "
+            "that finds its tenant's queue empty)."
+        ),
+    )
     text_search_config: str = field(
         default="english",
         metadata=_doc(
@@ -363,6 +371,7 @@ class Settings:
             "memory_hnsw_ef_search",
             "memory_hnsw_max_scan_tuples",
             "embedder_threads",
+            "embedder_queue_texts",
             "search_candidates",
         ):
             if getattr(self, name) < 1:

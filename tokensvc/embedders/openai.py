@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tokensvc.embedders.base import EmbedderSpec, Vectors, normalize_rows
+from tokensvc.embedders.scheduling import Capacity
 from tokensvc.errors import EmbedderUnavailable
 
 __all__ = ["OpenAIEmbedder"]
@@ -94,9 +95,22 @@ class OpenAIEmbedder:
         normalized: bool = True,
         backoff_seconds: float = 0.5,
         max_backoff_seconds: float = 8.0,
+        concurrency: int = 4,
     ) -> None:
-        if batch_size < 1 or timeout_seconds <= 0 or max_retries < 0 or backoff_seconds < 0:
-            raise ValueError("batch_size >= 1, timeout_seconds > 0, max_retries >= 0, backoff_seconds >= 0")
+        if (
+            batch_size < 1
+            or timeout_seconds <= 0
+            or max_retries < 0
+            or backoff_seconds < 0
+            or concurrency < 1
+        ):
+            raise ValueError(
+                "batch_size >= 1, timeout_seconds > 0, max_retries >= 0, backoff_seconds >= 0, concurrency >= 1"
+            )
+        # One slice is one request; a text costs its characters up to the largest memory's.
+        self._capacity = Capacity(
+            slots=concurrency, slice_texts=batch_size, slice_chars=1 << 20, text_chars=1 << 15
+        )
         self._spec = EmbedderSpec(name=name, model=model, dimension=dimension, normalized=normalized)
         self._base_url = base_url.rstrip("/")
         self._url = httpx.URL(f"{self._base_url}/embeddings")
@@ -125,6 +139,11 @@ class OpenAIEmbedder:
     @property
     def spec(self) -> EmbedderSpec:
         return self._spec
+
+    @property
+    def capacity(self) -> Capacity:
+        """`concurrency` requests at once, one batch each (what the scheduler hands out)."""
+        return self._capacity
 
     async def embed_documents(self, texts: Sequence[str]) -> Vectors:
         if isinstance(texts, str):

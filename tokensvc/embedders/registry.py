@@ -16,6 +16,7 @@ query_prefix = "query: "
 # document_input_type = "passage"   # or let the server prefix: sent as `input_type`
 # query_input_type = "query"
 normalized = true          # normalise on our side (then inner product == cosine)
+concurrency = 4            # batches in flight at once (the endpoint's share of this replica)
 
 [embedders.hash]           # built in; present even without a file unless redefined here
 kind = "hash"
@@ -30,6 +31,10 @@ batch_size = 16            # inputs per engine call
 Two embedders are built in: `multilingual-e5-small` (the embedded model, `tokensvc.embedders.local`,
 the default of every memory space and knowledge base) and `hash` (no meaning: for tests, chosen
 explicitly).
+
+Every embedder is held behind its own fair scheduler (`tokensvc.embedders.scheduling`): `threads`
+of the embedded model, or `concurrency` of an endpoint, are the slots it hands out, and
+`batch_size` the largest slice of a call.
 
 Every error is a `SettingsError` naming the file and the key, like the main settings.
 """
@@ -48,10 +53,17 @@ from tokensvc.embedders.base import MAX_DIMENSION, Embedder
 from tokensvc.embedders.hashing import DEFAULT_HASH_DIMENSION, HashEmbedder
 from tokensvc.embedders.local import DEFAULT_BATCH_SIZE, E5_NAME, LocalE5Embedder
 from tokensvc.embedders.openai import OpenAIEmbedder
+from tokensvc.embedders.scheduled import ScheduledEmbedder
 from tokensvc.errors import InvalidArgument
 from tokensvc.settings import SettingsError
 
-__all__ = ["BUILTIN_EMBEDDER", "DEFAULT_EMBEDDER", "EmbedderRegistry", "load_embedders"]
+__all__ = [
+    "BUILTIN_EMBEDDER",
+    "DEFAULT_EMBEDDER",
+    "DEFAULT_TENANT_QUEUE_TEXTS",
+    "EmbedderRegistry",
+    "load_embedders",
+]
 
 _LOG = logging.getLogger(__name__)
 
@@ -62,11 +74,22 @@ _NAME = re.compile(r"[a-z][a-z0-9_-]{0,62}")
 _MAX_PREFIX = 256
 
 
-class EmbedderRegistry:
-    """The embedders a service may use; a memory space names one and pins its spec."""
+# Texts one tenant may have waiting for one embedder in one class (the `embedder_queue_texts`
+# setting): sixteen maximal Remembers.
+DEFAULT_TENANT_QUEUE_TEXTS = 4096
 
-    def __init__(self, embedders: Mapping[str, Embedder]) -> None:
-        self._embedders = dict(embedders)
+
+class EmbedderRegistry:
+    """The embedders a service may use; a memory space names one and pins its spec. Each is held
+    behind its own scheduler (`ScheduledEmbedder`): nothing reaches a model around it."""
+
+    def __init__(
+        self, embedders: Mapping[str, Embedder], *, tenant_queue_texts: int = DEFAULT_TENANT_QUEUE_TEXTS
+    ) -> None:
+        self._embedders = {
+            name: ScheduledEmbedder(embedder, tenant_queue_texts=tenant_queue_texts)
+            for name, embedder in embedders.items()
+        }
 
     def __repr__(self) -> str:
         return f"EmbedderRegistry({list(self._embedders.values())!r})"
@@ -78,7 +101,7 @@ class EmbedderRegistry:
     def __contains__(self, name: object) -> bool:
         return name in self._embedders
 
-    def get(self, name: str) -> Embedder:
+    def get(self, name: str) -> ScheduledEmbedder:
         try:
             return self._embedders[name]
         except KeyError:
@@ -94,18 +117,24 @@ class EmbedderRegistry:
                 _LOG.exception("closing embedder failed", extra={"embedder": name})
 
 
-def load_embedders(config_file: Path | None, *, local_threads: int = 2) -> EmbedderRegistry:
+def load_embedders(
+    config_file: Path | None,
+    *,
+    local_threads: int = 2,
+    tenant_queue_texts: int = DEFAULT_TENANT_QUEUE_TEXTS,
+) -> EmbedderRegistry:
     """The built-in embedders plus those in `config_file` (which may redefine a built-in one).
 
     `local_threads` sizes the built-in embedded model's worker pool (the `embedder_threads`
-    setting); nothing is loaded until it first embeds.
+    setting); nothing is loaded until it first embeds. `tenant_queue_texts` bounds each tenant's
+    queue per embedder and class (the `embedder_queue_texts` setting).
     """
     embedders: dict[str, Embedder] = {
         DEFAULT_EMBEDDER: LocalE5Embedder(threads=local_threads),
         BUILTIN_EMBEDDER: HashEmbedder(),
     }
     if config_file is None:
-        return EmbedderRegistry(embedders)
+        return EmbedderRegistry(embedders, tenant_queue_texts=tenant_queue_texts)
     try:
         document = tomllib.loads(config_file.read_text(encoding="utf-8"))
     except OSError as exc:
@@ -127,7 +156,7 @@ def load_embedders(config_file: Path | None, *, local_threads: int = 2) -> Embed
         if not isinstance(table, dict):
             raise SettingsError(f"{config_file}: {where}: must be a table")
         embedders[name] = _build(_Table(config_file, where, table), name)
-    return EmbedderRegistry(embedders)
+    return EmbedderRegistry(embedders, tenant_queue_texts=tenant_queue_texts)
 
 
 def _build(table: _Table, name: str) -> Embedder:
@@ -162,6 +191,7 @@ def _build(table: _Table, name: str) -> Embedder:
             "document_input_type",
             "query_input_type",
             "normalized",
+            "concurrency",
         }
     )
     return OpenAIEmbedder(
@@ -179,6 +209,7 @@ def _build(table: _Table, name: str) -> Embedder:
         document_input_type=table.text("document_input_type", max_length=64),
         query_input_type=table.text("query_input_type", max_length=64),
         normalized=table.boolean("normalized", True),
+        concurrency=table.integer("concurrency", 4, 1, 256),
     )
 
 

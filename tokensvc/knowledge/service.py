@@ -19,7 +19,14 @@ from opentelemetry import trace
 
 from tokensvc.audit import AuditKind, AuditLog
 from tokensvc.auth.scope import TenantScope
-from tokensvc.embedders import Embedder, EmbedderRegistry, EmbedderSpec
+from tokensvc.embedders import (
+    Demand,
+    EmbedderRegistry,
+    EmbedderSpec,
+    ScheduledEmbedder,
+    WorkClass,
+    fair_share,
+)
 from tokensvc.errors import (
     DatabaseUnavailable,
     InvalidArgument,
@@ -258,10 +265,12 @@ class KnowledgeBases:
         strategies = (strategy,) if target is None or target[1] == strategy else (strategy, target[1])
         # In a worker process, stopped when this call ends (see knowledge/extraction.py).
         extraction = await self._extraction.extract(content, content_type, strategies)
-        rows = await self._embedded(self._embedder(base), extraction.chunkings[0])
+        # Uploads are bulk work in their namespace's fair share: searches and Remembers go first.
+        demand = Demand.of(WorkClass.BULK, base.namespace)
+        rows = await self._embedded(self._embedder(base), extraction.chunkings[0], demand)
         next_rows = None
         if target is not None:
-            next_rows = await self._embedded(target[0], extraction.chunkings[-1])
+            next_rows = await self._embedded(target[0], extraction.chunkings[-1], demand)
         replaced = await replace(
             chunks=rows,
             generation=base.generation,
@@ -274,7 +283,7 @@ class KnowledgeBases:
         span.set_attribute("tokensvc.result_count", len(rows))
         return UploadResult(document, unchanged=not written)
 
-    def _migration_target(self, base: BaseRow) -> tuple[Embedder, ChunkingStrategy] | None:
+    def _migration_target(self, base: BaseRow) -> tuple[ScheduledEmbedder, ChunkingStrategy] | None:
         spec, chunking = base.migrating_to, base.migrating_chunking
         if spec is None or chunking is None or spec.name not in self._embedders.names:
             return None
@@ -283,21 +292,23 @@ class KnowledgeBases:
             return None  # configured differently here: the runner embeds it for the target
         return embedder, ChunkingStrategy.from_stored(chunking.kind, chunking.size, chunking.overlap)
 
-    async def _embedded(self, embedder: Embedder, chunks: list[Chunk]) -> list[ChunkRow]:
-        vectors = await self._embed(embedder, [chunk.text for chunk in chunks])
+    async def _embedded(
+        self, embedder: ScheduledEmbedder, chunks: list[Chunk], demand: Demand
+    ) -> list[ChunkRow]:
+        vectors = await self._embed(embedder, [chunk.text for chunk in chunks], demand)
         return [
             ChunkRow(c.index, c.text, c.start, c.end, tuple(c.heading_path), vector)
             for c, vector in zip(chunks, vectors, strict=True)
         ]
 
-    async def _embed(self, embedder: Embedder, texts: list[str]) -> list[np.ndarray]:
+    async def _embed(self, embedder: ScheduledEmbedder, texts: list[str], demand: Demand) -> list[np.ndarray]:
         vectors: list[np.ndarray] = []
         with _tracer.start_as_current_span("embed", record_exception=False) as span:
             span.set_attribute("tokensvc.embed.count", len(texts))
             for start in range(0, len(texts), _EMBED_BATCH):
                 part = texts[start : start + _EMBED_BATCH]
                 batch = await observe_embedding(
-                    embedder.spec.name, embedder.embed_documents(part), texts=len(part)
+                    embedder.spec.name, embedder.embed_documents(part, demand), texts=len(part)
                 )
                 vectors.extend(unit_rows(batch, "content"))
         return vectors
@@ -411,7 +422,10 @@ class KnowledgeBases:
             embedder = self._embedder_for(spec)
             with _tracer.start_as_current_span("embed", record_exception=False):
                 vector = unit_vector(
-                    await observe_embedding(spec.name, embedder.embed_query(query)), "query_text"
+                    await observe_embedding(
+                        spec.name, embedder.embed_query(query, fair_share(tenant.namespace, tenant.agent))
+                    ),
+                    "query_text",
                 )
         tuning = self._tuning
         k = top_k if mode is SearchMode.VECTOR else max(top_k, tuning.candidates)
@@ -446,10 +460,10 @@ class KnowledgeBases:
             self._sizes.put(key, outcome.row_count)
         return apply_mode(mode, outcome.candidates, self._fusion, top_k=top_k, min_score=min_score)
 
-    def _embedder(self, base: BaseRow) -> Embedder:
+    def _embedder(self, base: BaseRow) -> ScheduledEmbedder:
         return self._embedder_for(_spec(base))
 
-    def _embedder_for(self, spec: EmbedderSpec) -> Embedder:
+    def _embedder_for(self, spec: EmbedderSpec) -> ScheduledEmbedder:
         if spec.name not in self._embedders.names or self._embedders.get(spec.name).spec != spec:
             raise PinnedConfiguration(
                 f"the knowledge base is pinned to embedder {spec.name!r} (model {spec.model!r}, "

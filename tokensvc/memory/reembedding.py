@@ -41,7 +41,7 @@ import numpy as np
 from opentelemetry import trace
 
 from tokensvc.audit import SYSTEM_ACTOR, AuditKind, AuditLog, AuditOutcome
-from tokensvc.embedders import Embedder, EmbedderRegistry, EmbedderSpec
+from tokensvc.embedders import Demand, EmbedderRegistry, EmbedderSpec, ScheduledEmbedder, WorkClass
 from tokensvc.errors import (
     EmbedderUnavailable,
     InvalidArgument,
@@ -116,7 +116,7 @@ class MigrationConflict(TokensvcError):
     reason = Reason.MIGRATION_CONFLICT
 
 
-def batch_size_of(embedder: Embedder) -> int:
+def batch_size_of(embedder: ScheduledEmbedder) -> int:
     """The embedder's own batch size when it has one (the local model, OpenAI-compatible servers)."""
     size = getattr(embedder, "batch_size", None)
     return size if isinstance(size, int) and size > 0 else _DEFAULT_BATCH
@@ -256,7 +256,7 @@ class EmbeddingMigrations:
             return None, estimate
         return await self._create(planned, estimate, described, "documents")
 
-    def _configured(self, embedder_name: str) -> Embedder:
+    def _configured(self, embedder_name: str) -> ScheduledEmbedder:
         if embedder_name not in self._embedders.names:
             raise InvalidArgument(
                 "embedder",
@@ -352,7 +352,7 @@ def _conflict(described: str) -> MigrationConflict:
 
 
 async def _estimate(
-    planned: EmbeddingMigration, embedder: Embedder, rows: int, texts: int, average_chars: int
+    planned: EmbeddingMigration, embedder: ScheduledEmbedder, rows: int, texts: int, average_chars: int
 ) -> MigrationEstimate:
     """`rows` to migrate, `texts` to embed: throughput from one batch of texts as long as the
     subject's on average, embedded by the target (its own content is read by its migration only)."""
@@ -362,10 +362,17 @@ async def _estimate(
         count = max(1, min(batch_size_of(embedder), _SAMPLE_CHARS // max(1, average_chars)))
         sample = [" ".join(_WORDS[(i + w) % len(_WORDS)] for w in range(words)) for i in range(count)]
         began = time.perf_counter()
-        await embedder.embed_documents(sample)
+        # An admin waits for the start: interactive, in the namespace's share (the throughput it
+        # measures is the model's as this replica shares it now).
+        await embedder.embed_documents(sample, Demand.of(WorkClass.INTERACTIVE, planned.namespace))
         rate = len(sample) / max(time.perf_counter() - began, 1e-6)
     seconds = texts / rate if rate else 0.0
     return MigrationEstimate(rows, planned.source, planned.target, rate, seconds)
+
+
+def _bulk(migration: EmbeddingMigration) -> Demand:
+    """A migration's batches: bulk work, in its namespace's fair share."""
+    return Demand.of(WorkClass.BULK, migration.namespace)
 
 
 def _target(migration: EmbeddingMigration) -> str:
@@ -514,7 +521,7 @@ class MigrationRunner:
             except Exception:
                 _log.exception("migration %s: the lease was not renewed", migration.id)
 
-    async def _target_embedder(self, migration: EmbeddingMigration) -> Embedder | None:
+    async def _target_embedder(self, migration: EmbeddingMigration) -> ScheduledEmbedder | None:
         """The configured target embedder; None (the migration paused) when it differs."""
         embedder = self._embedders.get(migration.target.name)
         if embedder.spec != migration.target:
@@ -552,7 +559,7 @@ class MigrationRunner:
             migration,
             read=self._documents_after,
             ahead_of=lambda at, batch: replace(at, document_cursor=batch[-1][0].ref),
-            embed=lambda batch: self._embed_spans(embedder, batch, size),
+            embed=lambda batch: self._embed_spans(embedder, batch, size, _bulk(migration)),
             store=store,
             unreadable="a document has no stored text to re-chunk; upload it again",
         )
@@ -569,12 +576,16 @@ class MigrationRunner:
         return [(document, await _chunks_of(migration, document)) for document in documents]
 
     async def _embed_spans(
-        self, embedder: Embedder, batch: list[tuple[PendingDocument, tuple[StoredChunk, ...]]], size: int
+        self,
+        embedder: ScheduledEmbedder,
+        batch: list[tuple[PendingDocument, tuple[StoredChunk, ...]]],
+        size: int,
+        demand: Demand,
     ) -> list[np.ndarray]:
         texts = [chunk.text for _, chunks in batch for chunk in chunks]
         vectors: list[np.ndarray] = []
         for start in range(0, len(texts), size):
-            vectors.extend(await self._embed_texts(embedder, texts[start : start + size]))
+            vectors.extend(await self._embed_texts(embedder, texts[start : start + size], demand))
         return vectors
 
     async def _backfill(self, migration: EmbeddingMigration) -> None:
@@ -600,7 +611,7 @@ class MigrationRunner:
             migration,
             read=read,
             ahead_of=lambda at, batch: replace(at, cursor=(batch[-1].bucket, batch[-1].id)),
-            embed=lambda batch: self._embed(embedder, batch),
+            embed=lambda batch: self._embed(embedder, batch, _bulk(migration)),
             store=store,
         )
 
@@ -673,14 +684,16 @@ class MigrationRunner:
         await asyncio.sleep(0.05)  # a memory arrived between the pass and the check
         return migration
 
-    async def _embed(self, embedder: Embedder, batch: list[PendingMemory]) -> np.ndarray:
-        return await self._embed_texts(embedder, [p.content for p in batch])
+    async def _embed(
+        self, embedder: ScheduledEmbedder, batch: list[PendingMemory], demand: Demand
+    ) -> np.ndarray:
+        return await self._embed_texts(embedder, [p.content for p in batch], demand)
 
-    async def _embed_texts(self, embedder: Embedder, texts: list[str]) -> np.ndarray:
+    async def _embed_texts(self, embedder: ScheduledEmbedder, texts: list[str], demand: Demand) -> np.ndarray:
         with _tracer.start_as_current_span("reembedding.batch") as span:
             span.set_attribute("tokensvc.embed.count", len(texts))
             vectors = await observe_embedding(
-                embedder.spec.name, embedder.embed_documents(texts), texts=len(texts)
+                embedder.spec.name, embedder.embed_documents(texts, demand), texts=len(texts)
             )
             if vectors.ndim != 2 or vectors.shape[1] != embedder.spec.dimension:
                 # Counted as the embedder's failure (it pauses the migration if it persists).

@@ -26,7 +26,14 @@ import numpy as np
 from opentelemetry import trace
 
 from tokensvc.auth.scope import TenantScope
-from tokensvc.embedders import Embedder, EmbedderRegistry, EmbedderSpec
+from tokensvc.embedders import (
+    Demand,
+    EmbedderRegistry,
+    EmbedderSpec,
+    ScheduledEmbedder,
+    WorkClass,
+    fair_share,
+)
 from tokensvc.errors import (
     AlreadyExists,
     ConcurrentChange,
@@ -94,7 +101,7 @@ class _Space:
     bucket: str
     spec: EmbedderSpec
     text_config: str
-    embedder: Embedder | None
+    embedder: ScheduledEmbedder | None
     migrating_to: EmbedderSpec | None = None
 
 
@@ -194,7 +201,7 @@ class LongTermMemory:
                     await asyncio.sleep(_CONFLICT_PAUSE_S * number)
         raise failure
 
-    def _pinned_embedder(self, spec: EmbedderSpec) -> Embedder | None:
+    def _pinned_embedder(self, spec: EmbedderSpec) -> ScheduledEmbedder | None:
         """The configured embedder matching the pin, None if the name is gone; refuse a drifted one."""
         if spec.name not in self._embedders.names:
             return None
@@ -207,7 +214,7 @@ class LongTermMemory:
             )
         return embedder
 
-    def _require_embedder(self, space: _Space) -> Embedder:
+    def _require_embedder(self, space: _Space) -> ScheduledEmbedder:
         if space.embedder is None:
             raise PinnedConfiguration(
                 f"this memory space is pinned to embedder {space.spec.name!r}, which is not configured"
@@ -261,7 +268,7 @@ class LongTermMemory:
             if pending:
                 texts = [normalised[i] for i in pending]
                 vectors, nexts = await asyncio.gather(
-                    self._embed_documents(embedder, texts), self._embed_for_migration(space, texts)
+                    self._embed_documents(embedder, texts, space), self._embed_for_migration(space, texts)
                 )
                 rows = [
                     NewMemory(
@@ -298,16 +305,20 @@ class LongTermMemory:
         if embedder.spec != target:
             return None
         try:
-            return await self._embed_documents(embedder, texts)
+            return await self._embed_documents(embedder, texts, space)
         except Exception as exc:  # the migration's own runner retries and reports it
             _log.warning("the migration target %s failed for a write (%s)", target.name, type(exc).__name__)
             return None
 
-    async def _embed_documents(self, embedder: Embedder, texts: list[str]) -> np.ndarray:
+    async def _embed_documents(
+        self, embedder: ScheduledEmbedder, texts: list[str], space: _Space
+    ) -> np.ndarray:
+        """A caller's own writes: the interactive class, in its agent's fair share."""
+        demand = Demand.of(WorkClass.INTERACTIVE, space.tenant.namespace, space.tenant.agent)
         with _tracer.start_as_current_span("embed", record_exception=False) as span:
             span.set_attribute("tokensvc.embed.count", len(texts))
             return await observe_embedding(
-                embedder.spec.name, embedder.embed_documents(texts), texts=len(texts)
+                embedder.spec.name, embedder.embed_documents(texts, demand), texts=len(texts)
             )
 
     async def update(
@@ -359,7 +370,9 @@ class LongTermMemory:
             if content is not None:
                 normalised = normalise_content(content)
                 if normalised != current.content:
-                    vector = (await self._embed_documents(self._require_embedder(space), [normalised]))[0]
+                    vector = (
+                        await self._embed_documents(self._require_embedder(space), [normalised], space)
+                    )[0]
                     new_content = (normalised, content_hash(normalised), unit_vector(vector, "content"))
             new_metadata: dict[str, Any] | None = None
             if metadata is not None or remove_keys or replace_metadata:
@@ -501,7 +514,11 @@ class LongTermMemory:
         with _tracer.start_as_current_span("embed", record_exception=False) as span:
             span.set_attribute("tokensvc.embed.count", 1)
             return unit_vector(
-                await observe_embedding(embedder.spec.name, embedder.embed_query(query.text)), "query_text"
+                await observe_embedding(
+                    embedder.spec.name,
+                    embedder.embed_query(query.text, fair_share(space.tenant.namespace, space.tenant.agent)),
+                ),
+                "query_text",
             )
 
     async def sweep_expired(self) -> int:

@@ -74,7 +74,11 @@ class _CachedLabels(MetricWrapperBase):
 
 
 class _Counter(_CachedLabels, Counter):
-    pass
+    """A Counter with cached label children."""
+
+
+class _Gauge(_CachedLabels, Gauge):
+    """A Gauge with cached label children."""
 
 
 class _Histogram(_CachedLabels, Histogram):
@@ -82,6 +86,8 @@ class _Histogram(_CachedLabels, Histogram):
 
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# Waits in the embedder's queue: from a query behind one running batch to bulk work behind hours.
+_WAIT_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -260,6 +266,22 @@ class Metrics:
             ["embedder"],
             buckets=_BATCH_BUCKETS,
         )
+        self.embed_queued = _Gauge(
+            "tokensvc_embed_queue_texts",
+            "Texts waiting for an embedder, by embedder and class (query, interactive, bulk).",
+            ["embedder", "work"],
+        )
+        self.embed_wait_seconds = _Histogram(
+            "tokensvc_embed_wait_seconds",
+            "How long a call waited for its first slice to reach the embedder, by embedder and class.",
+            ["embedder", "work"],
+            buckets=_WAIT_BUCKETS,
+        )
+        self.embed_refused = _Counter(
+            "tokensvc_embed_refused",
+            "Embedder calls refused because the tenant's queue in that class was full (CONCURRENCY_LIMIT).",
+            ["embedder", "work"],
+        )
         self.extractions = _Counter(
             "tokensvc_document_extractions",
             "Uploaded documents extracted and chunked, by outcome "
@@ -302,6 +324,9 @@ class Metrics:
                 self.embed_seconds.labels(name, call)
             self.embed_batch.labels(name)
             self.migration_rows.labels(name)
+            for work in ("query", "interactive", "bulk"):
+                self.embed_queued.labels(name, work)
+                self.embed_refused.labels(name, work)
         for outcome in ("ok", "refused", "deadline", "cancelled", "time_limit", "worker_died"):
             self.extractions.labels(outcome=outcome)
         for mode in ("reload", "rotate"):
