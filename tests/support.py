@@ -152,6 +152,20 @@ def b64url(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
 
 
+def json_parsed(monkeypatch: Any) -> list[str]:
+    """Every document the json module parses from now on (json.loads and every JSONDecoder), to
+    show that a decoder refused something before parsing it. `monkeypatch`: pytest's fixture."""
+    parsed: list[str] = []
+    decode = json.JSONDecoder.decode
+
+    def spy(self: json.JSONDecoder, document: str, *args: Any, **kwargs: Any) -> Any:
+        parsed.append(document)
+        return decode(self, document, *args, **kwargs)
+
+    monkeypatch.setattr(json.JSONDecoder, "decode", spy)
+    return parsed
+
+
 def segment(value: Any) -> str:
     """A JWS segment: base64url of `value` (bytes as they are, anything else as JSON)."""
     return b64url(value if isinstance(value, bytes) else json.dumps(value).encode())

@@ -39,6 +39,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "tokensvc",  # the package itself (exact)
             "tokensvc.errors",
             "tokensvc.names",
+            "tokensvc.untrusted_json",
             "tokensvc.settings",
             "tokensvc.logs",
             "tokensvc.observability",

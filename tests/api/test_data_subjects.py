@@ -300,3 +300,47 @@ async def test_the_cli_reads_the_user_id_from_a_file_or_stdin_never_argv(
         "admin", "erase-user", "--namespace", "default", "--user-file", str(tmp_path / "empty"), *conn
     )
     assert code != 0
+
+
+def resume_token_of(text: str) -> str:
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def position(namespace: str, *, bucket: str = "v1." + "a" * 52, padding: str = "") -> str:
+    """A resume token's JSON for a position in `namespace` (no memory there), `padding` between
+    its elements."""
+    parts = [namespace, "agent-a", bucket, "2026-01-01T00:00:00+00:00", str(uuid.uuid4())]
+    return "[" + f",{padding}".join(json.dumps(part) for part in parts) + "]"
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        # Issue 35, F13: a RecursionError escaped the decoder (INTERNAL).
+        pytest.param(lambda ns: "[" * 5000, id="nested-5000-deep"),
+        pytest.param(lambda ns: "[" * 900 + "]" * 900, id="nested-900-deep-balanced"),
+        pytest.param(lambda ns: "[" * 40 + position(ns) + "]" * 40, id="a-position-nested-40-deep"),
+        # Well-formed but past the size bound (no export returns a token this long).
+        pytest.param(lambda ns: position(ns, padding=" " * 2000), id="padded-past-the-size-bound"),
+        # Issue 35, F14: the bucket element was any 1-128 base32 characters after `v<n>.`.
+        pytest.param(lambda ns: position(ns, bucket="v1.abc"), id="bucket-too-short-for-an-hmac"),
+        pytest.param(lambda ns: position(ns, bucket="v1." + "a" * 128), id="bucket-too-long-for-an-hmac"),
+        pytest.param(lambda ns: position(ns, bucket="v01." + "a" * 52), id="bucket-version-leading-zero"),
+    ],
+)
+async def test_a_resume_token_no_export_returned_is_invalid_argument_never_internal(
+    service: Any, dev: DevPaths, forge: Any
+) -> None:
+    namespace = f"resume-{uuid.uuid4().hex[:12]}"  # no memory space: a token that passed would be cheap
+    control = role_channel(service.port, dev, "control-plane")
+    try:
+        stub = data_subject_pb2_grpc.DataSubjectServiceStub(control)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await export_all(stub, "someone", namespace=namespace, token=resume_token_of(forge(namespace)))
+        failure = failure_of(refused.value)
+        assert (failure.code, failure.field_violations) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ["resume_token"],
+        )
+    finally:
+        await control.close(grace=None)

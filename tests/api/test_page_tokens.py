@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.support import json_parsed
 from tokensvc.api.page_tokens import (
     decode_memory_cursor,
     decode_ref_position,
@@ -98,3 +99,32 @@ def test_a_ref_token_with_the_right_tag_but_a_lone_surrogate_or_nul_is_invalid_a
     with pytest.raises(InvalidArgument) as refused:
         decode_ref_position(token, binding)
     assert refused.value.field == "page_token"
+
+
+DEEP_BODIES = [
+    pytest.param("[" * 700, id="arrays-700-deep"),  # within the 1,024-character bound
+    pytest.param('{"a":' * 100 + "1" + "}" * 100, id="objects-100-deep"),
+    pytest.param('{"r": ' + "[" * 40 + '"x"' + "]" * 40 + ', "f": "x"}', id="a-value-40-deep"),
+]
+
+
+@pytest.mark.parametrize("body", DEEP_BODIES)
+@pytest.mark.parametrize("decode", [decode_memory_cursor, decode_ref_position], ids=["memories", "refs"])
+def test_a_deeply_nested_page_token_is_refused_before_any_json_is_parsed(
+    monkeypatch: pytest.MonkeyPatch, decode: Any, body: str
+) -> None:
+    # Issue 35: depth is bounded up front, not left to the parser's recursion limit (which
+    # depends on how deep the caller's stack already is).
+    token = base64.urlsafe_b64encode(body.encode()).decode().rstrip("=")
+    parsed = json_parsed(monkeypatch)
+    with pytest.raises(InvalidArgument) as refused:
+        decode(token, FILTER)
+    assert refused.value.field == "page_token"
+    assert parsed == []
+
+
+def test_a_ref_with_brackets_and_quotes_pages_on() -> None:
+    # Brackets inside a string are text, not nesting: a document ref may hold many of them.
+    ref = '[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[{{{{{{{{{{{{{{{{{{\\"]]]]'
+    binding = listing_binding("default", "kb-one", b"")
+    assert decode_ref_position(encode_ref_position(ref, binding), binding) == ref

@@ -8,10 +8,11 @@ import uuid
 from typing import Any
 
 import grpc
+import jwt
 import pytest
 
 from tests.api.test_capability_service import assert_bad_token, refusal, revoke, stub_for, verify
-from tests.support import Signer, failure_of
+from tests.support import SharedDatabase, Signer, connect_as, failure_of
 from tokensvc.auth.devpki import DevPaths
 
 # The documented bound (RevokeCapability in capability.proto): every replica within 5 seconds.
@@ -52,3 +53,35 @@ async def test_revocation_on_one_replica_is_honoured_by_another_within_five_seco
         assert_bad_token(await refusal(verify(launcher, token)), "CAPABILITY_REVOKED")
 
     assert await seconds_until_revoked(replica_b.port, dev, token) < REPLICA_BOUND_SECONDS
+
+
+async def test_a_forged_announcement_revokes_nothing_on_a_running_replica(
+    start_service: Any, dev: DevPaths, database: SharedDatabase
+) -> None:
+    # Issue 35, F15: any role can NOTIFY on the revocations' channel; here the serving login role.
+    replica_a, replica_b = await start_service(), await start_service()
+    signer = Signer.dev(dev)
+    forged = signer.token(sub=f"run-{uuid.uuid4()}", jti=uuid.uuid4().hex)
+    marker_jti = uuid.uuid4().hex
+    marker = signer.token(sub=f"run-{uuid.uuid4()}", jti=marker_jti)
+    claims = jwt.decode(forged, options={"verify_signature": False})
+    async with stub_for(replica_b.port, dev, "launcher") as launcher:
+        await verify(launcher, forged)
+        await verify(launcher, marker)
+
+    async with connect_as(database.app_credential_dir, database.dsn) as serving:
+        for kind, value in (("jti", claims["jti"]), ("run", claims["sub"])):
+            await serving.execute(
+                "SELECT pg_notify('tokensvc_revocations', json_build_object('kind', $1::text,"
+                " 'value', $2::text, 'revoked_at', now())::text)",
+                kind,
+                value,
+            )
+    # A real revocation committed after the forged announcements: once replica B honours it (as
+    # fast as before), B has handled those too.
+    async with stub_for(replica_a.port, dev, "control-plane") as control_plane:
+        await revoke(control_plane, jti=marker_jti)
+    assert await seconds_until_revoked(replica_b.port, dev, marker) < REPLICA_BOUND_SECONDS
+
+    async with stub_for(replica_b.port, dev, "launcher") as launcher:
+        await verify(launcher, forged)

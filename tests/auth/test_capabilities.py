@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support import json_parsed
 from tokensvc.auth.capabilities import (
     CAPABILITY_TYPE,
     MAX_TOKEN_BYTES,
@@ -478,6 +479,39 @@ def test_segment_that_is_not_a_json_object_is_refused(
         else sign_raw(header(), content, signing_key)
     )
     assert_invalid(verifier, token)
+
+
+def with_member(document: dict[str, Any], raw: str) -> bytes:
+    """`document` as JSON with one more member, `x`, whose value is the JSON text `raw`."""
+    return (json.dumps(document)[:-1] + f', "x": {raw}}}').encode()
+
+
+@pytest.mark.parametrize("where", ["header", "payload"])
+@pytest.mark.parametrize("depth", [40, 100, 900])
+def test_a_capability_nested_deeper_than_the_bound_is_refused_before_it_is_parsed(
+    verifier: CapabilityVerifier,
+    signing_key: Ed25519PrivateKey,
+    monkeypatch: pytest.MonkeyPatch,
+    where: str,
+    depth: int,
+) -> None:
+    # Issue 35: a signed token whose header or payload nests deeper than 32 levels. Left to the
+    # parser, whether it passed depended on how deep the caller's stack already was.
+    nested = "[" * depth + "]" * depth
+    token = (
+        sign_raw(with_member(header(), nested), claims(), signing_key)
+        if where == "header"
+        else sign_raw(header(), with_member(claims(), nested), signing_key)
+    )
+    parsed = json_parsed(monkeypatch)
+    assert_invalid(verifier, token)
+    assert not [document for document in parsed if nested in document]
+
+
+def test_an_extra_claim_nested_a_few_levels_is_accepted(
+    verifier: CapabilityVerifier, signing_key: Ed25519PrivateKey
+) -> None:
+    assert verifier.verify(sign_raw(header(), with_member(claims(), "[" * 8 + "]" * 8), signing_key))
 
 
 def test_non_string_token_is_refused(verifier: CapabilityVerifier) -> None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from collections.abc import Collection
+from datetime import UTC, datetime
 
 import pytest
 
 from tokensvc.auth.revocation import RevocationList
-from tokensvc.storage.records import Revocation, RevocationKind
+from tokensvc.storage.records import Revocation, RevocationKind, RevocationSnapshot
 
 
 class UnreachableAfterStart:
@@ -19,13 +20,16 @@ class UnreachableAfterStart:
     async def revoke(self, kind: RevocationKind, value: str, *, reason: str, revoked_by: str) -> datetime:
         raise OSError("database unreachable")
 
-    async def since(self, moment: datetime) -> list[Revocation]:
+    async def since(self, moment: datetime) -> RevocationSnapshot:
         if not self.reachable:
             raise OSError("database unreachable")
-        return []
+        return RevocationSnapshot((), datetime.now(UTC))
 
-    async def all(self) -> list[Revocation]:
+    async def all(self) -> RevocationSnapshot:
         return await self.since(datetime.min)
+
+    async def find(self, keys: Collection[tuple[RevocationKind, str]]) -> list[Revocation]:
+        return []
 
 
 async def test_the_list_is_current_while_polls_succeed_and_stale_once_they_keep_failing() -> None:

@@ -4,9 +4,11 @@
   character, a lone surrogate (sent as its bytes on the wire, since protobuf cannot encode one) or
   a length past every limit, put into any one string field of any request (`poisoned`);
 - forged page tokens: base64url JSON with every wrong type, missing, extra and repeated keys, huge
-  numbers, lone-surrogate escapes, other encodings and deep nesting; refs and numbers likewise;
+  numbers, lone-surrogate escapes, other encodings, deep nesting and oversized JSON; refs and
+  numbers likewise;
 - hostile capability claims: a payload to sign validly whose claims have odd values (NUL,
-  newlines, surrogates, wrong types, huge arrays and numbers, nesting, extra claims and headers).
+  newlines, surrogates, wrong types, huge arrays and numbers, nesting (past the verifier's bound
+  too), extra claims and headers).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from hypothesis import strategies as st
 
-from tests.fuzz.strategies import FORGED_TIMES, listing_tag
+from tests.fuzz.strategies import FORGED_TIMES, HOSTILE_JSON, NESTING_DEPTHS, listing_tag
 from tests.support import AUDIENCE, ISSUER, b64url
 
 # --- hostile strings ------------------------------------------------------------------------------
@@ -212,9 +214,8 @@ def forged_json_tokens(draw: st.DrawFn, good: dict[str, st.SearchStrategy[Any]])
     shape = draw(st.sampled_from(["object", "object", "object", "not an object", "nested", "repeated"]))
     if shape == "not an object":
         body: Any = draw(JSON_VALUES)
-    elif shape == "nested":
-        depth = draw(st.sampled_from([50, 300, 2000]))
-        return b64url(b"[" * depth + b"]" * depth)
+    elif shape == "nested":  # or oversized
+        return b64url(draw(HOSTILE_JSON))
     else:
         body = {}
         for key, right in good.items():
@@ -386,7 +387,12 @@ def hostile_tokens(
     odd_header = dict(header)
     if draw(st.integers(1, 10)) == 1:
         odd_header[draw(st.sampled_from(["typ", "kid", "crit", "cty", "b64"]))] = draw(JSON_VALUES)
-    return HostileToken(odd_header, json_bytes(claims, encoding), tuple(changed))
+    payload = json_bytes(claims, encoding)
+    if encoding == "ascii" and draw(st.integers(1, 10)) == 1:
+        # A member nested past the verifier's bound, written by hand (json.dumps recurses too).
+        depth = draw(st.sampled_from(NESTING_DEPTHS))
+        payload = payload[:-1] + b', "deep": ' + b"[" * depth + b"]" * depth + b"}"
+    return HostileToken(odd_header, payload, tuple(changed))
 
 
 def _nested(depth: int) -> Any:

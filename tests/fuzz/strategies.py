@@ -4,6 +4,8 @@ request per RPC, target.py is the live server, hostile.py holds the hostile valu
 - scalars, texts, sizes, enum numbers, floats, durations, timestamps and vectors, valid mostly;
 - metadata maps and filter trees of any shape;
 - page tokens: mutations of real ones, random bytes and text, well-typed forged memory tokens;
+- hostile JSON for every token that carries JSON: nested past the decoders' depth bound (up to
+  thousands of levels) and past their size bound;
 - documents and content types for uploads;
 - raw wire bytes: truncated, appended, unknown fields, filters nested past protobuf's limit.
 """
@@ -341,12 +343,56 @@ FORGED_TIMES = st.sampled_from(
 )
 
 
+# --- hostile JSON (issue 35) ---------------------------------------------------------------------
+
+# Depths: just past tokensvc's bound (32), past what the parser survives on a deep stack, and past
+# its recursion limit at any stack.
+NESTING_DEPTHS = [33, 100, 900, 5000]
+# Sizes: just past the 1,024-character tokens, past a capability (8 KiB), and huge.
+OVERSIZES = [1025, 8193, 70_000]
+
+
+def nested_json(depth: int, shape: str) -> bytes:
+    """JSON nested `depth` levels: arrays, objects, both, unclosed, or as a value of a token-like
+    object (`{"c": [[[...]]], "f": "x"}`)."""
+    if shape == "objects":
+        return b'{"a":' * depth + b"1" + b"}" * depth
+    if shape == "mixed":
+        return b'[{"a":' * (depth // 2) + b"1" + b"}]" * (depth // 2)
+    if shape == "unclosed":
+        return b"[" * depth
+    if shape == "in-a-value":
+        return b'{"c": ' + b"[" * depth + b"]" * depth + b', "i": "x", "f": "x"}'
+    return b"[" * depth + b"]" * depth
+
+
+def oversized_json(size: int, shape: str) -> bytes:
+    """Well-formed JSON of about `size` bytes: a token-like list padded with whitespace, or one
+    holding a long string."""
+    if shape == "padded":
+        return b'["default", "agent-a",' + b" " * size + b'"x"]'
+    return b'{"r": "' + b"r" * size + b'", "f": "x"}'
+
+
+DEEP_JSON = st.builds(
+    nested_json,
+    st.sampled_from(NESTING_DEPTHS),
+    st.sampled_from(["arrays", "objects", "mixed", "unclosed", "in-a-value"]),
+)
+OVERSIZED_JSON = st.builds(oversized_json, st.sampled_from(OVERSIZES), st.sampled_from(["padded", "string"]))
+HOSTILE_JSON = DEEP_JSON | OVERSIZED_JSON
+# As an opaque token carries JSON: unpadded base64url.
+HOSTILE_JSON_TOKENS = HOSTILE_JSON.map(b64url)
+
+
 def page_tokens(known: str) -> st.SearchStrategy[str]:
-    """The real token (or none) mostly; else random text, base64url of random bytes, a mutation."""
+    """The real token (or none) mostly; else random text, base64url of random bytes or of hostile
+    JSON, a mutation."""
     mutations = [known[:-1], known + "A", known[::-1], known.upper()] if known else ["x"]
     return mostly(
         st.sampled_from(["", known]),
         st.one_of(
+            HOSTILE_JSON_TOKENS,
             RANDOM_TEXT,
             st.binary(max_size=80).map(b64url),
             st.binary(max_size=600).map(b64url),

@@ -37,10 +37,12 @@ from tokensvc.v1 import (
     capability_pb2,
     capability_pb2_grpc,
     common_pb2,
+    data_subject_pb2_grpc,
     knowledge_pb2,
     knowledge_pb2_grpc,
     memory_pb2,
     memory_pb2_grpc,
+    migration_pb2_grpc,
 )
 
 TIMEOUT = 30.0
@@ -70,6 +72,8 @@ STUBS = {
     "MemoryService": memory_pb2_grpc.MemoryServiceStub,
     "KnowledgeService": knowledge_pb2_grpc.KnowledgeServiceStub,
     "AdminService": admin_pb2_grpc.AdminServiceStub,
+    "MigrationService": migration_pb2_grpc.MigrationServiceStub,
+    "DataSubjectService": data_subject_pb2_grpc.DataSubjectServiceStub,
 }
 
 
@@ -352,11 +356,13 @@ async def send(
     *,
     role: str,
     stream: bool = False,
+    response_stream: bool = False,
 ) -> Answer:
     """The status the server answered; asserts it is deliberate, on both sides of the wire.
 
     `request` is a message (a list of them for the upload stream) or, for raw wire tests, bytes
     (a list of bytes). `role` names the channel (certificate) the call goes out on.
+    `response_stream`: the server streams its answer (read to the end).
     """
     name = f"{service}/{method}"
     channel = target.channels[role]
@@ -370,7 +376,11 @@ async def send(
     before = server_codes(path) if expected is None else await settled(path, expected)
     answer = Answer("OK")
     try:
-        await call(iter(request) if stream else request, metadata=metadata, timeout=TIMEOUT)
+        if response_stream:
+            async for _ in call(request, metadata=metadata, timeout=TIMEOUT):
+                pass
+        else:
+            await call(iter(request) if stream else request, metadata=metadata, timeout=TIMEOUT)
     except grpc.aio.AioRpcError as exc:
         failure = failure_of(exc)
         answer = Answer(failure.code.name, tuple(failure.field_violations), failure.reason)

@@ -5,13 +5,14 @@ tag of the listing it belongs to: the request's filter and whatever else selects
 namespace and knowledge base of ListDocuments). It carries no secret and grants nothing (the
 tenant predicate and row-level security still decide what is visible), so it only needs to be
 well-formed; the tag makes a token reused with another filter or listing an INVALID_ARGUMENT, not
-a wrong page. The positions' own syntax is checked by the typed decoders below.
+a wrong page. A token is at most 1,024 characters and its JSON is checked for size and nesting
+before it is parsed (`tokensvc.untrusted_json`); the positions' own syntax is checked by the
+typed decoders below.
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import json
 import uuid
@@ -20,6 +21,7 @@ from datetime import UTC, datetime
 
 from tokensvc.errors import InvalidArgument
 from tokensvc.memory.paging import PageCursor
+from tokensvc.untrusted_json import UntrustedJsonError, parse_base64url
 
 __all__ = [
     "decode_memory_cursor",
@@ -57,11 +59,9 @@ def _encode(position: Mapping[str, str], binding: bytes) -> str:
 
 
 def _decode(token: str, binding: bytes, keys: tuple[str, ...]) -> dict[str, str]:
-    if len(token) > _MAX_TOKEN:
-        raise _refused()
     try:
-        body = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
-    except (ValueError, binascii.Error, UnicodeDecodeError, RecursionError):
+        body = parse_base64url(token, max_chars=_MAX_TOKEN)
+    except UntrustedJsonError:
         raise _refused() from None
     if (
         not isinstance(body, dict)

@@ -1,9 +1,9 @@
 """Run capabilities: compact JWS (JWT) tokens signed with Ed25519 that say what one run may touch.
 
 Verification is PyJWT on strict settings plus checks PyJWT does not make: the token size and
-shape, the header (`alg` from `ALLOWED_ALGORITHMS`, `typ`, a known `kid`, no embedded keys or
-key URLs, no `crit`), and exact claim types — PyJWT coerces time claims with `int()`, so `"1"`,
-`1.5` and `true` would pass it. The time claims are checked here against the injected clock.
+shape, JSON nested at most 32 deep (before parsing), the header (`alg` from `ALLOWED_ALGORITHMS`,
+`typ`, a known `kid`, no embedded keys or key URLs, no `crit`), and exact claim types — PyJWT
+coerces time claims with `int()`, so `"1"`, `1.5` and `true` would pass it. The time claims are checked here against the injected clock.
 
 Every refusal is `CapabilityInvalid` with the same message, except a token that is otherwise
 valid but past `exp` (+ leeway), which is `CapabilityExpired`. Nothing about the token is logged.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 import logging
 import re
 import time
@@ -33,6 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from tokensvc.auth.keyset import TrustBundle
 from tokensvc.errors import CapabilityExpired, CapabilityInvalid, InvalidArgument
 from tokensvc.names import DNS_LABEL, KB_REF
+from tokensvc.untrusted_json import parse
 
 __all__ = [
     "ALLOWED_ALGORITHMS",
@@ -229,20 +229,17 @@ class CapabilityVerifier:
 
 
 def _require_strict_json(token: str) -> None:
-    """Header and payload are UTF-8 JSON objects with no repeated key (RFC 7519 section 7.2).
+    """Header and payload are UTF-8 JSON objects with no repeated key (RFC 7519 section 7.2),
+    nested at most `untrusted_json.MAX_DEPTH` deep (checked before parsing).
 
     PyJWT's parser also takes UTF-16 and keeps the last of repeated keys; a signer and a verifier
     must never read one token differently, so both are refused before PyJWT decodes it.
     """
     for segment in token.split(".")[:2]:
         try:
-            text = base64.urlsafe_b64decode(segment + "=" * (-len(segment) % 4)).decode("utf-8")
-            value = json.loads(text, object_pairs_hook=_unique_keys)
-        except (
-            ValueError,
-            RecursionError,
-            binascii.Error,
-        ):  # ValueError: UnicodeDecodeError, JSONDecodeError
+            raw = base64.urlsafe_b64decode(segment + "=" * (-len(segment) % 4))
+            value = parse(raw, max_bytes=MAX_TOKEN_BYTES, object_pairs_hook=_unique_keys)
+        except (ValueError, binascii.Error):  # UntrustedJsonError and _unique_keys' are ValueErrors
             raise _Reject("format") from None
         if not isinstance(value, dict):
             raise _Reject("format")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import contextlib
 import json
 import time
@@ -30,11 +29,12 @@ from datetime import UTC, datetime
 from opentelemetry import trace
 
 from tokensvc.audit import AuditKind, AuditLog, AuditOutcome
-from tokensvc.auth.buckets import PepperKeyring, all_bucket_ids
+from tokensvc.auth.buckets import PepperKeyring, all_bucket_ids, parse_bucket_version
 from tokensvc.auth.capabilities import MAX_USER_CHARS
 from tokensvc.errors import InvalidArgument, NotFound
 from tokensvc.storage.ports import DataSubjectStore
 from tokensvc.storage.records import AgentMemories, DataSubjectReceipt, ExportedMemory, ReceiptKind, Tenant
+from tokensvc.untrusted_json import parse_base64url
 
 __all__ = [
     "AgentMemories",
@@ -50,6 +50,8 @@ _tracer = trace.get_tracer("tokensvc.memory.data_subjects")
 _AGENT_PAGE = 500
 _EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
 _LATEST = datetime(9000, 1, 1, tzinfo=UTC)
+# A resume token holds two DNS labels, a bucket id, a time and a UUID: about 360 characters.
+_MAX_RESUME_TOKEN = 1024
 
 
 @dataclass(frozen=True)
@@ -275,11 +277,12 @@ def _encode_resume(item: ExportedMemory) -> str:
 
 
 def _decode_resume(token: str) -> tuple[tuple[str, str], tuple[str, datetime, str]] | None:
+    """The position `_encode_resume` wrote; anything else is INVALID_ARGUMENT: bounded in size
+    and nesting before it is parsed, and every element in the format the export writes it in."""
     if not token:
         return None
     try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
-        namespace, agent, bucket, created, memory_id = json.loads(raw)
+        namespace, agent, bucket, created, memory_id = parse_base64url(token, max_chars=_MAX_RESUME_TOKEN)
         moment = datetime.fromisoformat(created)
         if (
             not all(isinstance(v, str) for v in (namespace, agent, bucket, memory_id))
@@ -290,7 +293,8 @@ def _decode_resume(token: str) -> tuple[tuple[str, str], tuple[str, datetime, st
         # offset would overflow on the way).
         if not _EARLIEST <= moment.astimezone(UTC) <= _LATEST:
             raise ValueError("out of range")
-        Tenant(namespace, agent, (bucket,))  # validates the names and the bucket
+        Tenant(namespace, agent, (bucket,))  # validates the names
+        parse_bucket_version(bucket)  # an HMAC bucket id, as the export's own buckets are
         return (namespace, agent), (bucket, moment, str(uuid.UUID(memory_id)))
-    except (ValueError, TypeError, OverflowError, binascii.Error, json.JSONDecodeError):
+    except (ValueError, TypeError, OverflowError):  # UntrustedJsonError is a ValueError
         raise InvalidArgument("resume_token", "is not a token this export returned") from None

@@ -41,6 +41,7 @@ from tokensvc.storage.records import (
     PendingMemory,
     Revocation,
     RevocationKind,
+    RevocationSnapshot,
     RotationEntry,
     SearchOutcome,
     SearchPlan,
@@ -430,24 +431,36 @@ class KnowledgeStore(Protocol):
 
 
 class RevocationStore(Protocol):
-    """Capability revocations (by token id or by run), never deleted while they matter."""
+    """Capability revocations (by token id or by run), never deleted while they matter.
+
+    A revocation's `revoked_at` is what its row says (an operator may write any time), so a
+    reader tracks where it is by the store's clock (`RevocationSnapshot.as_of`), never by it.
+    """
 
     async def revoke(self, kind: RevocationKind, value: str, *, reason: str, revoked_by: str) -> datetime:
         """Record a revocation (idempotent: revoking twice keeps the first); returns when it was
         first revoked."""
 
-    async def since(self, moment: datetime) -> list[Revocation]:
-        """Revocations whose `revoked_at >= moment` visible now. A row committed long after its
-        `revoked_at` can be missed by a window, which is why pollers also resync with `all()`."""
+    async def since(self, moment: datetime) -> RevocationSnapshot:
+        """Revocations whose `revoked_at >= moment` visible now, and the store's clock as they
+        were read. A row committed long after its `revoked_at` can be missed by a window, which
+        is why pollers also resync with `all()`."""
 
-    async def all(self) -> list[Revocation]:
-        """Every revocation."""
+    async def all(self) -> RevocationSnapshot:
+        """Every revocation, and the store's clock as they were read."""
 
-    async def listen(self, on_revocation: Callable[[Revocation], None]) -> RevocationFeed:
-        """Call `on_revocation` for every revocation recorded from now on, when it becomes
-        visible (at commit), by any writer; a value may be announced more than once. The feed may
-        end (a lost connection: `RevocationFeed.is_open` turns False); the caller polls anyway.
-        Raises when it cannot start listening."""
+    async def find(self, keys: Collection[tuple[RevocationKind, str]]) -> list[Revocation]:
+        """The recorded revocations among `keys` (kind, value), visible now; keys with none are
+        left out."""
+
+    async def listen(self, on_announced: Callable[[RevocationKind, str], None]) -> RevocationFeed:
+        """Call `on_announced(kind, value)` for every revocation recorded from now on, when it
+        becomes visible (at commit), by any writer; a value may be announced more than once.
+        An announcement is a hint, not a record: whoever can reach the store may be able to send
+        one (PostgreSQL lets any role NOTIFY), so a caller reads it back with `find` before it
+        honours it. Malformed announcements are dropped. The feed may end (a lost connection:
+        `RevocationFeed.is_open` turns False); the caller polls anyway. Raises when it cannot
+        start listening."""
 
 
 class RevocationFeed(Protocol):

@@ -45,6 +45,7 @@ __all__ = [
     "ReceiptKind",
     "Revocation",
     "RevocationKind",
+    "RevocationSnapshot",
     "RotationEntry",
     "SearchOutcome",
     "SearchPlan",
@@ -434,6 +435,15 @@ class Revocation:
     kind: RevocationKind
     value: str
     revoked_at: datetime
+
+
+@dataclass(frozen=True)
+class RevocationSnapshot:
+    """Revocations read in one go, and the store's own clock when they were read (`as_of`): where
+    the next incremental read starts, whatever times the rows themselves carry."""
+
+    revocations: tuple[Revocation, ...]
+    as_of: datetime
 
 
 # --- end-user data rights -----------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime
 
 from tests.storage.conformance.conftest import Backend
 from tokensvc.storage.records import AuditRecord
@@ -30,14 +30,14 @@ async def test_revoking_twice_keeps_the_first_revocation(backend: Backend) -> No
 
     assert again == first
     assert first.tzinfo is not None
-    mine = [r for r in await store.all() if r.value == value]
+    mine = [r for r in (await store.all()).revocations if r.value == value]
     assert [(r.kind, r.value, r.revoked_at) for r in mine] == [("jti", value, first)]
 
 
 async def test_a_listener_hears_of_every_new_revocation_once_it_is_recorded(backend: Backend) -> None:
     store = backend.revocations
     heard: list[tuple[str, str]] = []
-    feed = await store.listen(lambda r: heard.append((r.kind, r.value)))
+    feed = await store.listen(lambda kind, value: heard.append((kind, value)))
     try:
         assert feed.is_open
         before = fresh("before")
@@ -66,7 +66,7 @@ async def test_a_token_id_and_a_run_id_with_the_same_value_are_two_revocations(b
     as_run = await store.revoke("run", value, reason="", revoked_by="admin")
 
     assert as_run > as_jti
-    assert sorted((r.kind, r.revoked_at) for r in await store.all() if r.value == value) == [
+    assert sorted((r.kind, r.revoked_at) for r in (await store.all()).revocations if r.value == value) == [
         ("jti", as_jti),
         ("run", as_run),
     ]
@@ -79,8 +79,38 @@ async def test_since_returns_the_revocations_at_or_after_the_moment(backend: Bac
     assert times == sorted(times)
 
     for i, moment in enumerate(times):
-        window = {r.value: r.revoked_at for r in await store.since(moment) if r.value in values}
+        window = {r.value: r.revoked_at for r in (await store.since(moment)).revocations if r.value in values}
         assert window == dict(zip(values[i:], times[i:], strict=True))
+
+
+async def test_a_read_reports_the_stores_clock_at_the_read(backend: Backend) -> None:
+    store = backend.revocations
+    before = await store.since(datetime.max.replace(tzinfo=UTC))
+    assert before.revocations == ()
+    assert before.as_of.tzinfo is not None
+    value = fresh("jti")
+    revoked_at = await store.revoke("jti", value, reason="", revoked_by="admin")
+    window, everything = await store.since(before.as_of), await store.all()
+    assert before.as_of <= revoked_at <= window.as_of <= everything.as_of
+    # Where the next window starts: a read from `as_of` on holds only what was revoked after it.
+    assert value in {r.value for r in window.revocations}
+    assert value not in {r.value for r in (await store.since(window.as_of)).revocations}
+
+
+async def test_find_reads_back_only_recorded_revocations(backend: Backend) -> None:
+    store = backend.revocations
+    jti, run, never = fresh("jti"), fresh("run"), fresh("never")
+    jti_at = await store.revoke("jti", jti, reason="", revoked_by="admin")
+    run_at = await store.revoke("run", run, reason="", revoked_by="admin")
+
+    found = await store.find([("jti", jti), ("run", run), ("jti", never), ("run", jti), ("jti", jti)])
+
+    assert sorted((r.kind, r.value, r.revoked_at) for r in found) == [
+        ("jti", jti, jti_at),
+        ("run", run, run_at),
+    ]
+    assert await store.find([]) == []
+    assert await store.find([("jti", never)]) == []
 
 
 async def test_concurrent_revocations_of_one_value_agree_on_its_time(backend: Backend) -> None:
@@ -91,7 +121,7 @@ async def test_concurrent_revocations_of_one_value_agree_on_its_time(backend: Ba
     )
 
     assert len(set(times)) == 1
-    assert len([r for r in await store.all() if r.value == value]) == 1
+    assert len([r for r in (await store.all()).revocations if r.value == value]) == 1
 
 
 # --- audit ------------------------------------------------------------------------------------

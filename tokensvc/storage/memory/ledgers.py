@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import datetime
 
 from tokensvc.storage.memory.clock import Clock, StoreClock
-from tokensvc.storage.records import AuditRecord, Revocation, RevocationKind
+from tokensvc.storage.records import AuditRecord, Revocation, RevocationKind, RevocationSnapshot
 
 __all__ = ["InMemoryAuditStore", "InMemoryRevocationStore"]
 
@@ -15,8 +15,9 @@ _MAX_DETAIL = 2048
 
 
 class InMemoryRevocationStore:
-    """`RevocationStore` over a dictionary; a revocation is visible (and announced to listeners)
-    as soon as it is recorded."""
+    """`RevocationStore` over a dictionary; a revocation is visible (and its key announced to
+    listeners) as soon as it is recorded. `announce` sends an announcement with no record behind
+    it, as any PostgreSQL role can."""
 
     def __init__(self, clock: Clock | None = None):
         self._clock = StoreClock(clock)
@@ -27,25 +28,34 @@ class InMemoryRevocationStore:
         key = (kind, value)
         if key not in self._revocations:
             self._revocations[key] = Revocation(kind, value, self._clock.now())
-            for feed in [f for f in self._feeds if f.is_open]:
-                feed.announce(self._revocations[key])
+            self.announce(kind, value)
         return self._revocations[key].revoked_at
 
-    async def listen(self, on_revocation: Callable[[Revocation], None]) -> _Feed:
-        feed = _Feed(on_revocation)
+    def announce(self, kind: RevocationKind, value: str) -> None:
+        for feed in [f for f in self._feeds if f.is_open]:
+            feed.announce(kind, value)
+
+    async def listen(self, on_announced: Callable[[RevocationKind, str], None]) -> _Feed:
+        feed = _Feed(on_announced)
         self._feeds.append(feed)
         return feed
 
-    async def since(self, moment: datetime) -> list[Revocation]:
-        return [r for r in self._revocations.values() if r.revoked_at >= moment]
+    async def since(self, moment: datetime) -> RevocationSnapshot:
+        as_of = self._clock.now()
+        return RevocationSnapshot(
+            tuple(r for r in self._revocations.values() if r.revoked_at >= moment), as_of
+        )
 
-    async def all(self) -> list[Revocation]:
-        return list(self._revocations.values())
+    async def all(self) -> RevocationSnapshot:
+        return RevocationSnapshot(tuple(self._revocations.values()), self._clock.now())
+
+    async def find(self, keys: Collection[tuple[RevocationKind, str]]) -> list[Revocation]:
+        return [self._revocations[key] for key in set(keys) if key in self._revocations]
 
 
 class _Feed:
-    def __init__(self, on_revocation: Callable[[Revocation], None]):
-        self.announce = on_revocation
+    def __init__(self, on_announced: Callable[[RevocationKind, str], None]):
+        self.announce = on_announced
         self._open = True
 
     @property
