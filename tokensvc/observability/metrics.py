@@ -327,6 +327,7 @@ class Metrics:
             for work in ("query", "interactive", "bulk"):
                 self.embed_queued.labels(name, work)
                 self.embed_refused.labels(name, work)
+                self.embed_wait_seconds.labels(name, work)
         for outcome in ("ok", "refused", "deadline", "cancelled", "time_limit", "worker_died"):
             self.extractions.labels(outcome=outcome)
         for mode in ("reload", "rotate"):
