@@ -1,6 +1,6 @@
 """Noisy neighbour: a quiet tenant's Remember and search while another tenant floods the model.
 
-    .venv/bin/python -m bench.noisy [--calls 40] [--flood-calls 3] [--flood-items 32]
+    .venv/bin/python -m bench.noisy [--calls 20] [--flood-calls 3] [--flood-items 32]
 
 On the embedded PostgreSQL and the embedded default model (multilingual-e5-small), one in-process
 tokensvc over mTLS. The quiet tenant (namespace `default`, the dev launcher) remembers one short
@@ -168,7 +168,9 @@ async def measure(tenants: Tenants, calls: int, flood_calls: int, flood_items: i
 
 async def run(calls: int, flood_calls: int, flood_items: int) -> dict[str, Any]:
     async with bench_env() as env:
-        service = await env.start_service(memory_embedder=DEFAULT_EMBEDDER)
+        # Connections live through the whole run: a recycled one (every 300 s by default) would cut
+        # the flood's minutes-long Remembers, which measures the recycling, not the schedule.
+        service = await env.start_service(memory_embedder=DEFAULT_EMBEDDER, max_connection_age_seconds=3600)
         ca = env.dev.ca_cert.read_bytes()
         flood_id = f"spiffe://dev.local/ns/{FLOOD_NAMESPACE}/sa/{FLOOD_AGENT}"
         certificates = {

@@ -74,7 +74,7 @@ async def test_a_quiet_tenants_remember_finishes_while_another_tenant_floods_the
     handbook = Manager(control, namespace="flood")
     try:
         await handbook.create("handbook", embedder=DEFAULT_EMBEDDER)
-        # Twelve memories of 8 KiB: six slices of two texts, each holding a model thread for seconds.
+        # Twelve memories of 8 KiB: twelve slices, each holding a model thread for seconds.
         big = [asyncio.ensure_future(flood.remember(*(essay(i, 8192) for i in range(12))))]
         big.append(asyncio.ensure_future(flood.remember(*(essay(100 + i, 8192) for i in range(4)))))
         document = "\n\n".join(f"# Part {i}\n\n{essay(200 + i, 1500)}" for i in range(6))
@@ -83,7 +83,7 @@ async def test_a_quiet_tenants_remember_finishes_while_another_tenant_floods_the
         )
 
         scheduler = service.embedders.get(DEFAULT_EMBEDDER).scheduler  # type: ignore[union-attr]
-        # Both Remembers wait behind the slices already running (two threads, two texts a slice).
+        # Both Remembers wait behind the slices already running (two threads, one 8 KiB text a slice).
         for _ in range(6000):
             if scheduler.queued_texts(WorkClass.INTERACTIVE, "flood/bulk-writer") >= 12:
                 break

@@ -130,6 +130,22 @@ async def test_tenants_of_one_class_share_the_model_by_characters_not_by_calls()
     await asyncio.gather(blocker, wide, narrow)
 
 
+async def test_a_query_takes_the_query_slot_while_every_shared_slot_runs_a_write() -> None:
+    capacity = Capacity(slots=1, query_slots=1, slice_texts=2, slice_chars=100, text_chars=100)
+    scheduler, gate = FairScheduler("m", capacity, tenant_queue_texts=1000), Gate()
+    write = start(scheduler, gate, "write", Demand(INTERACTIVE, "ns/a"), texts(4))
+    await settle()
+    first = start(scheduler, gate, "query-1", Demand(QUERY, "ns/b"), texts(1))
+    second = start(scheduler, gate, "query-2", Demand(QUERY, "ns/c"), texts(1))
+    await settle()
+    assert gate.order == ["write", "query-1"]  # no wait for the write's slice
+    await gate.open_next()  # the write's first slice: its slot goes to the waiting query
+    assert gate.order == ["write", "query-1", "query-2"]
+    await gate.open_all()
+    await asyncio.gather(write, first, second)
+    assert gate.order[3:] == ["write"]  # the query slot never takes a write
+
+
 async def test_a_tenant_past_its_queue_bound_is_refused_and_others_are_not() -> None:
     scheduler, gate = FairScheduler("m", ONE_SLOT, tenant_queue_texts=10), Gate()
     before = METRICS.embed_refused.labels("m", "interactive")._value.get()

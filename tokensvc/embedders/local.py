@@ -11,24 +11,26 @@ Threads. Each worker thread owns one engine handle (the engine keeps per-handle 
 so a handle is never shared). OpenMP inside the engine is pinned to one thread per handle
 (`OMP_NUM_THREADS=1` unless already set): on two cores, two single-threaded workers embed about
 twice as fast as one two-threaded one, and a query is not stalled behind a batch's barrier.
+`threads` workers embed documents and one more embeds queries only: an 8 KiB passage takes the
+engine seconds, and a search must not wait for one to finish (the query thread takes a share of
+the CPU for the ~20 ms a query needs).
 
 Scheduling. Every call reaches this class through its `FairScheduler` (`capacity`: one slot per
-thread, one engine batch per slice), which orders queries, interactive writes and bulk work and
-shares each class fairly between tenants. The workers' own priority queue still puts a query
-first should more batches than threads be queued (a cancelled caller's batch still running).
+document thread plus the query slot, one engine batch per slice), which orders queries,
+interactive writes and bulk work and shares each class fairly between tenants.
 
 Bounded work. The engine embeds a long text window by window (512 tokens each) and averages them,
 so its cost grows with the text: a 32 KiB query took 8.6 s here. A query is embedded from its
 first `MAX_QUERY_CHARS` characters (one window and a little more) and a document from its first
 `MAX_DOCUMENT_CHARS` (about four windows); batches hold at most `batch_size` texts and
-`BATCH_CHARS` characters, so no batch (and no wait for one) runs much over a second. The rest of a
+`BATCH_CHARS` characters (the scheduler's slices: one maximal text's), so no batch, and no
+write's wait for one, runs longer than one maximal text takes. The rest of a
 long memory is still stored and found by the text ranker; only its vector reads the beginning.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import queue
 import threading
@@ -66,19 +68,30 @@ MAX_DOCUMENT_CHARS = 8_192
 BATCH_CHARS = 16_384
 _LOAD_TIMEOUT_S = 60.0
 _QUERY, _DOCUMENTS = 0, 1
+_LANE_NAMES = {_QUERY: "query", _DOCUMENTS: "documents"}
 
 
 class _Workers:
-    """Worker threads, each with its own engine handle, fed from one priority queue."""
+    """Worker threads, each with its own engine handle: `threads` for documents and one for
+    queries, so a search never waits for a document batch to finish."""
 
     def __init__(self, threads: int, load: Callable[[], Any]):
-        self._queue: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
-        self._order = itertools.count()
+        self._jobs: dict[int, queue.SimpleQueue[Any]] = {
+            _DOCUMENTS: queue.SimpleQueue(),
+            _QUERY: queue.SimpleQueue(),
+        }
+        lanes = [_DOCUMENTS] * threads + [_QUERY]
         self._threads = [
-            threading.Thread(target=self._run, args=(load,), name=f"e5-{i}", daemon=True)
-            for i in range(threads)
+            threading.Thread(
+                target=self._run,
+                args=(load, self._jobs[lane]),
+                name=f"e5-{_LANE_NAMES[lane]}-{i}",
+                daemon=True,
+            )
+            for i, lane in enumerate(lanes)
         ]
-        self._ready = threading.Barrier(threads + 1, timeout=_LOAD_TIMEOUT_S)
+        self._lanes = lanes
+        self._ready = threading.Barrier(len(lanes) + 1, timeout=_LOAD_TIMEOUT_S)
         self._load_error: BaseException | None = None
         for thread in self._threads:
             thread.start()
@@ -90,7 +103,7 @@ class _Workers:
             self.close()
             raise self._load_error
 
-    def _run(self, load: Callable[[], Any]) -> None:
+    def _run(self, load: Callable[[], Any], jobs: queue.SimpleQueue[Any]) -> None:
         try:
             model = load()
         except BaseException as exc:  # reported to the constructor, which raises it
@@ -101,7 +114,7 @@ class _Workers:
         except threading.BrokenBarrierError:
             return
         while True:
-            _, _, job = self._queue.get()
+            job = jobs.get()
             if job is None:
                 return
             future, work = job
@@ -112,14 +125,14 @@ class _Workers:
             except BaseException as exc:
                 future.set_exception(exc)
 
-    def submit(self, priority: int, work: Callable[[Any], np.ndarray]) -> asyncio.Future[np.ndarray]:
+    def submit(self, lane: int, work: Callable[[Any], np.ndarray]) -> asyncio.Future[np.ndarray]:
         future: Future[np.ndarray] = Future()
-        self._queue.put((priority, next(self._order), (future, work)))
+        self._jobs[lane].put((future, work))
         return asyncio.wrap_future(future)
 
     def close(self) -> None:
-        for _ in self._threads:
-            self._queue.put((1 << 30, next(self._order), None))
+        for lane in self._lanes:
+            self._jobs[lane].put(None)
         for thread in self._threads:
             thread.join(timeout=10)
 
@@ -145,11 +158,14 @@ class LocalE5Embedder:
 
     @property
     def capacity(self) -> Capacity:
-        """One slot per worker thread, one engine batch per slice."""
+        """One slot per document thread and one for queries (their own thread); a slice is one
+        engine batch of at most one maximal text's characters (a longer slice would only make a
+        waiting write wait longer: measured, two 8 KiB texts per batch were no faster than one)."""
         return Capacity(
             slots=self._threads,
+            query_slots=1,
             slice_texts=self._batch_size,
-            slice_chars=BATCH_CHARS,
+            slice_chars=MAX_DOCUMENT_CHARS,
             text_chars=MAX_DOCUMENT_CHARS,
         )
 

@@ -107,9 +107,10 @@ class OpenAIEmbedder:
             raise ValueError(
                 "batch_size >= 1, timeout_seconds > 0, max_retries >= 0, backoff_seconds >= 0, concurrency >= 1"
             )
-        # One slice is one request; a text costs its characters up to the largest memory's.
+        # One slice is one request; a text costs its characters up to the largest memory's. One
+        # more request may be in flight for a search's query, so it never queues behind batches.
         self._capacity = Capacity(
-            slots=concurrency, slice_texts=batch_size, slice_chars=1 << 20, text_chars=1 << 15
+            slots=concurrency, query_slots=1, slice_texts=batch_size, slice_chars=1 << 20, text_chars=1 << 15
         )
         self._spec = EmbedderSpec(name=name, model=model, dimension=dimension, normalized=normalized)
         self._base_url = base_url.rstrip("/")
@@ -142,7 +143,7 @@ class OpenAIEmbedder:
 
     @property
     def capacity(self) -> Capacity:
-        """`concurrency` requests at once, one batch each (what the scheduler hands out)."""
+        """`concurrency` requests at once, one batch each, and one more for a query."""
         return self._capacity
 
     async def embed_documents(self, texts: Sequence[str]) -> Vectors:

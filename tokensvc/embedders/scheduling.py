@@ -7,7 +7,9 @@ launcher's maximal Remember (256 texts of 32 KiB) held the model for minutes whi
 tenant's one-line Remember waited out its deadline.
 
 How. Each embedder has one `FairScheduler` that lets `slots` calls reach the model at once (the
-embedded model's worker threads, an endpoint's `concurrency`). A call is cut into slices of at most
+embedded model's worker threads, an endpoint's `concurrency`), plus `query_slots` that only
+queries use (the embedded model's query thread, one more request to an endpoint): a running slice
+cannot be interrupted, and a search should not wait seconds for a long passage's. A call is cut into slices of at most
 one model batch (`Capacity`), and the slice is what is scheduled: when a slot frees, the next slice
 comes from the first class with work (QUERY, INTERACTIVE, BULK) and, within it, by deficit
 round-robin over the tenants' lanes. A lane is credited one quantum (the largest slice's cost, in
@@ -76,17 +78,19 @@ def fair_share(namespace: str, agent: str = "") -> str:
 @dataclass(frozen=True)
 class Capacity:
     """How much of an embedder one scheduler hands out: `slots` calls at once, each a slice of at
-    most `slice_texts` texts and `slice_chars` characters (unless one text alone is longer); a text
-    costs its length up to `text_chars` (what the embedder reads of it at most)."""
+    most `slice_texts` texts and `slice_chars` characters (unless one text alone is longer), plus
+    `query_slots` that only queries use (so a search never waits for a write's slice to finish);
+    a text costs its length up to `text_chars` (what the embedder reads of it at most)."""
 
     slots: int = 1
     slice_texts: int = 64
     slice_chars: int = 1 << 20
     text_chars: int = 1 << 16
+    query_slots: int = 0
 
     def __post_init__(self) -> None:
-        if min(self.slots, self.slice_texts, self.slice_chars, self.text_chars) < 1:
-            raise ValueError("every capacity value must be at least 1")
+        if min(self.slots, self.slice_texts, self.slice_chars, self.text_chars) < 1 or self.query_slots < 0:
+            raise ValueError("slots and slice sizes must be at least 1, query_slots at least 0")
 
     @property
     def quantum(self) -> int:
@@ -152,6 +156,7 @@ class FairScheduler:
         self._capacity = capacity
         self._bound = tenant_queue_texts
         self._free = capacity.slots
+        self._free_for_queries = capacity.query_slots
         self._lanes: dict[tuple[WorkClass, str], _Lane] = {}
         self._rings: dict[WorkClass, deque[_Lane]] = {work: deque() for work in WorkClass}
         self._running: set[asyncio.Task[None]] = set()
@@ -217,15 +222,28 @@ class FairScheduler:
         METRICS.embed_queued.labels(self._embedder, work.label).inc(texts)
 
     def _dispatch(self) -> None:
-        while self._free > 0 and (picked := self._next()) is not None:
-            self._free -= 1
-            task = asyncio.get_running_loop().create_task(self._execute(*picked))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+        while True:
+            # A query takes a query slot first, so the shared slots stay with the writes.
+            if self._free_for_queries > 0 and (picked := self._next(WorkClass.QUERY)) is not None:
+                self._free_for_queries -= 1
+                self._start(picked, query_slot=True)
+            elif self._free > 0 and (picked := self._next()) is not None:
+                self._free -= 1
+                self._start(picked, query_slot=False)
+            else:
+                return
 
-    def _next(self) -> tuple[_Call[object], int, range] | None:
-        """The next slice by class, then deficit round-robin over the class's lanes."""
+    def _start(self, picked: tuple[_Call[object], int, range], *, query_slot: bool) -> None:
+        task = asyncio.get_running_loop().create_task(self._execute(*picked, query_slot=query_slot))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    def _next(self, only: WorkClass | None = None) -> tuple[_Call[object], int, range] | None:
+        """The next slice by class (of `only` when given), then deficit round-robin over the
+        class's lanes."""
         for work, ring in self._rings.items():
+            if only is not None and work is not only:
+                continue
             while ring:
                 lane = ring[0]
                 if not lane.credited:
@@ -254,7 +272,7 @@ class FairScheduler:
                 return call, number, texts
         return None
 
-    async def _execute(self, call: _Call[object], number: int, texts: range) -> None:
+    async def _execute(self, call: _Call[object], number: int, texts: range, *, query_slot: bool) -> None:
         try:
             result = await call.embed(call.texts[texts.start : texts.stop])
         except asyncio.CancelledError:  # the server is shutting down
@@ -271,7 +289,10 @@ class FairScheduler:
             if call.unfinished == 0 and not call.done.done():
                 call.done.set_result(None)
         finally:
-            self._free += 1
+            if query_slot:
+                self._free_for_queries += 1
+            else:
+                self._free += 1
             self._dispatch()
 
     def _withdraw(self, call: _Call[_R]) -> None:
