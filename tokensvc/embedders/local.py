@@ -11,12 +11,13 @@ Threads. Each worker thread owns one engine handle (the engine keeps per-handle 
 so a handle is never shared). OpenMP inside the engine is pinned to one thread per handle
 (`OMP_NUM_THREADS=1` unless already set): on two cores, two single-threaded workers embed about
 twice as fast as one two-threaded one, and a query is not stalled behind a batch's barrier.
-`threads` workers embed documents and one more embeds queries only: an 8 KiB passage takes the
-engine seconds, and a search must not wait for one to finish (the query thread takes a share of
-the CPU for the ~20 ms a query needs).
+`threads` workers embed documents and one more, the fast thread, only short work the scheduler
+gives it (queries, short passages: `embed_documents_fast`): an 8 KiB passage takes the engine
+seconds, and a search or a one-line Remember must not wait for one to finish (the fast thread takes
+a share of the CPU for the tens of milliseconds short work needs).
 
 Scheduling. Every call reaches this class through its `FairScheduler` (`capacity`: one slot per
-document thread plus the query slot, one engine batch per slice), which orders queries,
+document thread plus the fast slot, one engine batch per slice), which orders queries,
 interactive writes and bulk work and shares each class fairly between tenants.
 
 Bounded work. The engine embeds a long text window by window (512 tokens each) and averages them,
@@ -67,20 +68,20 @@ MAX_QUERY_CHARS = 2_048
 MAX_DOCUMENT_CHARS = 8_192
 BATCH_CHARS = 16_384
 _LOAD_TIMEOUT_S = 60.0
-_QUERY, _DOCUMENTS = 0, 1
-_LANE_NAMES = {_QUERY: "query", _DOCUMENTS: "documents"}
+_FAST, _DOCUMENTS = 0, 1
+_LANE_NAMES = {_FAST: "fast", _DOCUMENTS: "documents"}
 
 
 class _Workers:
-    """Worker threads, each with its own engine handle: `threads` for documents and one for
-    queries, so a search never waits for a document batch to finish."""
+    """Worker threads, each with its own engine handle: `threads` for documents and one fast
+    thread for short work (queries, short passages), so that never waits for a long batch."""
 
     def __init__(self, threads: int, load: Callable[[], Any]):
         self._jobs: dict[int, queue.SimpleQueue[Any]] = {
             _DOCUMENTS: queue.SimpleQueue(),
-            _QUERY: queue.SimpleQueue(),
+            _FAST: queue.SimpleQueue(),
         }
-        lanes = [_DOCUMENTS] * threads + [_QUERY]
+        lanes = [_DOCUMENTS] * threads + [_FAST]
         self._threads = [
             threading.Thread(
                 target=self._run,
@@ -158,12 +159,13 @@ class LocalE5Embedder:
 
     @property
     def capacity(self) -> Capacity:
-        """One slot per document thread and one for queries (their own thread); a slice is one
+        """One slot per document thread, and the fast thread's for short work; a slice is one
         engine batch of at most one maximal text's characters (a longer slice would only make a
         waiting write wait longer: measured, two 8 KiB texts per batch were no faster than one)."""
         return Capacity(
             slots=self._threads,
-            query_slots=1,
+            fast_slots=1,
+            fast_chars=MAX_QUERY_CHARS,
             slice_texts=self._batch_size,
             slice_chars=MAX_DOCUMENT_CHARS,
             text_chars=MAX_DOCUMENT_CHARS,
@@ -186,6 +188,13 @@ class LocalE5Embedder:
             return self._workers
 
     async def embed_documents(self, texts: Sequence[str]) -> Vectors:
+        return await self._passages(texts, _DOCUMENTS)
+
+    async def embed_documents_fast(self, texts: Sequence[str]) -> Vectors:
+        """`embed_documents` on the fast thread: for the short slices the scheduler gives it."""
+        return await self._passages(texts, _FAST)
+
+    async def _passages(self, texts: Sequence[str], lane: int) -> Vectors:
         if not texts:
             return np.empty((0, E5_DIMENSION), dtype=np.float32)
         workers = await self._pool()
@@ -195,7 +204,7 @@ class LocalE5Embedder:
 
         cut = [text[:MAX_DOCUMENT_CHARS] for text in texts]
         parts = await self._gather(
-            [workers.submit(_DOCUMENTS, job(batch)) for batch in batches(cut, self._batch_size, BATCH_CHARS)]
+            [workers.submit(lane, job(batch)) for batch in batches(cut, self._batch_size, BATCH_CHARS)]
         )
         return _checked(np.concatenate(parts), len(texts))
 
@@ -206,7 +215,7 @@ class LocalE5Embedder:
             return np.asarray(model.query([cut]))
 
         workers = await self._pool()
-        (vector,) = await self._gather([workers.submit(_QUERY, embed)])
+        (vector,) = await self._gather([workers.submit(_FAST, embed)])
         row: Vectors = _checked(vector, 1)[0]
         return row
 

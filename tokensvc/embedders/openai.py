@@ -108,9 +108,10 @@ class OpenAIEmbedder:
                 "batch_size >= 1, timeout_seconds > 0, max_retries >= 0, backoff_seconds >= 0, concurrency >= 1"
             )
         # One slice is one request; a text costs its characters up to the largest memory's. One
-        # more request may be in flight for a search's query, so it never queues behind batches.
+        # more request may be in flight for short work (a query, a one-line Remember), so that
+        # never queues behind large batches.
         self._capacity = Capacity(
-            slots=concurrency, query_slots=1, slice_texts=batch_size, slice_chars=1 << 20, text_chars=1 << 15
+            slots=concurrency, fast_slots=1, slice_texts=batch_size, slice_chars=1 << 20, text_chars=1 << 15
         )
         self._spec = EmbedderSpec(name=name, model=model, dimension=dimension, normalized=normalized)
         self._base_url = base_url.rstrip("/")
@@ -143,7 +144,7 @@ class OpenAIEmbedder:
 
     @property
     def capacity(self) -> Capacity:
-        """`concurrency` requests at once, one batch each, and one more for a query."""
+        """`concurrency` requests at once, one batch each, and one more for short work."""
         return self._capacity
 
     async def embed_documents(self, texts: Sequence[str]) -> Vectors:

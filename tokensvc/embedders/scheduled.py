@@ -52,13 +52,17 @@ class ScheduledEmbedder:
         schedule reaches them."""
         if isinstance(texts, str):
             raise TypeError("embed_documents takes a sequence of texts, not one string")
-        parts = await self._scheduler.run(demand, texts, self._inner.embed_documents)
+        # An embedder with its own fast lane (the embedded model's fast thread) runs the short
+        # slices the scheduler gives the fast slot there; others take them like any slice.
+        fast = getattr(self._inner, "embed_documents_fast", None)
+        parts = await self._scheduler.run(demand, texts, self._inner.embed_documents, fast)
         if not parts:
             return np.zeros((0, self.spec.dimension), dtype=np.float32)
         return parts[0] if len(parts) == 1 else np.ascontiguousarray(np.concatenate(parts))
 
     async def embed_query(self, text: str, tenant: str) -> Vectors:
-        """The vector a search uses, in the query class (ahead of every write)."""
+        """The vector a search uses, in the query class (ahead of every write, on the fast slot
+        when it is free)."""
 
         async def one(texts: list[str]) -> Vectors:
             return await self._inner.embed_query(texts[0])

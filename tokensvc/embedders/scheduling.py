@@ -7,16 +7,20 @@ launcher's maximal Remember (256 texts of 32 KiB) held the model for minutes whi
 tenant's one-line Remember waited out its deadline.
 
 How. Each embedder has one `FairScheduler` that lets `slots` calls reach the model at once (the
-embedded model's worker threads, an endpoint's `concurrency`), plus `query_slots` that only
-queries use (the embedded model's query thread, one more request to an endpoint): a running slice
-cannot be interrupted, and a search should not wait seconds for a long passage's. A call is cut into slices of at most
-one model batch (`Capacity`), and the slice is what is scheduled: when a slot frees, the next slice
-comes from the first class with work (QUERY, INTERACTIVE, BULK) and, within it, by deficit
+embedded model's document threads, an endpoint's `concurrency`). A call is cut into slices of at
+most one model batch (`Capacity`), and the slice is what is scheduled: when a slot frees, the next
+slice comes from the first class with work (QUERY, INTERACTIVE, BULK) and, within it, by deficit
 round-robin over the tenants' lanes. A lane is credited one quantum (the largest slice's cost, in
 characters) each time its turn comes, so tenants share the model by characters embedded whatever
 their batch sizes, and a small call waits for the slices already running plus at most one quantum
 (one full slice's work) of each other tenant ahead of it in its class, never for the rest of a
 large call.
+
+The fast lane. A running slice cannot be interrupted, and one maximal passage takes the embedded
+model seconds. So `fast_slots` more slots (the embedded model's fast thread, one more request to
+an endpoint) take only short work: a query, or else an interactive slice of at most `fast_chars`
+characters (a one-line Remember), in class and round-robin order. A search, and a short write,
+then waits for at most one short slice, not for a long one.
 
 Bounded. A tenant's lane in a class holds at most `tenant_queue_texts` texts; a call that would go
 past it is refused with `ConcurrencyLimit` (RESOURCE_EXHAUSTED) unless the lane is empty, so a call
@@ -79,18 +83,21 @@ def fair_share(namespace: str, agent: str = "") -> str:
 class Capacity:
     """How much of an embedder one scheduler hands out: `slots` calls at once, each a slice of at
     most `slice_texts` texts and `slice_chars` characters (unless one text alone is longer), plus
-    `query_slots` that only queries use (so a search never waits for a write's slice to finish);
+    `fast_slots` for short work only (a query, or an interactive slice of at most `fast_chars`);
     a text costs its length up to `text_chars` (what the embedder reads of it at most)."""
 
     slots: int = 1
     slice_texts: int = 64
     slice_chars: int = 1 << 20
     text_chars: int = 1 << 16
-    query_slots: int = 0
+    fast_slots: int = 0
+    fast_chars: int = 2048
 
     def __post_init__(self) -> None:
-        if min(self.slots, self.slice_texts, self.slice_chars, self.text_chars) < 1 or self.query_slots < 0:
-            raise ValueError("slots and slice sizes must be at least 1, query_slots at least 0")
+        if min(self.slots, self.slice_texts, self.slice_chars, self.text_chars, self.fast_chars) < 1:
+            raise ValueError("slots, slice sizes and fast_chars must be at least 1")
+        if self.fast_slots < 0:
+            raise ValueError("fast_slots must be at least 0")
 
     @property
     def quantum(self) -> int:
@@ -126,6 +133,7 @@ class _Call(Generic[_R]):
     demand: Demand
     texts: list[str]
     embed: Callable[[list[str]], Awaitable[_R]]
+    embed_fast: Callable[[list[str]], Awaitable[_R]]  # the same, on the embedder's fast lane
     pending: deque[tuple[int, range, int]]  # (slice number, text range, cost)
     done: asyncio.Future[None]
     results: list[_R | None]
@@ -156,7 +164,7 @@ class FairScheduler:
         self._capacity = capacity
         self._bound = tenant_queue_texts
         self._free = capacity.slots
-        self._free_for_queries = capacity.query_slots
+        self._free_fast = capacity.fast_slots
         self._lanes: dict[tuple[WorkClass, str], _Lane] = {}
         self._rings: dict[WorkClass, deque[_Lane]] = {work: deque() for work in WorkClass}
         self._running: set[asyncio.Task[None]] = set()
@@ -175,10 +183,15 @@ class FairScheduler:
         )
 
     async def run(
-        self, demand: Demand, texts: Sequence[str], embed: Callable[[list[str]], Awaitable[_R]]
+        self,
+        demand: Demand,
+        texts: Sequence[str],
+        embed: Callable[[list[str]], Awaitable[_R]],
+        embed_fast: Callable[[list[str]], Awaitable[_R]] | None = None,
     ) -> list[_R]:
-        """`embed` applied to each slice of `texts` when the schedule reaches it; the results in
-        slice order. Raises `ConcurrencyLimit` when the tenant's lane is full, or what `embed`
+        """`embed` applied to each slice of `texts` when the schedule reaches it (`embed_fast`
+        instead for a slice given a fast slot, when the embedder runs those elsewhere); the results
+        in slice order. Raises `ConcurrencyLimit` when the tenant's lane is full, or what `embed`
         raised (the call's other slices are then dropped)."""
         texts = list(texts)
         capacity = self._capacity
@@ -196,6 +209,7 @@ class FairScheduler:
             demand=demand,
             texts=texts,
             embed=embed,
+            embed_fast=embed_fast or embed,
             pending=deque((n, r, sum(costs[r.start : r.stop])) for n, r in enumerate(ranges)),
             done=asyncio.get_running_loop().create_future(),
             results=[None] * len(ranges),
@@ -223,58 +237,69 @@ class FairScheduler:
 
     def _dispatch(self) -> None:
         while True:
-            # A query takes a query slot first, so the shared slots stay with the writes.
-            if self._free_for_queries > 0 and (picked := self._next(WorkClass.QUERY)) is not None:
-                self._free_for_queries -= 1
-                self._start(picked, query_slot=True)
+            if self._free_fast > 0 and (picked := self._next_fast()) is not None:
+                self._free_fast -= 1
+                self._start(picked, fast=True)
             elif self._free > 0 and (picked := self._next()) is not None:
                 self._free -= 1
-                self._start(picked, query_slot=False)
+                self._start(picked, fast=False)
             else:
                 return
 
-    def _start(self, picked: tuple[_Call[object], int, range], *, query_slot: bool) -> None:
-        task = asyncio.get_running_loop().create_task(self._execute(*picked, query_slot=query_slot))
+    def _start(self, picked: tuple[_Call[object], int, range], *, fast: bool) -> None:
+        task = asyncio.get_running_loop().create_task(self._execute(*picked, fast=fast))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    def _next(self, only: WorkClass | None = None) -> tuple[_Call[object], int, range] | None:
-        """The next slice by class (of `only` when given), then deficit round-robin over the
-        class's lanes."""
+    def _next(self) -> tuple[_Call[object], int, range] | None:
+        """The next slice by class, then deficit round-robin over the class's lanes."""
         for work, ring in self._rings.items():
-            if only is not None and work is not only:
-                continue
             while ring:
                 lane = ring[0]
                 if not lane.credited:
                     lane.deficit += self._capacity.quantum
                     lane.credited = True
-                call = lane.calls[0]
-                number, texts, cost = call.pending[0]
-                if cost > lane.deficit:
+                if lane.calls[0].pending[0][2] > lane.deficit:
                     lane.credited = False
                     ring.rotate(-1)
                     continue
-                lane.deficit -= cost
-                call.pending.popleft()
-                call.queued_texts -= len(texts)
-                self._queued(work, lane, -len(texts))
-                if not call.pending:
-                    lane.calls.popleft()
-                if not lane.calls:
-                    ring.popleft()
-                    del self._lanes[(work, lane.tenant)]
-                if call.first_dispatch:
-                    call.first_dispatch = False
-                    METRICS.embed_wait_seconds.labels(self._embedder, work.label).observe(
-                        time.perf_counter() - call.admitted
-                    )
-                return call, number, texts
+                return self._take(work, lane)
         return None
 
-    async def _execute(self, call: _Call[object], number: int, texts: range, *, query_slot: bool) -> None:
+    def _next_fast(self) -> tuple[_Call[object], int, range] | None:
+        """Short work for a fast slot: the next query, else the first interactive lane (in
+        round-robin order) whose next slice is short. It is charged to the lane's credit like any
+        slice, so a tenant does not gain a larger share by it."""
+        queries = self._rings[WorkClass.QUERY]
+        if queries:
+            return self._take(WorkClass.QUERY, queries[0])
+        for lane in self._rings[WorkClass.INTERACTIVE]:
+            if lane.calls[0].pending[0][2] <= self._capacity.fast_chars:
+                return self._take(WorkClass.INTERACTIVE, lane)
+        return None
+
+    def _take(self, work: WorkClass, lane: _Lane) -> tuple[_Call[object], int, range]:
+        """Hand out the next slice of `lane`'s first call."""
+        call = lane.calls[0]
+        number, texts, cost = call.pending.popleft()
+        lane.deficit -= cost
+        call.queued_texts -= len(texts)
+        self._queued(work, lane, -len(texts))
+        if not call.pending:
+            lane.calls.popleft()
+        if not lane.calls:
+            self._rings[work].remove(lane)
+            del self._lanes[(work, lane.tenant)]
+        if call.first_dispatch:
+            call.first_dispatch = False
+            METRICS.embed_wait_seconds.labels(self._embedder, work.label).observe(
+                time.perf_counter() - call.admitted
+            )
+        return call, number, texts
+
+    async def _execute(self, call: _Call[object], number: int, texts: range, *, fast: bool) -> None:
         try:
-            result = await call.embed(call.texts[texts.start : texts.stop])
+            result = await (call.embed_fast if fast else call.embed)(call.texts[texts.start : texts.stop])
         except asyncio.CancelledError:  # the server is shutting down
             if not call.done.done():
                 call.done.cancel()
@@ -289,8 +314,8 @@ class FairScheduler:
             if call.unfinished == 0 and not call.done.done():
                 call.done.set_result(None)
         finally:
-            if query_slot:
-                self._free_for_queries += 1
+            if fast:
+                self._free_fast += 1
             else:
                 self._free += 1
             self._dispatch()
