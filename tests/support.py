@@ -66,6 +66,10 @@ class SharedDatabase:
         return self.server.paths.credential_dir("rotator")
 
     @property
+    def runner_credential_dir(self) -> Path:
+        return self.server.paths.credential_dir("runner")
+
+    @property
     def superuser_credential_dir(self) -> Path:
         return self.server.paths.credential_dir("superuser")
 
@@ -79,6 +83,7 @@ def service_settings(database: SharedDatabase, dev: DevPaths, state_dir: Path, *
         "database_credential_dir": str(database.app_credential_dir),
         "database_owner_credential_dir": str(database.owner_credential_dir),
         "database_rotator_credential_dir": str(database.rotator_credential_dir),
+        "database_runner_credential_dir": str(database.runner_credential_dir),
         "tls_cert_file": str(dev.server_cert),
         "tls_key_file": str(dev.server_key),
         "tls_client_ca_file": str(dev.ca_cert),

@@ -173,6 +173,10 @@ class Service:
             logins=PostgresLogins(target),
         )
         pool = await database.open_pool(self.custodian.credential_for_new_connection)
+        # The re-embedding runner's own pool and role (migration 0021): a batch may run on each
+        # of its parallel migrations while the next is read.
+        if await database.open_runner_pool(2 * self.settings.migration_parallel + 1) is None:
+            _log.warning("no database_runner_credential_dir: this replica runs no re-embedding migrations")
         await self._check_schema()
         self.audit = AuditLog(PostgresAuditStore(pool))
         self.custodian.attach(pool, PostgresRotationJournal(pool), self.audit)
@@ -226,7 +230,9 @@ class Service:
             fusion=fusion,
             space_cache_seconds=settings.memory_space_cache_seconds,
         )
-        migration_store = PostgresEmbeddingMigrationStore(pool, distributed=database.citus is not None)
+        migration_store = PostgresEmbeddingMigrationStore(
+            pool, runner_pool=database.runner_pool, distributed=database.citus is not None
+        )
         self.migration_runner = MigrationRunner(
             migration_store,
             self.embedders,
@@ -348,7 +354,6 @@ class Service:
             "health-monitor": self.monitor.run(),
             "credential-watch": self.custodian.watch(settings.credential_watch_seconds),
             "memory-sweeper": sweep_forever(self.memory, settings.memory_sweep_interval_seconds),
-            "embedding-migrations": self.migration_runner.run(),
             "vector-indexes": finish_vector_indexes_forever(
                 PostgresVectorIndexes(pool), _VECTOR_INDEX_SECONDS
             ),
@@ -359,6 +364,11 @@ class Service:
                 _DATABASE_GAUGE_SECONDS,
             ),
         }
+        if database.runner_pool is not None:
+            duties["embedding-migrations"] = self.migration_runner.run()
+            duties["runner-credential-watch"] = database.watch_runner_credential(
+                settings.credential_watch_seconds
+            )
         self._background += [asyncio.create_task(duty, name=name) for name, duty in duties.items()]
         assert self.embedders is not None
         METRICS.initialise(self.embedders.names)
@@ -447,7 +457,7 @@ def _load_keyring(pepper_dir: Path) -> PepperKeyring:
 
 async def migrate(database: Database, settings: Settings) -> list[str]:
     """Apply pending migrations as the schema owner; returns the names applied."""
-    return await database.migrate(settings.database_app_role)
+    return await database.migrate(settings.database_app_role, settings.database_runner_role)
 
 
 async def run_service(

@@ -248,6 +248,18 @@ class Settings:
             "`username`/`password` of the rotator role (CREATEROLE) for ROTATE; embedded: generated."
         ),
     )
+    database_runner_credential_dir: Path | None = field(
+        default=None,
+        metadata=_doc(
+            "`username`/`password` of the re-embedding runner's login role (a member of "
+            "database_runner_role); unset with database_dsn: this replica runs no migrations; "
+            "embedded: generated."
+        ),
+    )
+    database_runner_role: str = field(
+        default="tokensvc_runner",
+        metadata=_doc("Group role that holds the re-embedding runner's grants (migration 0021)."),
+    )
     database_login_roles: tuple[str, ...] = field(
         default=("tokensvc_app_a", "tokensvc_app_b"),
         metadata=_doc(
@@ -425,6 +437,13 @@ class Settings:
                 )
 
     def _validate_database(self) -> Settings:
+        if (
+            not is_sql_identifier(self.database_runner_role)
+            or self.database_runner_role == self.database_app_role
+        ):
+            raise SettingsError(
+                "database_runner_role: must be a lower-case SQL identifier other than database_app_role"
+            )
         if self.database_dsn is not None:
             if not self.database_dsn.startswith(("postgresql://", "postgres://")):
                 raise SettingsError("database_dsn: must start with postgresql://")

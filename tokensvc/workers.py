@@ -190,6 +190,9 @@ class _Supervisor:
                 database_rotator_credential_dir=(
                     settings.database_rotator_credential_dir or paths.credential_dir("rotator")
                 ),
+                database_runner_credential_dir=(
+                    settings.database_runner_credential_dir or paths.credential_dir("runner")
+                ),
             ).validate()
         except BaseException:
             await database.close()

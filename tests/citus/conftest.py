@@ -81,6 +81,10 @@ class CitusDatabase:
         return self.paths.credential_dir("rotator")
 
     @property
+    def runner_credential_dir(self) -> Path:
+        return self.paths.credential_dir("runner")
+
+    @property
     def superuser_credential_dir(self) -> Path:
         return self.paths.credential_dir("superuser")
 

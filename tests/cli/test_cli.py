@@ -46,6 +46,7 @@ def settings_env(database: SharedDatabase, dev: DevPaths, state: Path, port: int
         "TOKENSVC_STATE_DIR": str(state),
         "TOKENSVC_DATABASE_DSN": str(settings.database_dsn),
         "TOKENSVC_DATABASE_CREDENTIAL_DIR": str(settings.database_credential_dir),
+        "TOKENSVC_DATABASE_RUNNER_CREDENTIAL_DIR": str(settings.database_runner_credential_dir),
         "TOKENSVC_TLS_CERT_FILE": str(dev.server_cert),
         "TOKENSVC_TLS_KEY_FILE": str(dev.server_key),
         "TOKENSVC_TLS_CLIENT_CA_FILE": str(dev.ca_cert),

@@ -297,12 +297,14 @@ def test_prestop_sleeps_and_the_grace_period_covers_the_drain(overlay: str) -> N
 SECRET_FILE_SETTINGS = {
     "TOKENSVC_DATABASE_CREDENTIAL_DIR": "tokensvc-db-app",
     "TOKENSVC_DATABASE_ROTATOR_CREDENTIAL_DIR": "tokensvc-db-rotator",
+    "TOKENSVC_DATABASE_RUNNER_CREDENTIAL_DIR": "tokensvc-db-runner",
     "TOKENSVC_TRUST_BUNDLE_FILE": "tokensvc-trust-bundle",
     "TOKENSVC_PEPPER_DIR": "tokensvc-peppers",
 }
 EXPECTED_PATHS = {
     "TOKENSVC_DATABASE_CREDENTIAL_DIR": "/var/run/secrets/tokensvc/db-app",
     "TOKENSVC_DATABASE_ROTATOR_CREDENTIAL_DIR": "/var/run/secrets/tokensvc/db-rotator",
+    "TOKENSVC_DATABASE_RUNNER_CREDENTIAL_DIR": "/var/run/secrets/tokensvc/db-runner",
     "TOKENSVC_TRUST_BUNDLE_FILE": "/var/run/secrets/tokensvc/trust/trust-bundle.jwks",
     "TOKENSVC_PEPPER_DIR": "/var/run/secrets/tokensvc/peppers",
 }
@@ -536,7 +538,7 @@ def test_cnpg_cluster_has_pgvector_and_the_documented_roles(overlay: str, instan
         "GRANT tokensvc_app_a, tokensvc_app_b TO tokensvc_rotator WITH ADMIN TRUE, INHERIT FALSE, SET FALSE"
         in sql
     )
-    assert "GRANT CONNECT ON DATABASE tokensvc TO tokensvc_app, tokensvc_rotator" in sql
+    assert "GRANT CONNECT ON DATABASE tokensvc TO tokensvc_app, tokensvc_runner, tokensvc_rotator" in sql
     # The passwords CloudNativePG sets are the Secrets tokensvc mounts.
     managed = {r["name"]: r for r in cluster["managed"]["roles"]}
     assert (
@@ -547,6 +549,11 @@ def test_cnpg_cluster_has_pgvector_and_the_documented_roles(overlay: str, instan
         managed["tokensvc_rotator"]["passwordSecret"]["name"]
         == SECRET_FILE_SETTINGS["TOKENSVC_DATABASE_ROTATOR_CREDENTIAL_DIR"]
     )
+    assert (
+        managed["tokensvc_runner_a"]["passwordSecret"]["name"]
+        == SECRET_FILE_SETTINGS["TOKENSVC_DATABASE_RUNNER_CREDENTIAL_DIR"]
+    )
+    assert managed["tokensvc_runner_a"]["inRoles"] == ["tokensvc_runner"]
     # The DSN's host is the cluster's read-write Service.
     host = _settings_data(overlay)["TOKENSVC_DATABASE_DSN"].split("//", 1)[1].split(":", 1)[0]
     assert host == f"{one(resources, 'Cluster', 'tokensvc-db')['metadata']['name']}-rw"

@@ -204,9 +204,9 @@ async def test_prometheus_scrapes_every_metric_and_label_the_rules_and_dashboard
         process.terminate()
         process.wait(timeout=30)
         assert service.database is not None
-        await PostgresEmbeddingMigrationStore(service.database.pool).transition(
-            migration, expect=[MigrationState.BACKFILLING], state=MigrationState.CANCELLED
-        )
+        await PostgresEmbeddingMigrationStore(
+            service.database.pool, runner_pool=service.database.runner_pool
+        ).transition(migration, expect=[MigrationState.BACKFILLING], state=MigrationState.CANCELLED)
 
 
 async def drive_more(launchers: Launchers) -> None:

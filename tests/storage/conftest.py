@@ -29,6 +29,21 @@ async def pool(
 
 
 @pytest.fixture
+async def runner_pool(
+    database: SharedDatabase, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[asyncpg.Pool]:
+    """The re-embedding runner role's pool, opened as the service opens it."""
+    db = await Database.locate(service_settings(database, dev, tmp_path_factory.mktemp("runner-pool")))
+    try:
+        await db.open_pool()
+        runner = await db.open_runner_pool(4)
+        assert runner is not None
+        yield runner
+    finally:
+        await db.close()
+
+
+@pytest.fixture
 async def scratch(database: SharedDatabase) -> AsyncIterator[str]:
     """A database of its own on the shared server, owned by the schema owner, with pgvector."""
     name = f"mig_{uuid.uuid4().hex[:10]}"

@@ -85,9 +85,12 @@ async def upload(
     )
 
 
-async def migrating_base(pool: asyncpg.Pool) -> tuple[str, EmbeddingMigration, PostgresKnowledgeStore]:
+async def migrating_base(
+    pool: asyncpg.Pool, runner_pool: asyncpg.Pool
+) -> tuple[str, EmbeddingMigration, PostgresKnowledgeStore]:
     """A base of one document whose migration the runner "racer" has claimed."""
-    store, migrations = PostgresKnowledgeStore(pool), PostgresEmbeddingMigrationStore(pool)
+    store = PostgresKnowledgeStore(pool)
+    migrations = PostgresEmbeddingMigrationStore(pool, runner_pool=runner_pool)
     ns = f"race-{uuid.uuid4().hex[:8]}"
     base = BaseRow(ns, "kb", "", "hash", "hash-v1", 8, True, "fixed", 64, 0, "simple", datetime.now(UTC))
     await store.create_base(Tenant(ns, knowledge_bases=("*",)), base)
@@ -120,10 +123,11 @@ async def migrating_base(pool: asyncpg.Pool) -> tuple[str, EmbeddingMigration, P
 
 
 async def runner_writes_open(
-    pool: asyncpg.Pool, conn: asyncpg.Connection, migration: EmbeddingMigration
+    runner_pool: asyncpg.Pool, conn: asyncpg.Connection, migration: EmbeddingMigration
 ) -> None:
-    """The runner's batch for `doc` on `conn` (as store_documents runs it), its transaction open."""
-    (pending,) = await PostgresEmbeddingMigrationStore(pool).pending_documents(migration, limit=10)
+    """The runner's batch for `doc` on `conn` (a connection of the runner's pool, as
+    store_documents runs it), its transaction open."""
+    (pending,) = await PostgresEmbeddingMigrationStore(runner_pool).pending_documents(migration, limit=10)
     await begin(conn, base_settings(migration.namespace))
     assert await conn.fetchval("SELECT hold_migration($1, 'racer')", migration.id)
     written = await conn.fetchval(
@@ -155,53 +159,53 @@ async def generations(pool: asyncpg.Pool, ns: str) -> list[tuple[int, int, str, 
 
 
 async def test_an_upload_waits_for_the_runners_write_and_then_removes_its_old_version(
-    pool: asyncpg.Pool, watcher: asyncpg.Connection
+    pool: asyncpg.Pool, runner_pool: asyncpg.Pool, watcher: asyncpg.Connection
 ) -> None:
-    ns, migration, store = await migrating_base(pool)
-    runner = await pool.acquire()
+    ns, migration, store = await migrating_base(pool, runner_pool)
+    runner = await runner_pool.acquire()
     try:
-        await runner_writes_open(pool, runner, migration)
+        await runner_writes_open(runner_pool, runner, migration)
         uploading = asyncio.create_task(upload(store, ns, "doc", "version two"))
         assert await waiting_for_a_lock(watcher, await _upload_pid(watcher)), "the upload did not wait"
         await runner.execute("COMMIT")
         await uploading
     finally:
-        await pool.release(runner)
+        await runner_pool.release(runner)
     # The runner's chunks were of version one: gone with it, and version two is pending.
     assert await generations(pool, ns) == [(0, 2, "version two", "")]
-    pending = await PostgresEmbeddingMigrationStore(pool).pending_documents(
+    pending = await PostgresEmbeddingMigrationStore(runner_pool).pending_documents(
         replace(migration, document_cursor=None), limit=10
     )
     assert [(p.ref, p.version) for p in pending] == [("doc", 2)]
 
 
 async def test_a_metadata_change_waits_for_the_runners_write_and_reaches_its_chunks(
-    pool: asyncpg.Pool, watcher: asyncpg.Connection
+    pool: asyncpg.Pool, runner_pool: asyncpg.Pool, watcher: asyncpg.Connection
 ) -> None:
-    ns, migration, store = await migrating_base(pool)
-    runner = await pool.acquire()
+    ns, migration, store = await migrating_base(pool, runner_pool)
+    runner = await runner_pool.acquire()
     try:
-        await runner_writes_open(pool, runner, migration)
+        await runner_writes_open(runner_pool, runner, migration)
         retagging = asyncio.create_task(upload(store, ns, "doc", "version one", metadata={"tag": "new"}))
         assert await waiting_for_a_lock(watcher, await _upload_pid(watcher)), "the upload did not wait"
         await runner.execute("COMMIT")
         await retagging
     finally:
-        await pool.release(runner)
+        await runner_pool.release(runner)
     assert await generations(pool, ns) == [(0, 1, "version one", "new"), (1, 1, "version one", "new")]
 
 
 async def test_a_batch_in_flight_and_a_cutover_never_deadlock(
-    pool: asyncpg.Pool, watcher: asyncpg.Connection
+    pool: asyncpg.Pool, runner_pool: asyncpg.Pool, watcher: asyncpg.Connection
 ) -> None:
     """A batch holds the base row FOR SHARE when the cutover arrives, then locks the migration
     row: were the cutover to take the migration row first (0014's order), each would wait for the
     other and PostgreSQL would abort one."""
-    ns, migration, store = await migrating_base(pool)
-    batch = await pool.acquire()
-    cutting = await pool.acquire()
+    ns, migration, store = await migrating_base(pool, runner_pool)
+    batch = await runner_pool.acquire()
+    cutting = await runner_pool.acquire()
     try:
-        (pending,) = await PostgresEmbeddingMigrationStore(pool).pending_documents(migration, limit=10)
+        (pending,) = await PostgresEmbeddingMigrationStore(runner_pool).pending_documents(migration, limit=10)
         await begin(batch, base_settings(ns))
         await batch.execute("SELECT lock_migration_subject($1, false)", migration.id)
         await begin(cutting, base_settings(ns))
@@ -226,15 +230,17 @@ async def test_a_batch_in_flight_and_a_cutover_never_deadlock(
         assert await cut is True  # after the batch: every document has its chunks
         await cutting.execute("COMMIT")
     finally:
-        await pool.release(batch)
-        await pool.release(cutting)
+        await runner_pool.release(batch)
+        await runner_pool.release(cutting)
     base = (await store.get_bases(Tenant(ns, knowledge_bases=("*",)), ["kb"]))[0]
     assert (base.embedder, base.generation) == ("target", 1)
 
 
-async def test_deleting_a_base_cancels_a_migration_whose_start_it_waited_for(pool: asyncpg.Pool) -> None:
-    ns, migration, store = await migrating_base(pool)
-    migrations = PostgresEmbeddingMigrationStore(pool)
+async def test_deleting_a_base_cancels_a_migration_whose_start_it_waited_for(
+    pool: asyncpg.Pool, runner_pool: asyncpg.Pool
+) -> None:
+    ns, migration, store = await migrating_base(pool, runner_pool)
+    migrations = PostgresEmbeddingMigrationStore(pool, runner_pool=runner_pool)
     await migrations.transition(
         migration.id, expect=[MigrationState.BACKFILLING], state=MigrationState.CANCELLED
     )
@@ -245,11 +251,8 @@ async def test_deleting_a_base_cancels_a_migration_whose_start_it_waited_for(poo
         assert await starting.fetchval("SELECT knowledge_base_generation($1, 'kb')", ns) == 0
         second = str(uuid.uuid4())
         await starting.execute(
-            "INSERT INTO embedding_migrations (id, namespace, kb_ref, from_generation, from_embedder, from_model, "
-            "from_dimension, to_embedder, to_model, to_dimension, to_normalized, from_chunking, from_chunk_size, "
-            "from_chunk_overlap, to_chunking, to_chunk_size, to_chunk_overlap, state, created_by) VALUES ($1, $2, "
-            "'kb', 0, 'hash', 'hash-v1', 8, 'target', 'target-model', 4, true, 'fixed', 64, 0, 'fixed', 64, 0, "
-            "'backfilling', 'test')",
+            "SELECT * FROM start_knowledge_migration($1, $2, 'kb', 0, 'target', 'target-model', 4, true, "
+            "'fixed', 64, 0, 1, 'test')",
             second,
             ns,
         )
@@ -265,13 +268,16 @@ async def test_deleting_a_base_cancels_a_migration_whose_start_it_waited_for(poo
     assert (ended.state, ended.reason) == (MigrationState.CANCELLED, "the knowledge base was deleted")
 
 
-async def test_a_chunk_for_a_generation_that_is_gone_is_refused(pool: asyncpg.Pool) -> None:
-    ns, migration, _ = await migrating_base(pool)
-    async with pool.acquire() as conn:
+async def test_a_chunk_for_a_generation_that_is_gone_is_refused(
+    pool: asyncpg.Pool, runner_pool: asyncpg.Pool
+) -> None:
+    ns, migration, _ = await migrating_base(pool, runner_pool)
+    async with runner_pool.acquire() as runner:
         # Backfill "doc", then cut over as the runner does.
-        await runner_writes_open(pool, conn, migration)
-        await conn.execute("COMMIT")
-        await cut_over(conn, migration)
+        await runner_writes_open(runner_pool, runner, migration)
+        await runner.execute("COMMIT")
+        await cut_over(runner, migration)
+    async with pool.acquire() as conn:
         # A replica that never learnt of generations writes the column's default, 0.
         await begin(conn, base_settings(ns, "*"))
         with pytest.raises(asyncpg.PostgresError) as refused:
@@ -308,21 +314,21 @@ async def _upload_pid(watcher: asyncpg.Connection) -> int:
 
 
 async def test_the_clean_up_waits_for_an_upload_of_the_same_document(
-    pool: asyncpg.Pool, watcher: asyncpg.Connection
+    pool: asyncpg.Pool, runner_pool: asyncpg.Pool, watcher: asyncpg.Connection
 ) -> None:
     """Both delete the document's old chunks: the clean-up locks the document row first, as the
     upload does, so one waits for the other instead of both locking chunk rows in their own order."""
-    ns, migration, store = await migrating_base(pool)
-    migrations = PostgresEmbeddingMigrationStore(pool)
-    async with pool.acquire() as conn:
-        await runner_writes_open(pool, conn, migration)
+    ns, migration, store = await migrating_base(pool, runner_pool)
+    migrations = PostgresEmbeddingMigrationStore(pool, runner_pool=runner_pool)
+    async with runner_pool.acquire() as conn:
+        await runner_writes_open(runner_pool, conn, migration)
         await conn.execute("COMMIT")
         await cut_over(conn, migration)
     retiring = await migrations.get(migration.id)
     assert retiring is not None
     assert retiring.state is MigrationState.RETIRING
     uploading = await pool.acquire()
-    clearing = await pool.acquire()
+    clearing = await runner_pool.acquire()
     try:
         await begin(uploading, base_settings(ns, "*"))
         await uploading.fetchrow("SELECT * FROM document_write_state($1, 'kb', 'doc', NULL)", ns)
@@ -337,6 +343,6 @@ async def test_the_clean_up_waits_for_an_upload_of_the_same_document(
         await clearing.execute("COMMIT")
     finally:
         await pool.release(uploading)
-        await pool.release(clearing)
+        await runner_pool.release(clearing)
     assert await generations(pool, ns) == [(1, 1, "version one", "")]
     assert (await store.get_bases(Tenant(ns, knowledge_bases=("*",)), ["kb"]))[0].generation == 1

@@ -53,10 +53,11 @@ def space(tenant: Tenant) -> dict[str, str]:
 
 
 async def ready_to_cut_over(
-    pool: asyncpg.Pool,
+    pool: asyncpg.Pool, runner_pool: asyncpg.Pool
 ) -> tuple[Tenant, EmbeddingMigration, PostgresEmbeddingMigrationStore]:
     """A space of one memory, fully backfilled, its runner holding the lease."""
-    memories, migrations = PostgresMemoryStore(pool), PostgresEmbeddingMigrationStore(pool)
+    memories = PostgresMemoryStore(pool)
+    migrations = PostgresEmbeddingMigrationStore(pool, runner_pool=runner_pool)
     agent = f"agent-{uuid.uuid4().hex[:12]}"
     tenant = Tenant(NAMESPACE, agent, (new_bucket(),), generation=0)
     await memories.pin_space(Tenant(NAMESPACE, agent), SPACE)
@@ -118,9 +119,9 @@ async def waiting_for_a_lock(watcher: asyncpg.Connection, pid: int) -> bool:
 
 
 async def test_a_cutover_waits_for_a_write_in_flight_and_then_refuses_to_switch(
-    pool: asyncpg.Pool, database: SharedDatabase
+    pool: asyncpg.Pool, runner_pool: asyncpg.Pool, database: SharedDatabase
 ) -> None:
-    tenant, migration, migrations = await ready_to_cut_over(pool)
+    tenant, migration, migrations = await ready_to_cut_over(pool, runner_pool)
     writer = await pool.acquire()
     watcher = await connect(database, "superuser", database.dsn.rsplit("/", 1)[1])
     try:
@@ -139,7 +140,7 @@ async def test_a_cutover_waits_for_a_write_in_flight_and_then_refuses_to_switch(
             tenant.agent,
             np.eye(8, dtype=np.float32)[1],
         )
-        async with pool.acquire() as cutting:
+        async with runner_pool.acquire() as cutting:
             pid = cutting.get_server_pid()
             await begin(cutting, space(tenant))  # what cut_over runs
             cut = asyncio.create_task(
@@ -157,10 +158,10 @@ async def test_a_cutover_waits_for_a_write_in_flight_and_then_refuses_to_switch(
 
 
 async def test_a_write_that_waited_for_a_cutover_is_refused_as_stale(
-    pool: asyncpg.Pool, database: SharedDatabase
+    pool: asyncpg.Pool, runner_pool: asyncpg.Pool, database: SharedDatabase
 ) -> None:
-    tenant, migration, _ = await ready_to_cut_over(pool)
-    cutting = await pool.acquire()
+    tenant, migration, _ = await ready_to_cut_over(pool, runner_pool)
+    cutting = await runner_pool.acquire()
     writer = await pool.acquire()
     watcher = await connect(database, "superuser", database.dsn.rsplit("/", 1)[1])
     try:
@@ -193,7 +194,7 @@ async def test_a_write_that_waited_for_a_cutover_is_refused_as_stale(
         assert refused.value.sqlstate == "TK001"  # StaleMemorySpace, to the store's caller
         await writer.execute("ROLLBACK")
     finally:
-        await pool.release(cutting)
+        await runner_pool.release(cutting)
         await pool.release(writer)
         await watcher.close()
     rows = await PostgresMemoryStore(pool).list_page(
@@ -208,19 +209,19 @@ async def test_a_write_that_waited_for_a_cutover_is_refused_as_stale(
 
 
 async def test_a_clean_up_batch_empties_its_memories_before_it_waits_and_rolls_back_without_the_lease(
-    pool: asyncpg.Pool, database: SharedDatabase
+    pool: asyncpg.Pool, runner_pool: asyncpg.Pool, database: SharedDatabase
 ) -> None:
     """Migration 0020: the batch's multi-shard UPDATE runs before the space and migration row
     locks (table locks on Citus), and a runner that lost its lease meanwhile empties nothing."""
-    tenant, migration, _ = await ready_to_cut_over(pool)
-    async with pool.acquire() as cutting:
+    tenant, migration, _ = await ready_to_cut_over(pool, runner_pool)
+    async with runner_pool.acquire() as cutting:
         await begin(cutting, space(tenant))
         assert await cutting.fetchval("SELECT cut_over_memory_space($1, 'racer')", migration.id)
         await cutting.execute("COMMIT")
     dbname = database.dsn.rsplit("/", 1)[1]
     holder = await connect(database, "superuser", dbname)
     watcher = await connect(database, "superuser", dbname)
-    clearing = await pool.acquire()
+    clearing = await runner_pool.acquire()
     try:
         await holder.execute("BEGIN")
         await holder.execute(
@@ -248,7 +249,7 @@ async def test_a_clean_up_batch_empties_its_memories_before_it_waits_and_rolls_b
         assert refused.value.sqlstate == "TK002"
         await clearing.execute("ROLLBACK")
     finally:
-        await pool.release(clearing)
+        await runner_pool.release(clearing)
         await holder.close()
         await watcher.close()
     async with pool.acquire() as conn:

@@ -18,7 +18,7 @@ import numpy as np
 
 from tests.conftest import ServiceFactory
 from tests.storage.search_support import vector_search
-from tests.storage.test_memory_rls import NAMESPACE, new_bucket
+from tests.storage.test_memory_rls import NAMESPACE, new_bucket, pin_without_index
 from tests.storage.test_tenant_declaration import distributed_pool  # noqa: F401 - a fixture
 from tests.support import SharedDatabase, superuser
 from tokensvc.embedders import EmbedderSpec
@@ -124,6 +124,7 @@ async def test_a_running_service_finishes_a_build_a_stopped_replica_left(
     start_service: ServiceFactory, pool: asyncpg.Pool, database: SharedDatabase
 ) -> None:
     dim = await unused_dimension(database)
+    await pin_without_index(pool, Tenant(NAMESPACE, f"dim-{dim}"), dim)
     async with pool.acquire() as conn:  # a replica stopped after the first partition
         assert await conn.fetchval("SELECT ensure_memory_partition_index($1, 0, 0)", dim)
     assert await built(database, f"memories_hnsw_{dim}") == (1, False)
@@ -138,6 +139,7 @@ async def test_finish_completes_a_half_built_second_slot_index_and_ignores_other
     names it by (dimension, slot) and `finish` builds the other 254. An invalid index of another
     name (an operator's, say) is not tokensvc's to build."""
     dim = await unused_dimension(database)
+    await pin_without_index(pool, Tenant(NAMESPACE, f"dim-{dim}"), dim)
     async with pool.acquire() as conn:
         for part in (0, 1):
             assert await conn.fetchval("SELECT ensure_memory_partition_index($1, 1, $2)", dim, part)

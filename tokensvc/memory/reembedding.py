@@ -179,8 +179,6 @@ class EmbeddingMigrations:
         if space is None:
             raise NotFound(f"no memory space {namespace}/{agent}: nothing has been remembered there")
         embedder = self._configured(embedder_name)
-        if embedder.spec == space.embedder:
-            raise InvalidArgument("embedder", f"the memory space is already pinned to {embedder_name!r}")
         planned = EmbeddingMigration(
             id=str(uuid.uuid4()),
             namespace=namespace,
@@ -193,7 +191,11 @@ class EmbeddingMigrations:
         )
         described = f"memory space {namespace}/{agent}"
         if not dry_run:
+            # First: a space whose migration has cut over (it is pinned to the target already)
+            # but not finished is a conflict, not a request to migrate to its own pin.
             await self._refuse_unfinished(planned, described)
+        if embedder.spec == space.embedder:
+            raise InvalidArgument("embedder", f"the memory space is already pinned to {embedder_name!r}")
         rows, average_chars = await self._store.space_size(namespace, agent)
         estimate = await _estimate(planned, embedder, rows, rows, average_chars)
         if dry_run:

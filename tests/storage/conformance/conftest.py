@@ -80,10 +80,12 @@ class Backend:
 async def conformance_database(
     database: SharedDatabase, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Database]:
-    """The shared database as the service reaches it: the serving pool, and connections of their own."""
+    """The shared database as the service reaches it: the serving pool, the re-embedding runner's
+    pool, and connections of their own."""
     db = await Database.locate(service_settings(database, dev, tmp_path_factory.mktemp("conformance")))
     try:
         await db.open_pool()
+        await db.open_runner_pool(4)
         yield db
     finally:
         await db.close()
@@ -107,7 +109,7 @@ def backend(request: pytest.FixtureRequest) -> Backend:
             PostgresRevocationStore(pool, db.connect),
             PostgresAuditStore(pool),
             PostgresStatistics(pool),
-            PostgresEmbeddingMigrationStore(pool),
+            PostgresEmbeddingMigrationStore(pool, runner_pool=db.runner_pool),
             PostgresDataSubjectStore(pool),
         )
     memories = InMemoryMemoryStore()
@@ -176,7 +178,7 @@ async def journal_database(
             database, dev, tmp_path_factory.mktemp("journal"), database_dsn=f"{server}/{name}"
         )
         db = await Database.locate(settings)
-        await db.migrate(settings.database_app_role)
+        await db.migrate(settings.database_app_role, settings.database_runner_role)
         owner = await _connect(f"{server}/{name}", database.owner_credential_dir)
         try:
             yield JournalDatabase(await db.open_pool(), owner)

@@ -7,6 +7,7 @@ picked up without a restart); pgvector's binary codec is registered on every poo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -66,6 +67,8 @@ class DatabaseTarget:
     owner_credentials: FileCredentialSource | None
     connect_timeout: float
     rotator_credentials: FileCredentialSource | None = None
+    # The re-embedding runner's login (migration 0021); None: this replica runs no migrations.
+    runner_credentials: FileCredentialSource | None = None
     # Whether the database is a Citus coordinator: found when the pool opens.
     citus: bool = False
 
@@ -124,7 +127,7 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
 
 
 class Database:
-    """Owns the embedded server (if any) and the serving pool."""
+    """Owns the embedded server (if any), the serving pool and the re-embedding runner's pool."""
 
     def __init__(
         self, target: DatabaseTarget, embedded: EmbeddedPostgres | None, pool_sizes: tuple[int, int]
@@ -133,6 +136,7 @@ class Database:
         self.embedded = embedded
         self._pool_sizes = pool_sizes
         self._pool: asyncpg.Pool | None = None
+        self._runner_pool: asyncpg.Pool | None = None
         self._credential: Callable[[], DatabaseCredential] = target.app_credentials.read
         # The Citus version of the database served, None for a single PostgreSQL node; known
         # once the pool is open.
@@ -154,6 +158,10 @@ class Database:
                 target = replace(
                     target, rotator_credentials=FileCredentialSource(settings.database_rotator_credential_dir)
                 )
+            if settings.database_runner_credential_dir is not None:
+                target = replace(
+                    target, runner_credentials=FileCredentialSource(settings.database_runner_credential_dir)
+                )
             return cls(target, None, sizes)
         embedded = EmbeddedPostgres(settings.state_dir)
         await embedded.start()
@@ -165,7 +173,13 @@ class Database:
             settings.database_connect_timeout_seconds,
         )
         rotator = settings.database_rotator_credential_dir or paths.credential_dir("rotator")
-        return cls(replace(target, rotator_credentials=FileCredentialSource(rotator)), embedded, sizes)
+        runner = settings.database_runner_credential_dir or paths.credential_dir("runner")
+        target = replace(
+            target,
+            rotator_credentials=FileCredentialSource(rotator),
+            runner_credentials=FileCredentialSource(runner),
+        )
+        return cls(target, embedded, sizes)
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -204,20 +218,69 @@ class Database:
         )
         return self._pool
 
+    @property
+    def runner_pool(self) -> asyncpg.Pool | None:
+        """The re-embedding runner's pool (`open_runner_pool`), None when not open."""
+        return self._runner_pool
+
+    async def open_runner_pool(self, max_size: int) -> asyncpg.Pool | None:
+        """The re-embedding runner's own pool, on its own login role (migration 0021); None when
+        no runner credential is configured. Open the serving pool first (it finds Citus). The
+        secret source is read for every new connection, so a changed credential is used from
+        the next connection on (`expire_runner_connections` retires the open ones)."""
+        source = self.target.runner_credentials
+        if source is None:
+            return None
+        target = self.target
+
+        def connect_with_current_credential(*args: Any, **kwargs: Any) -> Awaitable[asyncpg.Connection]:
+            return connect_once(target, source.read(), **kwargs)
+
+        connect: Any = connect_with_current_credential
+        self._runner_pool = await asyncpg.create_pool(
+            min_size=0,
+            max_size=max_size,
+            connect=connect,
+            init=_init_connection,
+            reset=_keep_session,
+            connection_class=asyncpg.Connection if self.citus is None else DistributedConnection,
+        )
+        return self._runner_pool
+
+    async def watch_runner_credential(self, interval: float) -> None:
+        """Forever: when the runner's secret source changes, retire the runner pool's open
+        connections (each is replaced, on the new credential, when next acquired; a batch in
+        flight finishes on its old one). A credential that does not log in fails the runner's
+        next connection only: its turn is retried, and serving is not affected."""
+        source = self.target.runner_credentials
+        if source is None or self._runner_pool is None:
+            return
+        stamp = source.stamp()
+        while True:
+            await asyncio.sleep(interval)
+            current = source.stamp()
+            if current != stamp:
+                stamp = current
+                _log.info("the runner's database credential changed: new connections use it")
+                await self._runner_pool.expire_connections()
+
     async def schema_versions(self) -> tuple[int, int]:
         """(the schema version the database is at, the version this tokensvc's migrations reach)."""
         async with self.pool.acquire() as conn:
             have = await schema_version(conn)  # type: ignore[arg-type]
         return have, len(available_migrations())
 
-    async def migrate(self, app_role: str) -> list[str]:
+    async def migrate(self, app_role: str, runner_role: str = "tokensvc_runner") -> list[str]:
         """Apply pending migrations as the schema owner; returns the names applied."""
         owner = self.target.owner_credentials
         if owner is None:
             raise SettingsError("database_owner_credential_dir: required to migrate")
         conn = await connect_once(self.target, owner.read())
         try:
-            applied = [f"{m.version:04d}_{m.name}" for m in await apply_migrations(conn, app_role=app_role)]
+            applied = [
+                f"{m.version:04d}_{m.name}"
+                for m in await apply_migrations(conn, app_role=app_role, runner_role=runner_role)
+            ]
             if await citus_version(conn) is not None:
                 applied += [f"citus: distributed {table}" for table in await distribute(conn, LOCK_ID)]
         finally:
@@ -230,6 +293,9 @@ class Database:
         return await connect_once(self.target, self._credential())
 
     async def close(self) -> None:
+        if self._runner_pool is not None:
+            await self._runner_pool.close()
+            self._runner_pool = None
         if self._pool is not None:
             await self._pool.close()
             self._pool = None

@@ -10,7 +10,9 @@ Roles created on first start, mirroring production:
 - `postgres`: superuser, used only here to bootstrap (its password stays in the state dir);
 - `tokensvc_owner`: owns the database and schema, runs migrations;
 - `tokensvc_app`: NOLOGIN group role holding the serving grants;
-- `tokensvc_app_a`: the login role the service serves as; a member of `tokensvc_app`, owns nothing.
+- `tokensvc_app_a`: the login role the service serves as; a member of `tokensvc_app`, owns nothing;
+- `tokensvc_runner`: NOLOGIN group role holding the re-embedding runner's grants (migration 0021);
+- `tokensvc_runner_a`: the login role the runner's pool uses; a member of `tokensvc_runner` only.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ OWNER_ROLE = "tokensvc_owner"
 APP_GROUP_ROLE = "tokensvc_app"
 APP_LOGIN_ROLES = ("tokensvc_app_a", "tokensvc_app_b")
 ROTATOR_ROLE = "tokensvc_rotator"
+RUNNER_GROUP_ROLE = "tokensvc_runner"
+RUNNER_LOGIN_ROLE = "tokensvc_runner_a"
 SUPERUSER = "postgres"
 # When tokensvc runs as root, PostgreSQL refuses to; it runs as this unprivileged system user.
 _SYSTEM_USER = "pgserver"
@@ -341,7 +345,7 @@ class EmbeddedPostgres:
                 await conn.execute(f"CREATE DATABASE {DATABASE_NAME} OWNER {OWNER_ROLE}")
             await conn.execute(f"REVOKE ALL ON DATABASE {DATABASE_NAME} FROM PUBLIC")
             await conn.execute(
-                f"GRANT CONNECT ON DATABASE {DATABASE_NAME} TO {APP_GROUP_ROLE}, {ROTATOR_ROLE}"
+                f"GRANT CONNECT ON DATABASE {DATABASE_NAME} TO {APP_GROUP_ROLE}, {RUNNER_GROUP_ROLE}, {ROTATOR_ROLE}"
             )
         finally:
             await conn.close()
@@ -388,6 +392,14 @@ async def ensure_roles(conn: asyncpg.Connection, paths: EmbeddedPaths) -> None:
     # The serving credential is whichever login role the secret source names now.
     app = _ensure_credential(paths, "app", APP_LOGIN_ROLES[0])
     await _ensure_login_role(conn, app)
+    # The re-embedding runner: a group of its own (no serving grants) and its login role.
+    await conn.execute(
+        f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{RUNNER_GROUP_ROLE}')"
+        f" THEN CREATE ROLE {RUNNER_GROUP_ROLE} NOLOGIN; END IF; END $$"
+    )
+    runner = _ensure_credential(paths, "runner", RUNNER_LOGIN_ROLE)
+    await _ensure_login_role(conn, runner)
+    await conn.execute(f"GRANT {RUNNER_GROUP_ROLE} TO {RUNNER_LOGIN_ROLE}")
     rotator = _ensure_credential(paths, "rotator", ROTATOR_ROLE)
     await _ensure_login_role(conn, rotator, "CREATEROLE")
     for role in APP_LOGIN_ROLES:
@@ -398,13 +410,15 @@ async def ensure_roles(conn: asyncpg.Connection, paths: EmbeddedPaths) -> None:
 async def prepare_database(conn: asyncpg.Connection, paths: EmbeddedPaths) -> None:
     """As a superuser connected to an existing database (a Citus coordinator's, for the tests and
     the benches): tokensvc's roles as `ensure_roles` makes them, the schema owner owning the
-    database, CONNECT for the serving group and the rotator only, and pgvector."""
+    database, CONNECT for the serving and runner groups and the rotator only, and pgvector."""
     name = await conn.fetchval("SELECT current_database()")
     await ensure_roles(conn, paths)
     quoted = '"' + str(name).replace('"', '""') + '"'
     await conn.execute(f"ALTER DATABASE {quoted} OWNER TO {OWNER_ROLE}")
     await conn.execute(f"REVOKE ALL ON DATABASE {quoted} FROM PUBLIC")
-    await conn.execute(f"GRANT CONNECT ON DATABASE {quoted} TO {APP_GROUP_ROLE}, {ROTATOR_ROLE}")
+    await conn.execute(
+        f"GRANT CONNECT ON DATABASE {quoted} TO {APP_GROUP_ROLE}, {RUNNER_GROUP_ROLE}, {ROTATOR_ROLE}"
+    )
     await conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
 
 
@@ -445,7 +459,7 @@ async def _ensure_login_role(
     """Create the role if missing and (re)set its password from the state dir, as a verifier."""
     verifier = scram_sha256_verifier(credential.password)
     role = credential.username
-    if role not in (OWNER_ROLE, ROTATOR_ROLE, *APP_LOGIN_ROLES):
+    if role not in (OWNER_ROLE, ROTATOR_ROLE, RUNNER_LOGIN_ROLE, *APP_LOGIN_ROLES):
         raise EmbeddedPostgresError(f"unexpected role {role!r} in the state dir's secrets")
     exists = await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role)
     verb = "ALTER" if exists else "CREATE"

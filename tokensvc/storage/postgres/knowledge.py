@@ -211,15 +211,8 @@ class PostgresKnowledgeStore:
                 # The base's unfinished migration goes with it (its chunks went with the documents).
                 # A statement of its own: its snapshot, taken after the base row was locked, sees
                 # a migration whose start committed while this waited for that lock.
-                await conn.execute(
-                    "UPDATE embedding_migrations SET state = 'cancelled', lease_owner = NULL, "
-                    "lease_until = NULL, reason = 'the knowledge base was deleted', "
-                    "updated_at = statement_timestamp(), finished_at = statement_timestamp() "
-                    "WHERE namespace = $1 AND kb_ref = $2 "
-                    "AND state IN ('backfilling', 'paused', 'retiring', 'cancelling')",
-                    tenant.namespace,
-                    ref,
-                )
+                # Through the owner's function (0021): the serving role writes no migration row.
+                await conn.execute("SELECT cancel_knowledge_base_migrations($1, $2)", tenant.namespace, ref)
         return None if count is None else int(count)
 
     # --- documents --------------------------------------------------------------------------

@@ -71,10 +71,16 @@ CREATE TABLE IF NOT EXISTS tokensvc.schema_migrations (
 """
 
 
-async def apply_migrations(conn: asyncpg.Connection, *, app_role: str) -> list[Migration]:
-    """Apply every pending migration; returns those applied (empty when up to date)."""
-    if not is_sql_identifier(app_role):
-        raise MigrationError(f"app role {app_role!r} is not a plain SQL identifier")
+async def apply_migrations(
+    conn: asyncpg.Connection, *, app_role: str, runner_role: str = "tokensvc_runner"
+) -> list[Migration]:
+    """Apply every pending migration; returns those applied (empty when up to date).
+
+    `{app_role}` in a file is the serving group role, `{runner_role}` the re-embedding runner's
+    (0021 on), both checked to be plain identifiers first."""
+    for what, role in (("app", app_role), ("runner", runner_role)):
+        if not is_sql_identifier(role):
+            raise MigrationError(f"{what} role {role!r} is not a plain SQL identifier")
     migrations = available_migrations()
     applied: list[Migration] = []
     async with conn.transaction():
@@ -93,7 +99,9 @@ async def apply_migrations(conn: asyncpg.Connection, *, app_role: str) -> list[M
                         "was applied; add a new migration instead"
                     )
                 continue
-            await conn.execute(migration.sql.replace("{app_role}", app_role))
+            await conn.execute(
+                migration.sql.replace("{app_role}", app_role).replace("{runner_role}", runner_role)
+            )
             await conn.execute(
                 "INSERT INTO tokensvc.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
                 migration.version,

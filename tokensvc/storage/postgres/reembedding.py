@@ -4,6 +4,13 @@ The migration row (`embedding_migrations`, migration 0014) is the durable state.
 reaches every bucket of the one space it migrates through the owner's functions of 0014
 (`migration_pending`, `migration_store`, `migration_clear`), each bound to one migration whose
 lease the caller holds, never through a policy of the serving role.
+
+Two pools, two roles (migration 0021): the operator's calls (create, status, cancel, resume, the
+sizes) run on the serving pool, which may read migrations but write them only through functions
+that check the input (`start_memory_migration`, `start_knowledge_migration`,
+`change_migration_state`); the runner's calls (claim, lease, batches, clean-up, cutover, finish)
+run on the runner's pool, whose role alone may execute the runner's functions. The serving role
+never sees the backfill cursor (a bucket id).
 """
 
 from __future__ import annotations
@@ -34,16 +41,24 @@ from tokensvc.storage.records import (
 
 __all__ = ["PostgresEmbeddingMigrationStore"]
 
-_RUNNABLE = [MigrationState.BACKFILLING.value, MigrationState.RETIRING.value, MigrationState.CANCELLING.value]
 _FINISHED = [MigrationState.SUCCEEDED.value, MigrationState.CANCELLED.value]
-# The runner's lease, checked (and renewed) in the transaction that does the work.
-# Times are statement_timestamp(), not clock_timestamp(): the same within one statement, and Citus
-# refuses a volatile function in an UPDATE of a distributed or reference table.
-_LEASED = "id = $1 AND lease_owner = $2 AND lease_until >= statement_timestamp()"
+
+
+# The columns the serving role may read (0021): all but the backfill cursor.
+_SERVED = (
+    "id, namespace, agent, kb_ref, from_generation, from_embedder, from_model, from_dimension, "
+    "to_embedder, to_model, to_dimension, to_normalized, from_chunking, from_chunk_size, "
+    "from_chunk_overlap, to_chunking, to_chunk_size, to_chunk_overlap, state, reason, rows_total, "
+    "rows_done, failures, lease_owner, lease_until, created_by, created_at, updated_at, cut_over_at, "
+    "finished_at, cursor_document"
+)
+# The runner's transitions (finish_migration); the operator's are change_migration_state's.
+_RUNNER_STATES = frozenset({MigrationState.SUCCEEDED, MigrationState.CANCELLED, MigrationState.PAUSED})
 
 
 def _migration(row: asyncpg.Record) -> EmbeddingMigration:
-    cursor = None if row["cursor_bucket"] is None else (row["cursor_bucket"], str(row["cursor_id"]))
+    bucket = row.get("cursor_bucket")
+    cursor = None if bucket is None else (bucket, str(row["cursor_id"]))
     return EmbeddingMigration(
         id=str(row["id"]),
         namespace=row["namespace"],
@@ -137,37 +152,28 @@ def _cursor(migration: EmbeddingMigration) -> tuple[str | None, str | None]:
 
 @translate_errors
 class PostgresEmbeddingMigrationStore:
-    def __init__(self, pool: asyncpg.Pool, *, distributed: bool = False):
+    """`pool`: the serving role's; `runner_pool`: the runner role's (the runner's calls fail
+    without it, unless `pool` is itself a runner's)."""
+
+    def __init__(
+        self, pool: asyncpg.Pool, *, runner_pool: asyncpg.Pool | None = None, distributed: bool = False
+    ):
         self._pool = pool
+        self._runner = runner_pool or pool
         self._distributed = distributed
 
     async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
         if migration.kb_ref is not None:
             return await self._create_for_base(migration)
-        # On Citus the duty `vector-indexes` builds the rest, as for a new space's first write.
-        await ensure_vector_index(
-            self._pool,
-            migration.target.dimension,
-            migration.target_slot,
-            first_partition_only=self._distributed,
-        )
-        source, target = migration.source, migration.target
+        target = migration.target
+        # The source is the space's pin as the database has it (the function reads it).
         async with tenant_transaction(self._pool, _space(migration)) as conn:
             row = await conn.fetchrow(
-                "INSERT INTO embedding_migrations (id, namespace, agent, from_generation, from_embedder, "
-                "from_model, from_dimension, to_embedder, to_model, to_dimension, to_normalized, state, "
-                "rows_total, created_by) "
-                "SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'backfilling', $12, $13 "
-                "WHERE EXISTS (SELECT 1 FROM memory_spaces WHERE namespace = $2 AND agent = $3 "
-                "AND generation = $4) "
-                "ON CONFLICT DO NOTHING RETURNING *",
+                "SELECT * FROM start_memory_migration($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
                 migration.id,
                 migration.namespace,
                 migration.agent,
                 migration.from_generation,
-                source.name,
-                source.model,
-                source.dimension,
                 target.name,
                 target.model,
                 target.dimension,
@@ -175,16 +181,27 @@ class PostgresEmbeddingMigrationStore:
                 migration.rows_total,
                 migration.created_by,
             )
-        return None if row is None else _migration(row)
+        if row is None:
+            return None
+        # After the row (the build is refused for a dimension nothing uses), which no runner
+        # claims until it is released. On Citus the duty `vector-indexes` builds the rest, as for
+        # a new space's first write.
+        await ensure_vector_index(
+            self._pool, target.dimension, migration.target_slot, first_partition_only=self._distributed
+        )
+        return await self._release(row)
+
+    async def _release(self, row: asyncpg.Record) -> EmbeddingMigration:
+        """The started migration `row`, its start's hold released: the runners may claim it."""
+        async with self._pool.acquire() as conn:
+            released = await conn.fetchrow("SELECT * FROM release_started_migration($1)", row["id"])
+        return _migration(released if released is not None else row)
 
     async def _create_for_base(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
         assert migration.kb_ref is not None
         assert migration.source_chunking is not None
         assert migration.target_chunking is not None
-        async with self._pool.acquire() as conn:
-            await conn.execute("SELECT ensure_chunk_vector_index($1)", migration.target.dimension)
-        source, target = migration.source, migration.target
-        before, after = migration.source_chunking, migration.target_chunking
+        target, after = migration.target, migration.target_chunking
         base = Tenant(migration.namespace, knowledge_bases=(migration.kb_ref,))
         async with tenant_transaction(self._pool, base) as conn:
             # The base row FOR SHARE: no cutover or deletion races the check of its generation.
@@ -200,28 +217,18 @@ class PostgresEmbeddingMigrationStore:
                 migration.namespace,
                 migration.kb_ref,
             )
+            # The source pins are the base's as the database has them (the function reads them).
             row = await conn.fetchrow(
-                "INSERT INTO embedding_migrations (id, namespace, kb_ref, from_generation, from_embedder, "
-                "from_model, from_dimension, to_embedder, to_model, to_dimension, to_normalized, "
-                "from_chunking, from_chunk_size, from_chunk_overlap, to_chunking, to_chunk_size, "
-                "to_chunk_overlap, state, rows_total, created_by) "
-                "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, "
-                "'backfilling', $18, $19) "
-                "ON CONFLICT DO NOTHING RETURNING *",
+                "SELECT * FROM start_knowledge_migration($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, "
+                "$12, $13)",
                 migration.id,
                 migration.namespace,
                 migration.kb_ref,
                 migration.from_generation,
-                source.name,
-                source.model,
-                source.dimension,
                 target.name,
                 target.model,
                 target.dimension,
                 target.normalized,
-                before.kind,
-                before.size,
-                before.overlap,
                 after.kind,
                 after.size,
                 after.overlap,
@@ -236,11 +243,18 @@ class PostgresEmbeddingMigrationStore:
                     migration.namespace,
                     migration.kb_ref,
                 )
-        return None if row is None else _migration(row)
+        if row is None:
+            return None
+        # After the row, as for a space.
+        async with self._pool.acquire() as conn:
+            await conn.execute("SELECT ensure_chunk_vector_index($1)", target.dimension)
+        return await self._release(row)
 
     async def get(self, migration_id: str) -> EmbeddingMigration | None:
         async with self._pool.acquire() as conn:
-            row = await conn.fetchrow("SELECT * FROM embedding_migrations WHERE id = $1", migration_id)
+            row = await conn.fetchrow(
+                f"SELECT {_SERVED} FROM embedding_migrations WHERE id = $1", migration_id
+            )
         return None if row is None else _migration(row)
 
     async def page(self, *, limit: int, before: tuple[datetime, str] | None) -> list[EmbeddingMigration]:
@@ -251,7 +265,7 @@ class PostgresEmbeddingMigrationStore:
             where = "WHERE (created_at, id) < ($2, $3::uuid) "
         async with self._pool.acquire() as conn:
             rows = await conn.fetch(
-                f"SELECT * FROM embedding_migrations {where}ORDER BY created_at DESC, id DESC LIMIT $1",
+                f"SELECT {_SERVED} FROM embedding_migrations {where}ORDER BY created_at DESC, id DESC LIMIT $1",
                 *params,
             )
         return [_migration(row) for row in rows]
@@ -259,7 +273,7 @@ class PostgresEmbeddingMigrationStore:
     async def active(self) -> list[EmbeddingMigration]:
         async with self._pool.acquire() as conn:
             rows = await conn.fetch(
-                "SELECT * FROM embedding_migrations WHERE state <> ALL($1::text[]) ORDER BY created_at, id",
+                f"SELECT {_SERVED} FROM embedding_migrations WHERE state <> ALL($1::text[]) ORDER BY created_at, id",
                 _FINISHED,
             )
         return [_migration(row) for row in rows]
@@ -267,29 +281,27 @@ class PostgresEmbeddingMigrationStore:
     async def transition(
         self, migration_id: str, *, expect: Sequence[MigrationState], state: MigrationState, reason: str = ""
     ) -> EmbeddingMigration | None:
-        async with self._pool.acquire() as conn:
+        # The operator cancels and resumes (the serving role); the runner finishes and pauses.
+        pool, function = (
+            (self._runner, "finish_migration")
+            if state in _RUNNER_STATES
+            else (self._pool, "change_migration_state")
+        )
+        async with pool.acquire() as conn:
             subject = await conn.fetchrow(
                 "SELECT namespace, agent, kb_ref FROM embedding_migrations WHERE id = $1", migration_id
             )
         if subject is None:
             return None
-        async with tenant_transaction(self._pool, _subject(*subject)) as conn:
-            # The subject row first (0015's lock order): a cancel is ordered with every write of it.
-            await conn.execute("SELECT lock_migration_subject($1, true)", migration_id)
+        async with tenant_transaction(pool, _subject(*subject)) as conn:
+            # The function locks the subject row first (0015's lock order): a cancel is ordered
+            # with every write of it.
             row = await conn.fetchrow(
-                "UPDATE embedding_migrations SET state = $2, reason = $3, failures = 0, lease_owner = NULL, "
-                "lease_until = NULL, updated_at = statement_timestamp(), "
-                # Not a CASE: Citus refuses a non-immutable function inside one.
-                f"finished_at = {'statement_timestamp()' if state.value in _FINISHED else 'NULL'}, "
-                # The clean-up of a cancelled migration walks the space from the start.
-                "cursor_bucket = CASE WHEN $2 = 'cancelling' THEN NULL ELSE cursor_bucket END, "
-                "cursor_id = CASE WHEN $2 = 'cancelling' THEN NULL ELSE cursor_id END, "
-                "cursor_document = CASE WHEN $2 = 'cancelling' THEN NULL ELSE cursor_document END "
-                "WHERE id = $1 AND state = ANY($4::text[]) RETURNING *",
+                f"SELECT * FROM {function}($1, $2::text[], $3, $4)",
                 migration_id,
+                [s.value for s in expect],
                 state.value,
                 reason,
-                [s.value for s in expect],
             )
         return None if row is None else _migration(row)
 
@@ -302,28 +314,20 @@ class PostgresEmbeddingMigrationStore:
         retire_after_seconds: float,
         busy: Collection[str] = (),
     ) -> EmbeddingMigration | None:
-        async with self._pool.acquire() as conn:
+        async with self._runner.acquire() as conn:
             row = await conn.fetchrow(
-                "UPDATE embedding_migrations SET lease_owner = $1, updated_at = statement_timestamp(), "
-                "lease_until = statement_timestamp() + make_interval(secs => $2) "
-                "WHERE id = (SELECT id FROM embedding_migrations WHERE state = ANY($4::text[]) "
-                "AND (state <> 'backfilling' OR to_embedder = ANY($3::text[])) "
-                "AND (state <> 'retiring' OR cut_over_at + make_interval(secs => $5) <= statement_timestamp()) "
-                "AND (lease_owner IS NULL OR lease_owner = $1 OR lease_until < statement_timestamp()) "
-                "AND id <> ALL($6::uuid[]) "
-                "ORDER BY created_at, id LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING *",
+                "SELECT * FROM claim_migration($1, $2, $3::text[], $4, $5::uuid[])",
                 runner,
                 lease_seconds,
                 list(embedders),
-                _RUNNABLE,
                 retire_after_seconds,
                 list(busy),
             )
-        return None if row is None else _migration(row)
+        return None if row is None or row["id"] is None else _migration(row)
 
     async def pending(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingMemory]:
         try:
-            async with tenant_transaction(self._pool, _of(migration)) as conn:
+            async with tenant_transaction(self._runner, _of(migration)) as conn:
                 rows = await conn.fetch(
                     "SELECT * FROM migration_pending($1, $2, $3, $4::uuid, $5)",
                     migration.id,
@@ -352,7 +356,7 @@ class PostgresEmbeddingMigrationStore:
         lease_seconds: float,
     ) -> EmbeddingMigration | None:
         last = rows[-1][0] if rows else None
-        async with tenant_transaction(self._pool, _of(migration)) as conn:
+        async with tenant_transaction(self._runner, _of(migration)) as conn:
             if not await _hold(conn, migration.id, runner):
                 return None
             written = await conn.fetchval(
@@ -374,30 +378,18 @@ class PostgresEmbeddingMigrationStore:
             )
 
     async def renew(self, migration: EmbeddingMigration, runner: str, *, lease_seconds: float) -> bool:
-        async with self._pool.acquire() as conn:
-            result = await conn.execute(
-                "UPDATE embedding_migrations SET lease_until = statement_timestamp() + make_interval(secs => $3) "
-                "WHERE id = $1 AND lease_owner = $2 AND state = ANY($4::text[])",
-                migration.id,
-                runner,
-                lease_seconds,
-                _RUNNABLE,
+        async with self._runner.acquire() as conn:
+            return bool(
+                await conn.fetchval("SELECT renew_migration($1, $2, $3)", migration.id, runner, lease_seconds)
             )
-        return result != "UPDATE 0"
 
     async def rewind(self, migration: EmbeddingMigration, runner: str) -> bool:
-        async with self._pool.acquire() as conn:
-            result = await conn.execute(
-                "UPDATE embedding_migrations SET cursor_bucket = NULL, cursor_id = NULL, cursor_document = NULL, "
-                f"updated_at = statement_timestamp() WHERE {_LEASED}",
-                migration.id,
-                runner,
-            )
-        return result != "UPDATE 0"
+        async with self._runner.acquire() as conn:
+            return bool(await conn.fetchval("SELECT rewind_migration($1, $2)", migration.id, runner))
 
     async def cut_over(self, migration: EmbeddingMigration, runner: str) -> bool:
         function = "cut_over_memory_space" if migration.kb_ref is None else "cut_over_knowledge_base"
-        async with tenant_transaction(self._pool, _of(migration)) as conn:
+        async with tenant_transaction(self._runner, _of(migration)) as conn:
             done = await conn.fetchval(f"SELECT {function}($1, $2)", migration.id, runner)
         return bool(done)
 
@@ -405,7 +397,7 @@ class PostgresEmbeddingMigrationStore:
         self, migration: EmbeddingMigration, runner: str, *, limit: int, lease_seconds: float
     ) -> tuple[int, EmbeddingMigration] | None:
         try:
-            async with tenant_transaction(self._pool, _of(migration)) as conn:
+            async with tenant_transaction(self._runner, _of(migration)) as conn:
                 if migration.kb_ref is None:
                     # Locks the space row and the migration row itself, after its batch (0020).
                     function = "migration_clear"
@@ -425,7 +417,7 @@ class PostgresEmbeddingMigrationStore:
 
     async def pending_documents(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingDocument]:
         try:
-            async with tenant_transaction(self._pool, _of(migration)) as conn:
+            async with tenant_transaction(self._runner, _of(migration)) as conn:
                 documents = await conn.fetch(
                     "SELECT * FROM kb_migration_pending($1, $2, $3, $4)",
                     migration.id,
@@ -472,7 +464,7 @@ class PostgresEmbeddingMigrationStore:
     ) -> EmbeddingMigration | None:
         positions = [position for position, (_, chunks) in enumerate(documents, 1) for _ in chunks]
         chunks = [chunk for _, rows in documents for chunk in rows]
-        async with tenant_transaction(self._pool, _of(migration)) as conn:
+        async with tenant_transaction(self._runner, _of(migration)) as conn:
             if not await _hold(conn, migration.id, runner):
                 return None
             written = await conn.fetchval(
@@ -512,17 +504,8 @@ class PostgresEmbeddingMigrationStore:
     async def record_failure(
         self, migration: EmbeddingMigration, runner: str, reason: str, *, pause_after: int
     ) -> EmbeddingMigration | None:
-        async with self._pool.acquire() as conn:
+        async with self._runner.acquire() as conn:
             row = await conn.fetchrow(
-                "UPDATE embedding_migrations SET failures = failures + 1, reason = $3, "
-                "updated_at = statement_timestamp(), "
-                "state = CASE WHEN failures + 1 >= $4 THEN 'paused' ELSE state END, "
-                "lease_owner = CASE WHEN failures + 1 >= $4 THEN NULL ELSE lease_owner END, "
-                "lease_until = CASE WHEN failures + 1 >= $4 THEN NULL ELSE lease_until END "
-                f"WHERE {_LEASED} RETURNING *",
-                migration.id,
-                runner,
-                reason,
-                pause_after,
+                "SELECT * FROM migration_failed($1, $2, $3, $4)", migration.id, runner, reason, pause_after
             )
-        return None if row is None else _migration(row)
+        return None if row is None or row["id"] is None else _migration(row)
