@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Collection
 from datetime import UTC, datetime
 
 import asyncpg
@@ -17,6 +18,8 @@ import pytest
 from tests.auth.test_revocation_late_commit import listening_list
 from tests.support import SharedDatabase, connect_as, superuser
 from tokensvc.auth.revocation import RevocationList
+from tokensvc.storage.memory.ledgers import InMemoryRevocationStore
+from tokensvc.storage.records import Revocation, RevocationKind
 
 FAR_FUTURE = datetime(2999, 1, 1, tzinfo=UTC)
 
@@ -112,3 +115,35 @@ async def test_a_malformed_announcement_is_dropped_and_the_feed_keeps_working(
         await until_revoked(revocations, real)
         assert revocations.is_listening
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records
+
+
+class SlowFind(InMemoryRevocationStore):
+    """Reading rows back takes a moment, as a database round trip does, so a flood piles up."""
+
+    async def find(self, keys: Collection[tuple[RevocationKind, str]]) -> list[Revocation]:
+        await asyncio.sleep(0.05)
+        return await super().find(keys)
+
+
+async def test_a_flood_of_forged_announcements_does_not_drop_a_real_one() -> None:
+    """Past 1,024 announcements waiting to be read back, the list reads every row since its
+    watermark instead: the real revocation announced in the flood is found by that read (the
+    periodic poll, an hour away here, plays no part)."""
+    store = SlowFind()
+    revocations = RevocationList(store, poll_seconds=3600.0)
+    await revocations.start()
+    try:
+        for i in range(1100):
+            store.announce("jti", f"forged-{i}")
+        await asyncio.sleep(0)  # the reader took the first batch; the flood goes on
+        for i in range(1100):
+            store.announce("jti", f"forged-again-{i}")
+        await store.revoke("jti", "real", reason="stolen", revoked_by="test")
+        for _ in range(500):
+            if revocations.is_revoked("real", "-"):
+                break
+            await asyncio.sleep(0.01)
+        assert revocations.is_revoked("real", "-")
+        assert not revocations.is_revoked("forged-7", "-")
+    finally:
+        await revocations.stop()

@@ -87,13 +87,17 @@ async def test_concurrent_calls_embed_in_parallel_and_get_their_own_rows(e5: Loc
         np.testing.assert_allclose(rows, np.repeat((await e5.embed_documents([fact])), 3, axis=0), atol=1e-4)
 
 
-async def test_a_query_does_not_wait_behind_a_queued_upload() -> None:
+async def test_the_fast_thread_embeds_a_query_and_a_short_passage_while_an_upload_is_queued() -> None:
+    """The scheduler's fast slot is a thread of its own: work given to it does not queue behind
+    the document threads' batches."""
     embedder = LocalE5Embedder(threads=1, batch_size=1)
     try:
         upload = asyncio.ensure_future(embedder.embed_documents([f"document number {i}" for i in range(40)]))
         await asyncio.sleep(0.05)  # the upload's 40 batches are queued
-        await embedder.embed_query("is anything there?")
-        assert not upload.done()  # the query ran ahead of the remaining batches
+        fast = await embedder.embed_query_fast("is anything there?")
+        assert (await embedder.embed_documents_fast(["a short note"])).shape == (1, E5_DIMENSION)
+        assert not upload.done()  # both ran ahead of the remaining batches
+        np.testing.assert_allclose(fast, await embedder.embed_query("is anything there?"), atol=1e-6)
         assert (await upload).shape == (40, E5_DIMENSION)
     finally:
         await embedder.aclose()

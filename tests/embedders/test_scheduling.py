@@ -67,7 +67,8 @@ def start(
     return asyncio.ensure_future(scheduler.run(demand, items, gate.embed(label)))
 
 
-ONE_SLOT = Capacity(slots=1, slice_texts=2, slice_chars=100, text_chars=100)
+# No per-slice overhead: the orders below are worked out in characters alone.
+ONE_SLOT = Capacity(slots=1, slice_texts=2, slice_chars=100, text_chars=100, slice_overhead=0)
 
 
 async def test_a_small_call_of_another_tenant_goes_before_a_large_calls_remaining_slices() -> None:
@@ -130,7 +131,12 @@ async def test_tenants_of_one_class_share_the_model_by_characters_not_by_calls()
     await asyncio.gather(blocker, wide, narrow)
 
 
-FAST = Capacity(slots=1, fast_slots=1, fast_chars=30, slice_texts=2, slice_chars=100, text_chars=100)
+FAST = Capacity(
+    slots=1, fast_slots=1, fast_chars=30, slice_texts=2, slice_chars=100, text_chars=100, slice_overhead=0
+)
+TWO_SLOTS = Capacity(
+    slots=2, fast_slots=1, fast_chars=30, slice_texts=2, slice_chars=100, text_chars=100, slice_overhead=0
+)
 
 
 async def test_a_query_takes_the_fast_slot_while_every_shared_slot_runs_a_long_write() -> None:
@@ -141,11 +147,13 @@ async def test_a_query_takes_the_fast_slot_while_every_shared_slot_runs_a_long_w
     second = start(scheduler, gate, "query-2", Demand(QUERY, "ns/c"), texts(1))
     await settle()
     assert gate.order == ["write", "query-1"]  # no wait for the write's slice
-    await gate.open_next()  # the write's first slice: its shared slot goes to the waiting query
-    assert gate.order == ["write", "query-1", "query-2"]
+    # With one shared slot, queries (which have the fast lane) leave it to the writes.
+    await gate.open_next()
+    assert gate.order == ["write", "query-1", "write"]
+    await gate.open_next()  # query-1's fast slot frees
+    assert gate.order == ["write", "query-1", "write", "query-2"]
     await gate.open_all()
     await asyncio.gather(write, first, second)
-    assert gate.order[3:] == ["write"]  # the fast slot never takes a long slice
 
 
 async def test_a_short_write_takes_the_fast_slot_and_runs_on_the_embedders_fast_lane() -> None:
@@ -162,6 +170,64 @@ async def test_a_short_write_takes_the_fast_slot_and_runs_on_the_embedders_fast_
     assert await short == [texts(2)]
     await asyncio.gather(long, bulk)
     assert gate.order[-1] == "bulk"
+
+
+async def test_a_flood_of_searches_leaves_a_shared_slot_to_the_writes() -> None:
+    scheduler, gate = FairScheduler("m", TWO_SLOTS, tenant_queue_texts=1000), Gate()
+    queries = [start(scheduler, gate, "query", Demand(QUERY, "ns/a"), texts(1)) for _ in range(8)]
+    await settle()
+    assert gate.order == ["query"] * 3  # the fast slot and both shared slots: nothing else waits
+    write = start(scheduler, gate, "write", Demand(INTERACTIVE, "ns/b"), texts(2, chars=50))
+    await settle()
+    await gate.open_next()
+    await gate.open_next()
+    # Queries now hold at most one shared slot (plus the fast one): the write got the other.
+    assert "write" in gate.order
+    assert gate.order.index("write") < len(gate.order) - 1 or len(gate.order) < 11
+    await gate.open_all()
+    await asyncio.gather(write, *queries)
+
+
+async def test_a_flood_of_interactive_writes_leaves_a_shared_slot_to_uploads() -> None:
+    scheduler, gate = FairScheduler("m", TWO_SLOTS, tenant_queue_texts=1000), Gate()
+    flood = [
+        start(scheduler, gate, "write", Demand(INTERACTIVE, "ns/a"), texts(2, chars=50)) for _ in range(6)
+    ]
+    await settle()
+    upload = start(scheduler, gate, "upload", Demand(BULK, "ns-b"), texts(2, chars=50))
+    await settle()
+    await gate.open_next()
+    assert gate.order == ["write", "write", "upload"]  # not after the six writes
+    await gate.open_all()
+    await asyncio.gather(upload, *flood)
+
+
+async def test_the_fast_lane_takes_tenants_short_writes_in_turn() -> None:
+    """Tenant a's ten queued one-line Remembers do not all go before tenant b's one."""
+    scheduler, gate = FairScheduler("m", FAST, tenant_queue_texts=1000), Gate()
+    long = start(scheduler, gate, "long", Demand(INTERACTIVE, "ns/x"), texts(2, chars=50))
+    first = start(scheduler, gate, "a", Demand(INTERACTIVE, "ns/a"), texts(1))  # the fast slot
+    await settle()
+    many = [start(scheduler, gate, "a", Demand(INTERACTIVE, "ns/a"), texts(1)) for _ in range(10)]
+    one = start(scheduler, gate, "b", Demand(INTERACTIVE, "ns/b"), texts(1))
+    await settle()
+    await gate.open_all()
+    assert gate.order.index("b") <= 4  # long, a, then b within two more of a's
+    await asyncio.gather(long, first, one, *many)
+
+
+async def test_each_slice_costs_a_fixed_overhead_so_many_small_calls_share_with_one() -> None:
+    capacity = Capacity(slots=1, slice_texts=1, slice_chars=100, text_chars=100, slice_overhead=100)
+    scheduler, gate = FairScheduler("m", capacity, tenant_queue_texts=1000), Gate()
+    blocker = start(scheduler, gate, "blocker", Demand(INTERACTIVE, "ns/x"), texts(1))
+    await settle()
+    many = start(scheduler, gate, "a", Demand(INTERACTIVE, "ns/a"), texts(20))  # twenty 10-char slices
+    one = start(scheduler, gate, "b", Demand(INTERACTIVE, "ns/b"), texts(1))
+    await settle()
+    await gate.open_all()
+    # A turn's credit (200) covers one 110-cost slice and no more: b's comes second, not 21st.
+    assert gate.order[1:4] == ["a", "b", "a"]
+    await asyncio.gather(blocker, many, one)
 
 
 async def test_a_tenant_past_its_queue_bound_is_refused_and_others_are_not() -> None:

@@ -39,7 +39,7 @@ _log = logging.getLogger(__name__)
 _OVERLAP = timedelta(seconds=30)
 FULL_SYNC_SECONDS = 10.0
 # Announced keys waiting to be read back. A flood past this (forged, since real revocations are
-# few) is dropped: the polls still find every real row.
+# few) is dropped for one read of every row since the watermark.
 _MAX_PENDING = 1024
 
 
@@ -59,6 +59,7 @@ class RevocationList:
         self._watermark: datetime | None = None  # the database's clock at the last poll's read
         self._task: asyncio.Task[None] | None = None
         self._pending: set[tuple[RevocationKind, str]] = set()
+        self._catch_up = False  # announcements overflowed: read every row since the watermark
         self._reader: asyncio.Task[None] | None = None
         self._feed: RevocationFeed | None = None
         self._listeners: list[Callable[[RevocationKind, str], None]] = []
@@ -136,17 +137,27 @@ class RevocationList:
     def _announced(self, kind: RevocationKind, value: str) -> None:
         """A hint that (kind, value) was revoked: honoured once its row is read back."""
         if len(self._pending) >= _MAX_PENDING:
-            return
-        self._pending.add((kind, value))
+            # A flood (forged: real revocations are few). Reading back every key would follow
+            # the forger; one read of the rows since the watermark finds every real one instead,
+            # the announced key among them.
+            self._pending.clear()
+            self._catch_up = True
+        else:
+            self._pending.add((kind, value))
         if self._reader is None or self._reader.done():
             self._reader = asyncio.create_task(self._read_announced(), name="revocation-announcements")
 
     async def _read_announced(self) -> None:
         # Keys announced while a read is under way wait for the next one: one query per batch.
-        while self._pending:
-            keys, self._pending = self._pending, set()
+        while self._pending or self._catch_up:
             try:
-                self._apply(await self._store.find(keys))
+                if self._catch_up:
+                    self._catch_up = False
+                    self._pending.clear()
+                    await self.poll_once()
+                else:
+                    keys, self._pending = self._pending, set()
+                    self._apply(await self._store.find(keys))
             except Exception as exc:
                 _log.warning(
                     "reading announced revocations failed; the poll finds them",

@@ -209,13 +209,20 @@ class LocalE5Embedder:
         return _checked(np.concatenate(parts), len(texts))
 
     async def embed_query(self, text: str) -> Vectors:
+        return await self._query(text, _DOCUMENTS)
+
+    async def embed_query_fast(self, text: str) -> Vectors:
+        """`embed_query` on the fast thread: for a query the scheduler gives the fast slot."""
+        return await self._query(text, _FAST)
+
+    async def _query(self, text: str, lane: int) -> Vectors:
         cut = text[:MAX_QUERY_CHARS]
 
         def embed(model: Any) -> np.ndarray:
             return np.asarray(model.query([cut]))
 
         workers = await self._pool()
-        (vector,) = await self._gather([workers.submit(_FAST, embed)])
+        (vector,) = await self._gather([workers.submit(lane, embed)])
         row: Vectors = _checked(vector, 1)[0]
         return row
 

@@ -64,10 +64,17 @@ class ScheduledEmbedder:
         """The vector a search uses, in the query class (ahead of every write, on the fast slot
         when it is free)."""
 
-        async def one(texts: list[str]) -> Vectors:
+        fast = getattr(self._inner, "embed_query_fast", self._inner.embed_query)
+
+        async def on_shared_slot(texts: list[str]) -> Vectors:
             return await self._inner.embed_query(texts[0])
 
-        (vector,) = await self._scheduler.run(Demand(WorkClass.QUERY, tenant), [text], one)
+        async def on_fast_slot(texts: list[str]) -> Vectors:
+            return await fast(texts[0])
+
+        (vector,) = await self._scheduler.run(
+            Demand(WorkClass.QUERY, tenant), [text], on_shared_slot, on_fast_slot
+        )
         return vector
 
     async def aclose(self) -> None:

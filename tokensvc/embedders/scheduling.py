@@ -22,6 +22,11 @@ an endpoint) take only short work: a query, or else an interactive slice of at m
 characters (a one-line Remember), in class and round-robin order. A search, and a short write,
 then waits for at most one short slice, not for a long one.
 
+Shares between classes. The classes are served in order, but while a later class has work
+waiting, a class may hold at most all shared slots but one (with two or more; with one, queries,
+which have the fast lane, leave it to the writes). So a flood of searches cannot stall every
+Remember, nor a flood of Remembers every upload.
+
 Bounded. A tenant's lane in a class holds at most `tenant_queue_texts` texts; a call that would go
 past it is refused with `ConcurrencyLimit` (RESOURCE_EXHAUSTED) unless the lane is empty, so a call
 that would succeed alone is never refused for its size.
@@ -92,17 +97,20 @@ class Capacity:
     text_chars: int = 1 << 16
     fast_slots: int = 0
     fast_chars: int = 2048
+    # What one slice costs besides its characters (a model call's fixed work), so that a tenant's
+    # many one-line calls do not all go before another tenant's one.
+    slice_overhead: int = 256
 
     def __post_init__(self) -> None:
         if min(self.slots, self.slice_texts, self.slice_chars, self.text_chars, self.fast_chars) < 1:
             raise ValueError("slots, slice sizes and fast_chars must be at least 1")
-        if self.fast_slots < 0:
-            raise ValueError("fast_slots must be at least 0")
+        if self.fast_slots < 0 or self.slice_overhead < 0:
+            raise ValueError("fast_slots and slice_overhead must be at least 0")
 
     @property
     def quantum(self) -> int:
         """A lane's credit per turn: enough for the largest slice, so every turn serves one."""
-        return max(self.slice_chars, self.text_chars)
+        return max(self.slice_chars, self.text_chars) + self.slice_overhead
 
 
 def capacity_of(embedder: object) -> Capacity:
@@ -165,6 +173,7 @@ class FairScheduler:
         self._bound = tenant_queue_texts
         self._free = capacity.slots
         self._free_fast = capacity.fast_slots
+        self._held: dict[WorkClass, int] = dict.fromkeys(WorkClass, 0)  # shared slots per class
         self._lanes: dict[tuple[WorkClass, str], _Lane] = {}
         self._rings: dict[WorkClass, deque[_Lane]] = {work: deque() for work in WorkClass}
         self._running: set[asyncio.Task[None]] = set()
@@ -210,7 +219,9 @@ class FairScheduler:
             texts=texts,
             embed=embed,
             embed_fast=embed_fast or embed,
-            pending=deque((n, r, sum(costs[r.start : r.stop])) for n, r in enumerate(ranges)),
+            pending=deque(
+                (n, r, sum(costs[r.start : r.stop]) + capacity.slice_overhead) for n, r in enumerate(ranges)
+            ),
             done=asyncio.get_running_loop().create_future(),
             results=[None] * len(ranges),
             queued_texts=len(texts),
@@ -247,35 +258,60 @@ class FairScheduler:
                 return
 
     def _start(self, picked: tuple[_Call[object], int, range], *, fast: bool) -> None:
+        work = picked[0].demand.work
+        if not fast:
+            self._held[work] += 1
         task = asyncio.get_running_loop().create_task(self._execute(*picked, fast=fast))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
     def _next(self) -> tuple[_Call[object], int, range] | None:
-        """The next slice by class, then deficit round-robin over the class's lanes."""
-        for work, ring in self._rings.items():
-            while ring:
-                lane = ring[0]
-                if not lane.credited:
-                    lane.deficit += self._capacity.quantum
-                    lane.credited = True
-                if lane.calls[0].pending[0][2] > lane.deficit:
-                    lane.credited = False
-                    ring.rotate(-1)
-                    continue
-                return self._take(work, lane)
+        """The next slice for a shared slot: the first class with work that is under its share."""
+        for work in WorkClass:
+            if self._rings[work] and self._held[work] < self._share(work):
+                return self._next_in(work)
+        return None
+
+    def _share(self, work: WorkClass) -> int:
+        """Shared slots `work` may hold. While a later class waits, one shared slot stays free for
+        it (when there are two or more, or when queries have their fast lane), so a flood of one
+        class (any tenant's) cannot hold the model from all the others."""
+        slots = self._capacity.slots
+        later_waits = any(self._rings[later] for later in WorkClass if later > work)
+        if later_waits and (slots >= 2 or (work is WorkClass.QUERY and self._capacity.fast_slots)):
+            return slots - 1
+        return slots
+
+    def _next_in(self, work: WorkClass) -> tuple[_Call[object], int, range] | None:
+        """Deficit round-robin over the class's lanes."""
+        ring = self._rings[work]
+        while ring:
+            lane = ring[0]
+            if not lane.credited:
+                lane.deficit += self._capacity.quantum
+                lane.credited = True
+            if lane.calls[0].pending[0][2] > lane.deficit:
+                lane.credited = False
+                ring.rotate(-1)
+                continue
+            return self._take(work, lane)
         return None
 
     def _next_fast(self) -> tuple[_Call[object], int, range] | None:
-        """Short work for a fast slot: the next query, else the first interactive lane (in
-        round-robin order) whose next slice is short. It is charged to the lane's credit like any
-        slice, so a tenant does not gain a larger share by it."""
-        queries = self._rings[WorkClass.QUERY]
-        if queries:
-            return self._take(WorkClass.QUERY, queries[0])
-        for lane in self._rings[WorkClass.INTERACTIVE]:
-            if lane.calls[0].pending[0][2] <= self._capacity.fast_chars:
-                return self._take(WorkClass.INTERACTIVE, lane)
+        """Short work for a fast slot: the next query (round-robin between tenants), else the
+        first interactive lane whose next slice is short, which then goes to the back of its
+        ring (charged to its credit like any slice, so it gains no larger share by it)."""
+        if self._rings[WorkClass.QUERY]:
+            return self._next_in(WorkClass.QUERY)
+        ring = self._rings[WorkClass.INTERACTIVE]
+        for lane in ring:
+            if lane.calls[0].pending[0][2] - self._capacity.slice_overhead <= self._capacity.fast_chars:
+                picked = self._take(WorkClass.INTERACTIVE, lane)
+                if lane.calls:  # still queued: the other lanes' short work comes first next time
+                    ring.remove(lane)
+                    lane.credited = False
+                    ring.append(lane)
+                return picked
         return None
 
     def _take(self, work: WorkClass, lane: _Lane) -> tuple[_Call[object], int, range]:
@@ -318,6 +354,7 @@ class FairScheduler:
                 self._free_fast += 1
             else:
                 self._free += 1
+                self._held[call.demand.work] -= 1
             self._dispatch()
 
     def _withdraw(self, call: _Call[_R]) -> None:
