@@ -517,3 +517,99 @@ async def test_a_forged_vector_of_another_dimension_is_refused_to_the_runner_too
         await store.transition(
             victim.migration, expect=[MigrationState.BACKFILLING], state=MigrationState.CANCELLED
         )
+
+
+# --- the control plane's functions, for the declared subject only ----------------------------
+
+
+async def test_the_serving_role_cannot_cancel_resume_or_release_a_migration_it_did_not_declare(
+    pool: asyncpg.Pool, runner_pool: asyncpg.Pool, serving: asyncpg.Connection
+) -> None:
+    """change_migration_state and release_started_migration checked no declaration, and the
+    subject's lock re-declared the caller's transaction as the victim's space."""
+    victim = await make_victim(pool, migrating=True)
+    assert victim.migration is not None
+    store = PostgresEmbeddingMigrationStore(pool, runner_pool=runner_pool)
+    try:
+        await declare(serving, namespace="someone-else", agent="attacker", kbs="*")
+        for new_state in ("cancelling", "backfilling"):
+            moved = await attempt(
+                serving,
+                "SELECT id FROM change_migration_state($1, ARRAY['backfilling', 'paused'], $2, 'x')",
+                victim.migration,
+                new_state,
+            )
+            assert moved is None, new_state
+        assert (
+            await attempt(serving, "SELECT id FROM release_started_migration($1)", victim.migration) is None
+        )
+        declared = await serving.fetchrow(
+            "SELECT current_setting('tokensvc.namespace', true) AS ns, current_setting('tokensvc.agent', true) "
+            "AS agent, current_setting('tokensvc.kbs', true) AS kbs"
+        )
+        assert tuple(declared) == ("someone-else", "attacker", "*")
+        state = await serving.fetchval(
+            "SELECT state FROM embedding_migrations WHERE id = $1", victim.migration
+        )
+        assert state == "backfilling"
+    finally:
+        await serving.execute("ROLLBACK")
+        await serving.execute("BEGIN")
+        # The operator's own path (declaring the subject) still cancels it.
+        cancelled = await store.transition(
+            victim.migration, expect=[MigrationState.BACKFILLING], state=MigrationState.CANCELLING
+        )
+        assert cancelled is not None
+        await store.transition(
+            victim.migration, expect=[MigrationState.CANCELLING], state=MigrationState.CANCELLED
+        )
+
+
+async def test_no_space_pinned_to_another_embedder_migrates_to_the_builtin_hash(
+    pool: asyncpg.Pool, serving: asyncpg.Connection
+) -> None:
+    """An injection can declare any space (set_config) and start a migration of it; `hash` is the
+    one target every deployment configures, so the service's own runner would carry it out."""
+    agent = f"victim-{uuid.uuid4().hex[:10]}"
+    await PostgresMemoryStore(pool).pin_space(
+        Tenant(NAMESPACE, agent),
+        MemorySpace(EmbedderSpec("e5", "multilingual-e5-small", 384, True), "simple"),
+    )
+    await declare(serving, namespace=NAMESPACE, agent=agent)
+    started = await attempt(
+        serving,
+        "SELECT id FROM start_memory_migration($1, $2, $3, 0, 'hash', 'hash-v1', 384, true, 0, 'injected')",
+        str(uuid.uuid4()),
+        NAMESPACE,
+        agent,
+    )
+    assert started is None
+
+
+# --- index builds: a bounded number of dimensions ------------------------------------------
+
+
+async def test_pins_the_serving_role_makes_up_get_indexes_for_16_dimensions_at_most(
+    serving: asyncpg.Connection,
+) -> None:
+    """A pin the serving role inserts for a space of its own invention makes its dimension "used"
+    (and it cannot be deleted again): each would get HNSW indexes on every partition."""
+    refused = 0
+    for dim in range(1960, 1990):
+        await declare(serving, namespace="made-up", agent=f"fake-{dim}")
+        await serving.execute(
+            "INSERT INTO memory_spaces (namespace, agent, embedder, model, dimension, normalized) "
+            "VALUES ('made-up', $1, 'x', 'x', $2, true)",
+            f"fake-{dim}",
+            dim,
+        )
+        if await attempt(serving, "SELECT ensure_memory_partition_index($1, 0, 0)", dim) is None:
+            refused += 1
+    indexed = await serving.fetchval(
+        "SELECT count(DISTINCT substring(relname FROM '([0-9]+)$')) FROM pg_class "
+        "WHERE relnamespace = 'tokensvc'::regnamespace AND relname ~ '^memories_hnsw_(b_)?[0-9]+$'"
+    )
+    assert indexed <= 16
+    assert refused >= 30 - 16
+    # A dimension that has its indexes is still built on every partition.
+    assert await serving.fetchval("SELECT ensure_memory_partition_index(384, 1, 5)") is True

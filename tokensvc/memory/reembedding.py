@@ -41,7 +41,14 @@ import numpy as np
 from opentelemetry import trace
 
 from tokensvc.audit import SYSTEM_ACTOR, AuditKind, AuditLog, AuditOutcome
-from tokensvc.embedders import Demand, EmbedderRegistry, EmbedderSpec, ScheduledEmbedder, WorkClass
+from tokensvc.embedders import (
+    BUILTIN_EMBEDDER,
+    Demand,
+    EmbedderRegistry,
+    EmbedderSpec,
+    ScheduledEmbedder,
+    WorkClass,
+)
 from tokensvc.errors import (
     EmbedderUnavailable,
     InvalidArgument,
@@ -196,6 +203,7 @@ class EmbeddingMigrations:
             await self._refuse_unfinished(planned, described)
         if embedder.spec == space.embedder:
             raise InvalidArgument("embedder", f"the memory space is already pinned to {embedder_name!r}")
+        _refuse_test_embedder(embedder.spec, space.embedder)
         rows, average_chars = await self._store.space_size(namespace, agent)
         estimate = await _estimate(planned, embedder, rows, rows, average_chars)
         if dry_run:
@@ -228,6 +236,7 @@ class EmbeddingMigrations:
             raise InvalidArgument(
                 "embedder", f"the knowledge base is already pinned to {embedder_name!r} with this chunking"
             )
+        _refuse_test_embedder(embedder.spec, source)
         documents, chunks, average_chars, without_text = await self._store.base_size(namespace, kb_ref)
         if after != before and without_text:
             raise MigrationConflict(
@@ -345,6 +354,16 @@ class EmbeddingMigrations:
             outcome=AuditOutcome.STARTED,
         )
         return progress_of(changed)
+
+
+def _refuse_test_embedder(target: EmbedderSpec, source: EmbedderSpec) -> None:
+    """The built-in `hash` embedder (no meaning, always configured) is for tests: nothing pinned
+    to another embedder migrates to it (migration 0021 refuses it too)."""
+    if target.name == BUILTIN_EMBEDDER and source.name != BUILTIN_EMBEDDER:
+        raise InvalidArgument(
+            "embedder",
+            f"{BUILTIN_EMBEDDER!r} is for tests: a subject pinned to {source.name!r} does not migrate to it",
+        )
 
 
 def _conflict(described: str) -> MigrationConflict:

@@ -192,8 +192,11 @@ class PostgresEmbeddingMigrationStore:
         return await self._release(row)
 
     async def _release(self, row: asyncpg.Record) -> EmbeddingMigration:
-        """The started migration `row`, its start's hold released: the runners may claim it."""
-        async with self._pool.acquire() as conn:
+        """The started migration `row`, its start's hold released: the runners may claim it. In a
+        transaction that declares its subject (release_started_migration checks it)."""
+        async with tenant_transaction(
+            self._pool, _subject(row["namespace"], row["agent"], row["kb_ref"])
+        ) as conn:
             released = await conn.fetchrow("SELECT * FROM release_started_migration($1)", row["id"])
         return _migration(released if released is not None else row)
 

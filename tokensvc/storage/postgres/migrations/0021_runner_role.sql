@@ -10,11 +10,14 @@
 -- * the serving role may only read the table (not the backfill cursor, which holds a bucket id),
 --   and creates and moves migrations through functions that check their input: the subject the
 --   transaction declared and its current pin (the source is read, never taken from the caller),
---   a whole target, and the operator's transitions of the state machine only (cancel, resume);
+--   a whole target (never the built-in `hash` embedder for a subject pinned to another: it is for
+--   tests, and always configured), and the operator's transitions of the state machine only
+--   (cancel, resume, a start's release), each for the subject its transaction declared;
 -- * the runner's functions (claim, lease, batches, clean-up, cutover, finish) are executable by
 --   the runner group role `{runner_role}` only, whose login role the service's runner pool uses
 --   (its own credential); migration_pending answers only a transaction that declared the space;
--- * the HNSW builds the serving role may ask for are limited to dimensions something uses.
+-- * the HNSW builds the serving role may ask for are limited to dimensions something uses, and
+--   to 16 distinct dimensions in all (a pin the serving role inserts makes a dimension "used").
 --
 -- `{runner_role}` is substituted like `{app_role}` (a validated identifier); the group role is
 -- created by whoever provisions roles (docs/operations.md, "The runner credential"), as the
@@ -111,6 +114,10 @@ BEGIN
        = (target_embedder, target_model, target_dimension, target_normalized) THEN
         RAISE EXCEPTION 'the memory space is pinned to this embedder already' USING ERRCODE = '22023';
     END IF;
+    IF target_embedder = 'hash' AND s.embedder <> 'hash' THEN
+        RAISE EXCEPTION 'the built-in hash embedder is for tests: no space pinned to another migrates to it'
+            USING ERRCODE = '22023';
+    END IF;
     INSERT INTO tokensvc.embedding_migrations (id, namespace, agent, from_generation, from_embedder,
         from_model, from_dimension, to_embedder, to_model, to_dimension, to_normalized, state, rows_total,
         created_by, lease_owner, lease_until)
@@ -164,6 +171,10 @@ BEGIN
         RAISE EXCEPTION 'the knowledge base is pinned to this embedder and chunking already'
             USING ERRCODE = '22023';
     END IF;
+    IF target_embedder = 'hash' AND b.embedder <> 'hash' THEN
+        RAISE EXCEPTION 'the built-in hash embedder is for tests: no base pinned to another migrates to it'
+            USING ERRCODE = '22023';
+    END IF;
     INSERT INTO tokensvc.embedding_migrations (id, namespace, kb_ref, from_generation, from_embedder,
         from_model, from_dimension, to_embedder, to_model, to_dimension, to_normalized, from_chunking,
         from_chunk_size, from_chunk_overlap, to_chunking, to_chunk_size, to_chunk_overlap, state,
@@ -179,17 +190,38 @@ BEGIN
     END IF;
 END $$;
 
+-- Whether the transaction declared migration `m`'s subject: its memory space (namespace and
+-- agent), or its knowledge base (the namespace, the base in its roster). A migration's subject
+-- never changes once it is recorded, so the check holds for the rest of the transaction.
+CREATE FUNCTION tokensvc.migration_subject_declared(m tokensvc.embedding_migrations) RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+    SELECT CASE WHEN m.kb_ref IS NOT NULL THEN coalesce(tokensvc.kb_visible(m.namespace, m.kb_ref), false)
+                ELSE m.agent IS NOT NULL
+                     AND m.namespace IS NOT DISTINCT FROM current_setting('tokensvc.namespace', true)
+                     AND m.agent IS NOT DISTINCT FROM current_setting('tokensvc.agent', true) END
+$$;
+REVOKE ALL ON FUNCTION tokensvc.migration_subject_declared(tokensvc.embedding_migrations) FROM PUBLIC;
+
 -- A start's row is leased to no runner until its target's index is built (the start does that
 -- after the row exists, since a build is refused for a dimension nothing uses): then this
--- releases it. A start that dies before it does leaves the lease to expire (15 minutes).
+-- releases it, for a transaction that declared its subject, while it is BACKFILLING. A start
+-- that dies before it does leaves the lease to expire (15 minutes).
 CREATE FUNCTION tokensvc.release_started_migration(migration uuid)
 RETURNS SETOF tokensvc.embedding_migrations LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
 DECLARE
     m tokensvc.embedding_migrations;
 BEGIN
+    SELECT * INTO m FROM tokensvc.embedding_migrations WHERE id = migration;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    IF NOT tokensvc.migration_subject_declared(m) THEN
+        RAISE EXCEPTION 'a start is released by a transaction that declared its subject' USING ERRCODE = '42501';
+    END IF;
+    m := NULL;
     UPDATE tokensvc.embedding_migrations SET lease_owner = NULL, lease_until = NULL
-    WHERE id = migration AND lease_owner = 'tokensvc:starting'
+    WHERE id = migration AND lease_owner = 'tokensvc:starting' AND state = 'backfilling'
     RETURNING * INTO m;
     IF m.id IS NOT NULL THEN
         RETURN NEXT tokensvc.migration_as_served(m);
@@ -197,9 +229,11 @@ BEGIN
 END $$;
 
 -- The operator's transitions: cancel (BACKFILLING or PAUSED to CANCELLING, the clean-up walking
--- from the start) and resume (PAUSED to BACKFILLING); the lease is released. The subject row is
--- locked first (0015's lock order). No row when the migration is in none of `expected` (those
--- the transition allows).
+-- from the start) and resume (PAUSED to BACKFILLING); the lease is released. For a transaction
+-- that declared the migration's subject (checked before anything is locked); the subject row is
+-- locked first (0015's lock order), and the caller's declaration is left as it was (the lock
+-- narrows `tokensvc.kbs` to the one base). No row when the migration is in none of `expected`
+-- (those the transition allows).
 CREATE FUNCTION tokensvc.change_migration_state(migration uuid, expected text[], new_state text, why text)
 RETURNS SETOF tokensvc.embedding_migrations LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
@@ -207,14 +241,26 @@ DECLARE
     allowed text[] := CASE new_state WHEN 'cancelling' THEN ARRAY['backfilling', 'paused']
                                      WHEN 'backfilling' THEN ARRAY['paused'] END;
     m tokensvc.embedding_migrations;
+    roster text := current_setting('tokensvc.kbs', true);
 BEGIN
     IF allowed IS NULL OR expected IS NULL OR why IS NULL OR length(why) > 1024 THEN
         RAISE EXCEPTION 'the control plane cancels or resumes a migration, nothing else'
             USING ERRCODE = '22023';
     END IF;
+    SELECT * INTO m FROM tokensvc.embedding_migrations WHERE id = migration;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    IF NOT tokensvc.migration_subject_declared(m) THEN
+        RAISE EXCEPTION 'a migration is cancelled or resumed by a transaction that declared its subject'
+            USING ERRCODE = '42501';
+    END IF;
+    m := NULL;
     IF NOT tokensvc.lock_migration_subject(migration, true) THEN
         RETURN;
     END IF;
+    -- The namespace and agent it set are the caller's already (checked above); the roster is not.
+    PERFORM set_config('tokensvc.kbs', coalesce(roster, ''), true);
     UPDATE tokensvc.embedding_migrations
     SET state = new_state, reason = why, failures = 0, lease_owner = NULL, lease_until = NULL,
         updated_at = statement_timestamp(), finished_at = NULL,
@@ -387,12 +433,40 @@ BEGIN
 END $$;
 
 -- ---------------------------------------------------------------------------------------------
--- HNSW builds on demand: only for a dimension something uses
+-- HNSW builds on demand: only for a dimension something uses, 16 dimensions at most
 -- ---------------------------------------------------------------------------------------------
 
+-- The serving role may insert a pin (a new space's, a new base's) of any dimension, so "a
+-- dimension something uses" bounds nothing on its own: a build of a dimension no index has yet
+-- is also refused past `limit` distinct dimensions among `table`'s HNSW indexes (the memories'
+-- two slots count one dimension once), unless the session's login is the schema owner (the
+-- operator raising it: docs/operations.md, "Vector index dimensions"). Serialised, so two new
+-- dimensions' builds cannot both pass the count. The indexes' names are 0004's and 0014's.
+CREATE FUNCTION tokensvc.refuse_index_dimension_past_limit(tbl text, dim integer, lim integer) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    pattern text := CASE tbl WHEN 'memories' THEN '^memories_hnsw_(b_)?([1-9][0-9]*)$'
+                             ELSE '^chunks_hnsw_()([1-9][0-9]*)$' END;
+    dimensions integer;
+BEGIN
+    IF pg_has_role(session_user, current_user, 'MEMBER') THEN
+        RETURN;
+    END IF;
+    PERFORM pg_advisory_xact_lock(hashtextextended('tokensvc.index_dimensions.' || tbl, 0));
+    SELECT count(DISTINCT (regexp_match(c.relname, pattern))[2]) INTO dimensions
+    FROM pg_class c
+    WHERE c.relnamespace = 'tokensvc'::regnamespace AND c.relkind IN ('i', 'I') AND c.relname ~ pattern
+      AND (regexp_match(c.relname, pattern))[2]::integer <> dim;
+    IF dimensions >= lim THEN
+        RAISE EXCEPTION '% dimensions have HNSW indexes on % already (at most %): the schema owner builds '
+            'another', dimensions, tbl, lim USING ERRCODE = '22023';
+    END IF;
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.refuse_index_dimension_past_limit(text, integer, integer) FROM PUBLIC;
+
 -- 0014's partition build, refused (SQLSTATE 22023) for a dimension no memory space is pinned to
--- and no unfinished migration of a space targets, unless the build was started already (the
--- `vector-indexes` duty finishes what a cancelled migration left).
+-- and no unfinished migration of a space targets, or past 16 dimensions, unless the build was
+-- started already (the `vector-indexes` duty finishes what a cancelled migration left).
 CREATE OR REPLACE FUNCTION tokensvc.ensure_memory_partition_index(dim integer, slot integer, part integer)
 RETURNS boolean LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
@@ -415,6 +489,9 @@ BEGIN
                          AND m.state IN ('backfilling', 'paused', 'retiring', 'cancelling')) THEN
         RAISE EXCEPTION 'no memory space uses % dimensions', dim USING ERRCODE = '22023';
     END IF;
+    IF to_regclass('tokensvc.' || parent) IS NULL THEN
+        PERFORM tokensvc.refuse_index_dimension_past_limit('memories', dim, 16);
+    END IF;
     PERFORM pg_advisory_xact_lock(hashtextextended('tokensvc.' || parent, 0));
     IF to_regclass('tokensvc.' || parent) IS NULL THEN
         EXECUTE format(
@@ -433,7 +510,7 @@ BEGIN
 END $$;
 
 -- 0004's chunk index, refused the same way for a dimension no knowledge base is pinned to and no
--- unfinished migration of a base targets.
+-- unfinished migration of a base targets, or past 16 dimensions.
 CREATE OR REPLACE FUNCTION tokensvc.ensure_chunk_vector_index(dim integer) RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
 BEGIN
@@ -449,6 +526,7 @@ BEGIN
                          AND m.state IN ('backfilling', 'paused', 'retiring', 'cancelling')) THEN
         RAISE EXCEPTION 'no knowledge base uses % dimensions', dim USING ERRCODE = '22023';
     END IF;
+    PERFORM tokensvc.refuse_index_dimension_past_limit('chunks', dim, 16);
     EXECUTE format(
         'CREATE INDEX IF NOT EXISTS chunks_hnsw_%s ON tokensvc.chunks '
         'USING hnsw ((embedding::vector(%s)) vector_ip_ops) WITH (m = 16, ef_construction = 64) '
