@@ -480,14 +480,13 @@ async def test_a_pinned_memory_space_cannot_be_changed_or_seen_by_another_agent(
     spec = MemorySpace(EmbedderSpec("hash", "hash-v1", DIM, True), "english")
     assert await store.pin_space(tenant, spec) == spec
 
-    # Neither changed in place nor deleted and pinned again (0021), even by its own tenant.
-    for statement in (
-        "UPDATE memory_spaces SET dimension = 256, model = 'other'",
-        "DELETE FROM memory_spaces",
-    ):
-        async with tenant_transaction(pool, tenant) as conn:
-            with pytest.raises(asyncpg.InsufficientPrivilegeError):
-                await conn.execute(statement)
+    # Neither changed in place (no UPDATE privilege) nor deleted and pinned again (0021: no
+    # policy lets a row be deleted), even by its own tenant.
+    async with tenant_transaction(pool, tenant) as conn:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute("UPDATE memory_spaces SET dimension = 256, model = 'other'")
+    async with tenant_transaction(pool, tenant) as conn:
+        assert await conn.execute("DELETE FROM memory_spaces") == "DELETE 0"
     other = Tenant(NAMESPACE, f"{tenant.agent}-other")
     async with tenant_transaction(pool, other) as conn:
         assert await conn.fetchval("SELECT count(*) FROM memory_spaces") == 0

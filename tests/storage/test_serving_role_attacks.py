@@ -76,6 +76,19 @@ DEFINER_GRANTS = {
 }
 
 
+@pytest.fixture(autouse=True)
+async def _victims_migrations_cancelled(database: SharedDatabase) -> AsyncIterator[None]:
+    """A victim's migration targets an embedder no service here has: left `backfilling`, it
+    would hold a runner slot of every later test's service (their own migrations waited)."""
+    yield
+    async with superuser(database) as admin:
+        await admin.execute(
+            "UPDATE tokensvc.embedding_migrations SET state = 'cancelling', lease_owner = NULL, "
+            "lease_until = NULL WHERE namespace = $1 AND state IN ('backfilling', 'paused')",
+            NAMESPACE,
+        )
+
+
 @pytest.fixture
 async def serving(database: SharedDatabase) -> AsyncIterator[asyncpg.Connection]:
     """The serving login role, in a transaction rolled back afterwards."""
@@ -365,7 +378,6 @@ async def test_partitions_and_statistics_show_no_bucket(
         "UPDATE capability_revocations SET reason = ''",
         "DELETE FROM capability_revocations",
         "UPDATE memory_spaces SET dimension = 3",
-        "DELETE FROM memory_spaces",
         "INSERT INTO schema_migrations (version, name, checksum) VALUES (999, 'x', 'x')",
         "DELETE FROM embedding_migrations",
         "ALTER TABLE memories DISABLE ROW LEVEL SECURITY",
@@ -375,6 +387,22 @@ async def test_the_serving_role_cannot_change_evidence_pins_or_policies(
     serving: asyncpg.Connection, statement: str
 ) -> None:
     assert await attempt(serving, statement) is None
+
+
+async def test_the_serving_role_deletes_no_memory_space_even_its_declared_one(
+    pool: asyncpg.Pool, serving: asyncpg.Connection
+) -> None:
+    """Deleting a space and pinning it again would re-pin it. The privilege stays (Citus locks a
+    reference table's placements for an INSERT only for roles that may also delete), so the
+    refusal is a restrictive policy: not one row goes, in the victim's own declaration either."""
+    victim = await make_victim(pool, migrating=False)
+    await serving.execute(
+        "SELECT set_config('tokensvc.namespace', $1, true), set_config('tokensvc.agent', $2, true)",
+        NAMESPACE,
+        victim.agent,
+    )
+    assert await attempt(serving, "DELETE FROM memory_spaces RETURNING namespace") == []
+    assert await serving.fetchval("SELECT count(*) FROM memory_spaces") == 1
 
 
 async def test_what_the_serving_role_reads_of_every_tenant_holds_no_bucket(

@@ -52,8 +52,25 @@ GRANT SELECT (id, namespace, agent, kb_ref, from_generation, from_embedder, from
               cut_over_at, finished_at, cursor_document)
     ON tokensvc.embedding_migrations TO {app_role};
 -- A pinned space is never re-pinned by the serving role: UPDATE was revoked in 0003, and a DELETE
--- followed by an INSERT would do the same (the service never deletes a space).
-REVOKE DELETE ON tokensvc.memory_spaces FROM {app_role};
+-- followed by an INSERT would do the same (the service never deletes a space). The privilege
+-- stays (on Citus every INSERT into a reference table locks its other placements with
+-- lock_shard_resources, which requires UPDATE, DELETE or TRUNCATE on the table: Citus's
+-- resource_lock.c); instead, the tenant policy is split by command and none allows a DELETE, so no
+-- row can be deleted by anyone but a superuser. (A RESTRICTIVE policy would do on one node, but
+-- Citus creates it on the shards as a permissive one.) The owner's re-pin at a cutover keeps its
+-- UPDATE policy; the serving role has no UPDATE privilege.
+DROP POLICY memory_spaces_tenant ON tokensvc.memory_spaces;
+CREATE POLICY memory_spaces_tenant_read ON tokensvc.memory_spaces FOR SELECT
+    USING (namespace = current_setting('tokensvc.namespace', true)
+           AND agent = current_setting('tokensvc.agent', true));
+CREATE POLICY memory_spaces_tenant_pin ON tokensvc.memory_spaces FOR INSERT
+    WITH CHECK (namespace = current_setting('tokensvc.namespace', true)
+                AND agent = current_setting('tokensvc.agent', true));
+CREATE POLICY memory_spaces_tenant_repin ON tokensvc.memory_spaces FOR UPDATE
+    USING (namespace = current_setting('tokensvc.namespace', true)
+           AND agent = current_setting('tokensvc.agent', true))
+    WITH CHECK (namespace = current_setting('tokensvc.namespace', true)
+                AND agent = current_setting('tokensvc.agent', true));
 
 -- The owner reads every knowledge base's pin for ensure_chunk_vector_index only (as 0016 lets it
 -- list memory spaces): tenant queries' row-level security is unchanged.
