@@ -77,6 +77,9 @@ def test_settings_refuse_identifiers_and_trust_domains_with_a_trailing_newline()
         ("database_app_role", "tokensvc_app\n"),
         ("trust_domain", "dev.local\n"),
         ("database_login_roles", ["a_role", "b_role\n"]),
+        ("database_runner_login_roles", ["a_role", "b_role\n"]),
+        # The runner's login roles are never the serving ones (ROTATE of one would take the other's).
+        ("database_runner_login_roles", ["tokensvc_app_a", "tokensvc_runner_b"]),
     ):
         with pytest.raises(SettingsError, match=name):
             load_settings(environ={}, overrides={name: value})

@@ -55,7 +55,7 @@ from tokensvc.storage.postgres.memories import PostgresMemoryStore
 from tokensvc.storage.postgres.monitoring import PostgresHealth, PostgresStatistics
 from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
 from tokensvc.storage.postgres.revocations import PostgresRevocationStore
-from tokensvc.storage.postgres.rotations import PostgresRotationJournal
+from tokensvc.storage.postgres.rotations import CREDENTIALS, PostgresRotationJournal
 from tokensvc.storage.postgres.vector_indexes import PostgresVectorIndexes
 from tokensvc.supervision import (
     HealthMonitor,
@@ -104,6 +104,8 @@ class Service:
     migration_runner: MigrationRunner | None = None
     audit: AuditLog | None = None
     custodian: CredentialCustodian | None = None
+    # The re-embedding runner's credential (None: this replica runs no migrations).
+    runner_custodian: CredentialCustodian | None = None
     tls: ReloadingServerCredentials | None = None
     monitor: HealthMonitor | None = None
     _stop_metrics: Callable[[], None] | None = None
@@ -173,14 +175,33 @@ class Service:
             logins=PostgresLogins(target),
         )
         pool = await database.open_pool(self.custodian.credential_for_new_connection)
-        # The re-embedding runner's own pool and role (migration 0021): a batch may run on each
-        # of its parallel migrations while the next is read.
-        if await database.open_runner_pool(2 * self.settings.migration_parallel + 1) is None:
+        if target.runner_credentials is None:
             _log.warning("no database_runner_credential_dir: this replica runs no re-embedding migrations")
+        else:
+            # The re-embedding runner's own pool and role (migration 0021), with a custodian of
+            # its own (rotated like the serving one); a batch may run on each of its parallel
+            # migrations while the next is read.
+            roles = self.settings.database_runner_login_roles
+            self.runner_custodian = CredentialCustodian(
+                source=target.runner_credentials,
+                rotator=target.rotator_credentials,
+                login_roles=(roles[0], roles[1]),
+                logins=PostgresLogins(target),
+                subject="runner database credential",
+            )
+            await database.open_runner_pool(
+                self.runner_custodian.credential_for_new_connection, 2 * self.settings.migration_parallel + 1
+            )
         await self._check_schema()
         self.audit = AuditLog(PostgresAuditStore(pool))
         self.custodian.attach(pool, PostgresRotationJournal(pool), self.audit)
         await self.custodian.recover()
+        if self.runner_custodian is not None and database.runner_pool is not None:
+            # Its journal is the service's record, written by the serving pool like the other.
+            self.runner_custodian.attach(
+                database.runner_pool, PostgresRotationJournal(pool, "runner"), self.audit
+            )
+            await self.runner_custodian.recover()
         return database
 
     def _authenticator(
@@ -275,6 +296,7 @@ class Service:
             max_upload_bytes=settings.knowledge_max_upload_bytes,
             administration=Administration(
                 custodian=self.custodian,
+                runner_custodian=self.runner_custodian,
                 bundle=bundle,
                 keyring=keyring,
                 audit=self.audit,
@@ -359,16 +381,15 @@ class Service:
             ),
             "database-gauges": refresh_gauges_forever(
                 PostgresStatistics(pool),
-                PostgresRotationJournal(pool),
+                [PostgresRotationJournal(pool, credential) for credential in CREDENTIALS],
                 PostgresEmbeddingMigrationStore(pool),
                 _DATABASE_GAUGE_SECONDS,
             ),
         }
         if database.runner_pool is not None:
             duties["embedding-migrations"] = self.migration_runner.run()
-            duties["runner-credential-watch"] = database.watch_runner_credential(
-                settings.credential_watch_seconds
-            )
+        if self.runner_custodian is not None:
+            duties["runner-credential-watch"] = self.runner_custodian.watch(settings.credential_watch_seconds)
         self._background += [asyncio.create_task(duty, name=name) for name, duty in duties.items()]
         assert self.embedders is not None
         METRICS.initialise(self.embedders.names)

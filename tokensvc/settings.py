@@ -266,6 +266,13 @@ class Settings:
             "The two alternating login roles ROTATE switches between (members of database_app_role)."
         ),
     )
+    database_runner_login_roles: tuple[str, ...] = field(
+        default=("tokensvc_runner_a", "tokensvc_runner_b"),
+        metadata=_doc(
+            "The two alternating login roles the runner's ROTATE switches between (members of "
+            "database_runner_role)."
+        ),
+    )
     credential_watch_seconds: float = field(
         default=1.0, metadata=_doc("How often the secret source is checked for an external change.")
     )
@@ -315,12 +322,10 @@ class Settings:
         for placeholder in ("{namespace}", "{agent}"):
             if placeholder not in self.launcher_spiffe_template:
                 raise SettingsError(f"launcher_spiffe_template: must contain {placeholder}")
-        if (
-            len(self.database_login_roles) != 2
-            or len(set(self.database_login_roles)) != 2
-            or not all(is_sql_identifier(role) for role in self.database_login_roles)
-        ):
-            raise SettingsError("database_login_roles: must be two different lower-case SQL identifiers")
+        _check_login_roles("database_login_roles", self.database_login_roles)
+        _check_login_roles("database_runner_login_roles", self.database_runner_login_roles)
+        if set(self.database_runner_login_roles) & set(self.database_login_roles):
+            raise SettingsError("database_runner_login_roles: must not be database_login_roles")
         if self.credential_watch_seconds <= 0:
             raise SettingsError("credential_watch_seconds: must be greater than 0")
         if not is_sql_identifier(self.database_app_role):
@@ -479,6 +484,11 @@ class Settings:
             if not path.is_file():
                 raise SettingsError(f"{name}: {path} does not exist or is not a file")
         return self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file
+
+
+def _check_login_roles(name: str, roles: tuple[str, ...]) -> None:
+    if len(roles) != 2 or len(set(roles)) != 2 or not all(is_sql_identifier(role) for role in roles):
+        raise SettingsError(f"{name}: must be two different lower-case SQL identifiers")
 
 
 def _check_address(name: str, value: str) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from tokensvc.memory.service import LongTermMemory
 from tokensvc.observability.metrics import METRICS, ActiveMigration, DatabaseReadings
@@ -141,12 +141,14 @@ async def finish_vector_indexes_forever(indexes: VectorIndexMaintenance, interva
 
 
 async def read_database_gauges(
-    statistics: MemoryStatistics, journal: CredentialJournal, migrations: EmbeddingMigrationStore
+    statistics: MemoryStatistics,
+    journals: Sequence[CredentialJournal],
+    migrations: EmbeddingMigrationStore,
 ) -> DatabaseReadings:
-    """Memories per space, open credential rotations and unfinished migrations: counts and times,
-    never content."""
+    """Memories per space, open credential rotations (of every credential's journal) and
+    unfinished migrations: counts and times, never content."""
     spaces = await statistics.rows_by_space()
-    open_rotations = await journal.open_rotations()
+    open_rotations = [entry for journal in journals for entry in await journal.open_rotations()]
     active = await migrations.active()
     return DatabaseReadings(
         memories_per_space=spaces,
@@ -167,14 +169,14 @@ async def read_database_gauges(
 
 async def refresh_gauges_forever(
     statistics: MemoryStatistics,
-    journal: CredentialJournal,
+    journals: Sequence[CredentialJournal],
     migrations: EmbeddingMigrationStore,
     interval: float,
 ) -> None:
     """Keep `METRICS.live.database` current (every replica reads the same rows: rules take max)."""
     while True:
         try:
-            METRICS.live.database = await read_database_gauges(statistics, journal, migrations)
+            METRICS.live.database = await read_database_gauges(statistics, journals, migrations)
         except Exception as exc:
             _log.debug("database gauge refresh failed", extra={"error": type(exc).__name__})
         await asyncio.sleep(interval)

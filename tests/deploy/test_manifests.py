@@ -535,8 +535,8 @@ def test_cnpg_cluster_has_pgvector_and_the_documented_roles(overlay: str, instan
     for role in roles[1:]:
         assert any(s.startswith(f"CREATE ROLE {role} ") for s in sql), f"{role} is not created"
     assert (
-        "GRANT tokensvc_app_a, tokensvc_app_b TO tokensvc_rotator WITH ADMIN TRUE, INHERIT FALSE, SET FALSE"
-        in sql
+        "GRANT tokensvc_app_a, tokensvc_app_b, tokensvc_runner_a, tokensvc_runner_b TO tokensvc_rotator "
+        "WITH ADMIN TRUE, INHERIT FALSE, SET FALSE" in sql
     )
     assert "GRANT CONNECT ON DATABASE tokensvc TO tokensvc_app, tokensvc_runner, tokensvc_rotator" in sql
     # The passwords CloudNativePG sets are the Secrets tokensvc mounts.
@@ -554,6 +554,13 @@ def test_cnpg_cluster_has_pgvector_and_the_documented_roles(overlay: str, instan
         == SECRET_FILE_SETTINGS["TOKENSVC_DATABASE_RUNNER_CREDENTIAL_DIR"]
     )
     assert managed["tokensvc_runner_a"]["inRoles"] == ["tokensvc_runner"]
+    # The rotator administers both pairs of alternating login roles (ROTATE of either credential).
+    assert sorted(managed["tokensvc_rotator"]["inRoles"]) == [
+        "tokensvc_app_a",
+        "tokensvc_app_b",
+        "tokensvc_runner_a",
+        "tokensvc_runner_b",
+    ]
     # The DSN's host is the cluster's read-write Service.
     host = _settings_data(overlay)["TOKENSVC_DATABASE_DSN"].split("//", 1)[1].split(":", 1)[0]
     assert host == f"{one(resources, 'Cluster', 'tokensvc-db')['metadata']['name']}-rw"

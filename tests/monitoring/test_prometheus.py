@@ -155,7 +155,7 @@ async def drive_traffic(service: Service, launchers: Launchers) -> str:
     )
     assert created is not None
     METRICS.live.database = await read_database_gauges(
-        PostgresStatistics(pool), PostgresRotationJournal(pool), migrations
+        PostgresStatistics(pool), [PostgresRotationJournal(pool)], migrations
     )
     return created.id
 

@@ -39,7 +39,8 @@ def planned(agent: str) -> EmbeddingMigration:
 
 async def test_the_readings_count_open_rotations_and_list_only_unfinished_migrations() -> None:
     memories = InMemoryMemoryStore()
-    journal = InMemoryCredentialJournal()
+    journal, runner_journal = InMemoryCredentialJournal(), InMemoryCredentialJournal()
+    journals = [journal, runner_journal]
     migrations = InMemoryEmbeddingMigrationStore(memories)
     agents = [f"agent-{uuid.uuid4().hex[:8]}" for _ in range(2)]
     for agent in agents:
@@ -47,13 +48,14 @@ async def test_the_readings_count_open_rotations_and_list_only_unfinished_migrat
         await memories.pin_space(Tenant(NAMESPACE, agent), SPACE)
         await memories.insert(tenant, tenant.buckets[0], [memory(f"fact {i}", axis(i % 4)) for i in range(3)])
 
-    empty = await read_database_gauges(InMemoryMemoryStatistics(memories), journal, migrations)
+    empty = await read_database_gauges(InMemoryMemoryStatistics(memories), journals, migrations)
     assert (empty.open_rotations, empty.oldest_open_rotation_started, empty.migrations) == (0, 0.0, ())
     assert empty.memories_per_space == {(NAMESPACE, agents[0]): 3, (NAMESPACE, agents[1]): 3}
 
     before = time.time()
     first = await journal.begin(mode="rotate", actor="a", from_role="tokensvc_a", to_role="tokensvc_b")
-    await journal.begin(mode="reload", actor="a", from_role="tokensvc_b", to_role="tokensvc_b")
+    # The runner's credential keeps a journal of its own; both count.
+    await runner_journal.begin(mode="reload", actor="a", from_role="runner_a", to_role="runner_a")
     running = await migrations.create(planned(agents[0]))
     cancelled = await migrations.create(planned(agents[1]))
     assert running is not None
@@ -62,7 +64,7 @@ async def test_the_readings_count_open_rotations_and_list_only_unfinished_migrat
         cancelled.id, expect=[MigrationState.BACKFILLING], state=MigrationState.CANCELLED
     )
 
-    readings = await read_database_gauges(InMemoryMemoryStatistics(memories), journal, migrations)
+    readings = await read_database_gauges(InMemoryMemoryStatistics(memories), journals, migrations)
     assert readings.open_rotations == 2
     assert before - 1 <= readings.oldest_open_rotation_started <= time.time()
     assert [(m.id, m.kind, m.state, m.rows_total) for m in readings.migrations] == [
@@ -70,7 +72,7 @@ async def test_the_readings_count_open_rotations_and_list_only_unfinished_migrat
     ]
 
     await journal.close(first, outcome="failed", reason="test")
-    later = await read_database_gauges(InMemoryMemoryStatistics(memories), journal, migrations)
+    later = await read_database_gauges(InMemoryMemoryStatistics(memories), journals, migrations)
     assert later.open_rotations == 1
 
 

@@ -87,7 +87,7 @@ async def test_scrape_counts_rpcs_verifications_pool_embedder_and_memories(
     refresher = asyncio.create_task(
         refresh_gauges_forever(
             PostgresStatistics(pool),
-            PostgresRotationJournal(pool),
+            [PostgresRotationJournal(pool)],
             PostgresEmbeddingMigrationStore(pool),
             3600.0,
         )

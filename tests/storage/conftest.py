@@ -36,9 +36,9 @@ async def runner_pool(
     db = await Database.locate(service_settings(database, dev, tmp_path_factory.mktemp("runner-pool")))
     try:
         await db.open_pool()
-        runner = await db.open_runner_pool(4)
-        assert runner is not None
-        yield runner
+        source = db.target.runner_credentials
+        assert source is not None
+        yield await db.open_runner_pool(source.read, 4)
     finally:
         await db.close()
 

@@ -17,6 +17,10 @@ _MODES = {
     "reload": admin_pb2.CREDENTIAL_ROTATION_MODE_RELOAD,
     "rotate": admin_pb2.CREDENTIAL_ROTATION_MODE_ROTATE,
 }
+_CREDENTIALS = {
+    "serving": admin_pb2.DATABASE_CREDENTIAL_SERVING,
+    "runner": admin_pb2.DATABASE_CREDENTIAL_RUNNER,
+}
 
 
 def add_admin_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -28,10 +32,17 @@ def add_admin_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
         help="rotate the database credential with zero downtime",
         description=(
             "reload: adopt the credential an external rotator wrote into the secret source (tested first). "
-            "rotate: tokensvc rotates itself, alternating between its two login roles."
+            "rotate: tokensvc rotates itself, alternating between its two login roles. "
+            "--credential runner does either for the re-embedding runner's credential."
         ),
     )
     rotate.add_argument("--mode", choices=sorted(_MODES), default="rotate")
+    rotate.add_argument(
+        "--credential",
+        choices=sorted(_CREDENTIALS),
+        default="serving",
+        help="the serving pool's credential (default) or the re-embedding runner's",
+    )
     rotate.set_defaults(handler=_rotate)
     status = sub.add_parser("status", help="credential and pool status", description="GetCredentialStatus.")
     status.set_defaults(handler=_status)
@@ -54,6 +65,7 @@ def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
 
 def _describe(status: admin_pb2.CredentialStatus) -> str:
     lines = [
+        f"credential:         {admin_pb2.DatabaseCredential.Name(status.credential)}",
         f"active role:        {status.active_role}",
         f"credential version: {status.credential_version}",
         f"last rotated:       {status.last_rotated_at.ToJsonString() if status.HasField('last_rotated_at') else '-'}",
@@ -69,15 +81,19 @@ def _describe(status: admin_pb2.CredentialStatus) -> str:
 
 
 def _rotate(args: argparse.Namespace) -> int:
-    response = _call(
-        args, "RotateDatabaseCredentials", admin_pb2.RotateDatabaseCredentialsRequest(mode=_MODES[args.mode])
+    request = admin_pb2.RotateDatabaseCredentialsRequest(
+        mode=_MODES[args.mode], credential=_CREDENTIALS[args.credential]
     )
+    response = _call(args, "RotateDatabaseCredentials", request)
     return output(args, response, _describe(response.status))
 
 
 def _status(args: argparse.Namespace) -> int:
     response = _call(args, "GetCredentialStatus", admin_pb2.GetCredentialStatusRequest())
-    return output(args, response, _describe(response.status))
+    text = _describe(response.status)
+    if response.HasField("runner_status"):
+        text += "\n\n" + _describe(response.runner_status)
+    return output(args, response, text)
 
 
 def _audit(args: argparse.Namespace) -> int:

@@ -65,7 +65,10 @@ class CredentialCustodian:
         login_roles: tuple[str, str],
         logins: DatabaseLogins,
         audit: AuditLog | None = None,
+        subject: str = "database credential",
     ):
+        """`subject` names the credential in audit events and logs (the serving pool's is
+        "database credential"; the re-embedding runner's has a custodian of its own)."""
         for role in login_roles:
             if not is_sql_identifier(role):
                 raise ValueError(f"login role {role!r} is not a plain SQL identifier")
@@ -81,6 +84,7 @@ class CredentialCustodian:
         self._pool: ConnectionPool | None = None
         self._journal: CredentialJournal | None = None
         self._audit = audit
+        self._subject = subject
 
     def attach(self, pool: ConnectionPool, journal: CredentialJournal, audit: AuditLog) -> None:
         self._pool, self._journal, self._audit = pool, journal, audit
@@ -128,11 +132,11 @@ class CredentialCustodian:
             await self._record(
                 AuditKind.CREDENTIAL_RELOAD,
                 actor,
-                "reload database credential",
+                f"reload {self._subject}",
                 new.username,
                 AuditOutcome.SUCCEEDED,
             )
-            _log.info("database credential reloaded", extra={"role": new.username, "version": version})
+            _log.info("%s reloaded", self._subject, extra={"role": new.username, "version": version})
             return version
 
     async def rotate(self, actor: str) -> int | None:
@@ -159,7 +163,7 @@ class CredentialCustodian:
             await self._record(
                 AuditKind.CREDENTIAL_ROTATION,
                 actor,
-                "rotate database credential",
+                f"rotate {self._subject}",
                 inactive,
                 AuditOutcome.STARTED,
             )
@@ -197,12 +201,12 @@ class CredentialCustodian:
             await self._record(
                 AuditKind.CREDENTIAL_ROTATION,
                 actor,
-                "rotate database credential",
+                f"rotate {self._subject}",
                 inactive,
                 AuditOutcome.SUCCEEDED,
                 detail=reason,
             )
-            _log.info("database credential rotated", extra={"role": inactive, "version": version})
+            _log.info("%s rotated", self._subject, extra={"role": inactive, "version": version})
             return version
 
     # --- recovery and watching --------------------------------------------------------------
@@ -271,7 +275,7 @@ class CredentialCustodian:
                     self._stamp = stamp  # report a bad file once, not every tick
                     _log.error(
                         "credential reload from the secret source failed; still on the previous credential",
-                        extra={"reason": exc.reason.value},
+                        extra={"reason": exc.reason.value, "credential": self._subject},
                     )
             except Exception as exc:
                 _log.warning("credential watch failed", extra={"error": type(exc).__name__})
@@ -362,7 +366,7 @@ class CredentialCustodian:
         )
         _log.warning(
             "credential change failed; still on the previous credential",
-            extra={"reason": exc.reason.value, "role": self._active.username},
+            extra={"reason": exc.reason.value, "role": self._active.username, "credential": self._subject},
         )
 
     async def _refuse(self, kind: AuditKind | None, actor: str, exc: TokensvcError) -> TokensvcError:

@@ -57,6 +57,42 @@ using its separately configured rotator credential.
 """
 Global___CredentialRotationMode: _TypeAlias = CredentialRotationMode  # noqa: Y015
 
+class _DatabaseCredential:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DatabaseCredentialEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DatabaseCredential.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DATABASE_CREDENTIAL_UNSPECIFIED: _DatabaseCredential.ValueType  # 0
+    """DATABASE_CREDENTIAL_UNSPECIFIED is the serving credential (what requests before this field
+    meant).
+    """
+    DATABASE_CREDENTIAL_SERVING: _DatabaseCredential.ValueType  # 1
+    """DATABASE_CREDENTIAL_SERVING is the serving pool's login (the alternating roles of
+    `database_login_roles`).
+    """
+    DATABASE_CREDENTIAL_RUNNER: _DatabaseCredential.ValueType  # 2
+    """DATABASE_CREDENTIAL_RUNNER is the re-embedding runner's login (the alternating roles of
+    `database_runner_login_roles`); FAILED_PRECONDITION on a replica configured without one.
+    """
+
+class DatabaseCredential(_DatabaseCredential, metaclass=_DatabaseCredentialEnumTypeWrapper):
+    """DatabaseCredential names which of the service's two database credentials an operation is about."""
+
+DATABASE_CREDENTIAL_UNSPECIFIED: DatabaseCredential.ValueType  # 0
+"""DATABASE_CREDENTIAL_UNSPECIFIED is the serving credential (what requests before this field
+meant).
+"""
+DATABASE_CREDENTIAL_SERVING: DatabaseCredential.ValueType  # 1
+"""DATABASE_CREDENTIAL_SERVING is the serving pool's login (the alternating roles of
+`database_login_roles`).
+"""
+DATABASE_CREDENTIAL_RUNNER: DatabaseCredential.ValueType  # 2
+"""DATABASE_CREDENTIAL_RUNNER is the re-embedding runner's login (the alternating roles of
+`database_runner_login_roles`); FAILED_PRECONDITION on a replica configured without one.
+"""
+Global___DatabaseCredential: _TypeAlias = DatabaseCredential  # noqa: Y015
+
 class _RotationOutcome:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -255,6 +291,7 @@ class CredentialStatus(_message.Message):
     LAST_ROTATION_OUTCOME_FIELD_NUMBER: _builtins.int
     LAST_ROTATION_MODE_FIELD_NUMBER: _builtins.int
     PEPPER_VERSIONS_FIELD_NUMBER: _builtins.int
+    CREDENTIAL_FIELD_NUMBER: _builtins.int
     active_role: _builtins.str
     """The PostgreSQL login role the pool currently connects as."""
     credential_version: _builtins.int
@@ -267,13 +304,17 @@ class CredentialStatus(_message.Message):
     """The outcome of the most recent rotation or reload."""
     last_rotation_mode: Global___CredentialRotationMode.ValueType
     """The mode of the most recent rotation or reload; unspecified when there was none."""
+    credential: Global___DatabaseCredential.ValueType
+    """Which credential this is: SERVING or RUNNER."""
     @_builtins.property
     def last_rotated_at(self) -> _timestamp_pb2.Timestamp:
         """When the active credential was switched to; unset when it has never been rotated."""
 
     @_builtins.property
     def pepper_versions(self) -> _containers.RepeatedCompositeFieldContainer[Global___PepperVersionCount]:
-        """The number of rows per pepper version, newest version first."""
+        """The number of rows per pepper version, newest version first (the serving credential's status
+        only).
+        """
 
     def __init__(
         self,
@@ -286,10 +327,11 @@ class CredentialStatus(_message.Message):
         last_rotation_outcome: Global___RotationOutcome.ValueType = ...,
         last_rotation_mode: Global___CredentialRotationMode.ValueType = ...,
         pepper_versions: _abc.Iterable[Global___PepperVersionCount] | None = ...,
+        credential: Global___DatabaseCredential.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_rotated_at", b"last_rotated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_role", b"active_role", "credential_version", b"credential_version", "last_rotated_at", b"last_rotated_at", "last_rotation_mode", b"last_rotation_mode", "last_rotation_outcome", b"last_rotation_outcome", "pepper_versions", b"pepper_versions", "pool_in_use", b"pool_in_use", "pool_size", b"pool_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_role", b"active_role", "credential", b"credential", "credential_version", b"credential_version", "last_rotated_at", b"last_rotated_at", "last_rotation_mode", b"last_rotation_mode", "last_rotation_outcome", b"last_rotation_outcome", "pepper_versions", b"pepper_versions", "pool_in_use", b"pool_in_use", "pool_size", b"pool_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -302,16 +344,20 @@ class RotateDatabaseCredentialsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MODE_FIELD_NUMBER: _builtins.int
+    CREDENTIAL_FIELD_NUMBER: _builtins.int
     mode: Global___CredentialRotationMode.ValueType
     """How to obtain the new credential; required."""
+    credential: Global___DatabaseCredential.ValueType
+    """Which credential to rotate; unspecified is the serving credential. Each has its own versions."""
     def __init__(
         self,
         *,
         mode: Global___CredentialRotationMode.ValueType = ...,
+        credential: Global___DatabaseCredential.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["credential", b"credential", "mode", b"mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -365,18 +411,24 @@ class GetCredentialStatusResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     STATUS_FIELD_NUMBER: _builtins.int
+    RUNNER_STATUS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def status(self) -> Global___CredentialStatus:
-        """The current credential status."""
+        """The serving credential's status."""
+
+    @_builtins.property
+    def runner_status(self) -> Global___CredentialStatus:
+        """The re-embedding runner credential's status; unset on a replica configured without one."""
 
     def __init__(
         self,
         *,
         status: Global___CredentialStatus | None = ...,
+        runner_status: Global___CredentialStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["runner_status", b"runner_status", "status", b"status"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["runner_status", b"runner_status", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

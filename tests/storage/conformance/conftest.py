@@ -85,7 +85,9 @@ async def conformance_database(
     db = await Database.locate(service_settings(database, dev, tmp_path_factory.mktemp("conformance")))
     try:
         await db.open_pool()
-        await db.open_runner_pool(4)
+        source = db.target.runner_credentials
+        assert source is not None
+        await db.open_runner_pool(source.read, 4)
         yield db
     finally:
         await db.close()

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 from google.protobuf import timestamp_pb2
 
-from tokensvc.admin import Administration, PepperCount
+from tokensvc.admin import RUNNER, SERVING, Administration, CredentialStatuses, PepperCount
 from tokensvc.api.context import current_call
 from tokensvc.api.convert import timestamp
 from tokensvc.api.memory_codec import decode_page_size
@@ -28,6 +28,11 @@ _MODES = {
     admin_pb2.CREDENTIAL_ROTATION_MODE_ROTATE: "rotate",
 }
 _MODE_TO_PROTO = {mode: value for value, mode in _MODES.items()}
+_CREDENTIALS = {
+    admin_pb2.DATABASE_CREDENTIAL_UNSPECIFIED: SERVING,
+    admin_pb2.DATABASE_CREDENTIAL_SERVING: SERVING,
+    admin_pb2.DATABASE_CREDENTIAL_RUNNER: RUNNER,
+}
 _OUTCOMES = {
     "in_progress": admin_pb2.ROTATION_OUTCOME_IN_PROGRESS,
     "succeeded": admin_pb2.ROTATION_OUTCOME_SUCCEEDED,
@@ -68,8 +73,11 @@ _AUDIT_OUTCOMES = {
 }
 
 
-def _status(status: CredentialStatus, peppers: list[PepperCount]) -> admin_pb2.CredentialStatus:
+def _status(
+    status: CredentialStatus, peppers: list[PepperCount], credential: admin_pb2.DatabaseCredential.ValueType
+) -> admin_pb2.CredentialStatus:
     message = admin_pb2.CredentialStatus(
+        credential=credential,
         active_role=status.active_role,
         credential_version=status.version,
         pool_size=status.pool_size,
@@ -88,6 +96,18 @@ def _status(status: CredentialStatus, peppers: list[PepperCount]) -> admin_pb2.C
     if status.last_rotated_at is not None:
         message.last_rotated_at.CopyFrom(timestamp(status.last_rotated_at))
     return message
+
+
+def _statuses(
+    statuses: CredentialStatuses,
+) -> tuple[admin_pb2.CredentialStatus, admin_pb2.CredentialStatus | None]:
+    serving = _status(statuses.serving, statuses.peppers, admin_pb2.DATABASE_CREDENTIAL_SERVING)
+    runner = (
+        None
+        if statuses.runner is None
+        else _status(statuses.runner, [], admin_pb2.DATABASE_CREDENTIAL_RUNNER)
+    )
+    return serving, runner
 
 
 def _event(record: AuditRecord) -> admin_pb2.AuditEvent:
@@ -121,14 +141,22 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             raise InvalidArgument(
                 "mode", "must be CREDENTIAL_ROTATION_MODE_RELOAD or CREDENTIAL_ROTATION_MODE_ROTATE"
             )
-        status, peppers = await self._admin.rotate(mode, current_call().caller.spiffe_id)
-        return admin_pb2.RotateDatabaseCredentialsResponse(status=_status(status, peppers))
+        credential = _CREDENTIALS.get(request.credential)
+        if credential is None:
+            raise InvalidArgument(
+                "credential", "must be DATABASE_CREDENTIAL_SERVING or DATABASE_CREDENTIAL_RUNNER"
+            )
+        statuses = await self._admin.rotate(mode, current_call().caller.spiffe_id, credential)
+        serving, runner = _statuses(statuses)
+        return admin_pb2.RotateDatabaseCredentialsResponse(
+            status=serving if credential == SERVING else runner
+        )
 
     async def GetCredentialStatus(
         self, request: admin_pb2.GetCredentialStatusRequest, context: _Context
     ) -> admin_pb2.GetCredentialStatusResponse:
-        status, peppers = await self._admin.status()
-        return admin_pb2.GetCredentialStatusResponse(status=_status(status, peppers))
+        serving, runner = _statuses(await self._admin.status())
+        return admin_pb2.GetCredentialStatusResponse(status=serving, runner_status=runner)
 
     async def ReloadTrustBundle(
         self, request: admin_pb2.ReloadTrustBundleRequest, context: _Context

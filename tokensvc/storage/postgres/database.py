@@ -7,7 +7,6 @@ picked up without a restart); pgvector's binary codec is registered on every poo
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -223,18 +222,16 @@ class Database:
         """The re-embedding runner's pool (`open_runner_pool`), None when not open."""
         return self._runner_pool
 
-    async def open_runner_pool(self, max_size: int) -> asyncpg.Pool | None:
-        """The re-embedding runner's own pool, on its own login role (migration 0021); None when
-        no runner credential is configured. Open the serving pool first (it finds Citus). The
-        secret source is read for every new connection, so a changed credential is used from
-        the next connection on (`expire_runner_connections` retires the open ones)."""
-        source = self.target.runner_credentials
-        if source is None:
-            return None
+    async def open_runner_pool(
+        self, current: Callable[[], DatabaseCredential], max_size: int
+    ) -> asyncpg.Pool:
+        """The re-embedding runner's own pool, on its own login role (migration 0021), which
+        `current()` names for each new connection (the runner's credential custodian: a rotation
+        retires the open ones). Open the serving pool first (it finds Citus)."""
         target = self.target
 
         def connect_with_current_credential(*args: Any, **kwargs: Any) -> Awaitable[asyncpg.Connection]:
-            return connect_once(target, source.read(), **kwargs)
+            return connect_once(target, current(), **kwargs)
 
         connect: Any = connect_with_current_credential
         self._runner_pool = await asyncpg.create_pool(
@@ -246,23 +243,6 @@ class Database:
             connection_class=asyncpg.Connection if self.citus is None else DistributedConnection,
         )
         return self._runner_pool
-
-    async def watch_runner_credential(self, interval: float) -> None:
-        """Forever: when the runner's secret source changes, retire the runner pool's open
-        connections (each is replaced, on the new credential, when next acquired; a batch in
-        flight finishes on its old one). A credential that does not log in fails the runner's
-        next connection only: its turn is retried, and serving is not affected."""
-        source = self.target.runner_credentials
-        if source is None or self._runner_pool is None:
-            return
-        stamp = source.stamp()
-        while True:
-            await asyncio.sleep(interval)
-            current = source.stamp()
-            if current != stamp:
-                stamp = current
-                _log.info("the runner's database credential changed: new connections use it")
-                await self._runner_pool.expire_connections()
 
     async def schema_versions(self) -> tuple[int, int]:
         """(the schema version the database is at, the version this tokensvc's migrations reach)."""

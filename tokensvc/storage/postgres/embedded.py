@@ -12,7 +12,8 @@ Roles created on first start, mirroring production:
 - `tokensvc_app`: NOLOGIN group role holding the serving grants;
 - `tokensvc_app_a`: the login role the service serves as; a member of `tokensvc_app`, owns nothing;
 - `tokensvc_runner`: NOLOGIN group role holding the re-embedding runner's grants (migration 0021);
-- `tokensvc_runner_a`: the login role the runner's pool uses; a member of `tokensvc_runner` only.
+- `tokensvc_runner_a`, `tokensvc_runner_b`: the runner's alternating login roles (its pool uses the
+  one its secret source names); members of `tokensvc_runner` only.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ APP_GROUP_ROLE = "tokensvc_app"
 APP_LOGIN_ROLES = ("tokensvc_app_a", "tokensvc_app_b")
 ROTATOR_ROLE = "tokensvc_rotator"
 RUNNER_GROUP_ROLE = "tokensvc_runner"
-RUNNER_LOGIN_ROLE = "tokensvc_runner_a"
+RUNNER_LOGIN_ROLES = ("tokensvc_runner_a", "tokensvc_runner_b")
 SUPERUSER = "postgres"
 # When tokensvc runs as root, PostgreSQL refuses to; it runs as this unprivileged system user.
 _SYSTEM_USER = "pgserver"
@@ -397,12 +398,17 @@ async def ensure_roles(conn: asyncpg.Connection, paths: EmbeddedPaths) -> None:
         f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{RUNNER_GROUP_ROLE}')"
         f" THEN CREATE ROLE {RUNNER_GROUP_ROLE} NOLOGIN; END IF; END $$"
     )
-    runner = _ensure_credential(paths, "runner", RUNNER_LOGIN_ROLE)
+    for role in RUNNER_LOGIN_ROLES:
+        await conn.execute(
+            f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}')"
+            f" THEN CREATE ROLE {role} LOGIN; END IF; END $$"
+        )
+        await conn.execute(f"GRANT {RUNNER_GROUP_ROLE} TO {role}")
+    runner = _ensure_credential(paths, "runner", RUNNER_LOGIN_ROLES[0])
     await _ensure_login_role(conn, runner)
-    await conn.execute(f"GRANT {RUNNER_GROUP_ROLE} TO {RUNNER_LOGIN_ROLE}")
     rotator = _ensure_credential(paths, "rotator", ROTATOR_ROLE)
     await _ensure_login_role(conn, rotator, "CREATEROLE")
-    for role in APP_LOGIN_ROLES:
+    for role in (*APP_LOGIN_ROLES, *RUNNER_LOGIN_ROLES):
         # ADMIN only: the rotator may set these roles' passwords, not use their grants.
         await conn.execute(f"GRANT {role} TO {ROTATOR_ROLE} WITH ADMIN TRUE, INHERIT FALSE, SET FALSE")
 
@@ -459,7 +465,7 @@ async def _ensure_login_role(
     """Create the role if missing and (re)set its password from the state dir, as a verifier."""
     verifier = scram_sha256_verifier(credential.password)
     role = credential.username
-    if role not in (OWNER_ROLE, ROTATOR_ROLE, RUNNER_LOGIN_ROLE, *APP_LOGIN_ROLES):
+    if role not in (OWNER_ROLE, ROTATOR_ROLE, *RUNNER_LOGIN_ROLES, *APP_LOGIN_ROLES):
         raise EmbeddedPostgresError(f"unexpected role {role!r} in the state dir's secrets")
     exists = await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role)
     verb = "ALTER" if exists else "CREATE"
