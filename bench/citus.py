@@ -33,9 +33,10 @@ import grpc
 
 from bench.env import bench_env, settings_for
 from bench.stats import latency_summary
-from tokensvc.app import Service, migrate
+from tests.citus.cluster import prepare_citus_database
+from tokensvc.app import Service, locate_database, migrate
 from tokensvc.auth.devpki import DevPaths
-from tokensvc.storage.postgres import Database, EmbeddedPaths, EmbeddedPostgresError, prepare_citus_database
+from tokensvc.storage.postgres import EmbeddedPaths, EmbeddedPostgresError
 from tokensvc.v1 import common_pb2, memory_pb2, memory_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,7 +100,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 citus_dsn, citus_paths, citus_root, env.dev, memory_embedder="hash", log_level="WARNING"
             )
             began = time.perf_counter()
-            await migrate(await Database.locate(citus_settings), citus_settings)
+            await migrate(await locate_database(citus_settings), citus_settings)
             migrate_s = time.perf_counter() - began
             single = await env.start_service(memory_embedder="hash")
             engines.append(Engine("postgresql", single, *_stub(single, env.dev)))

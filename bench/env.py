@@ -29,7 +29,7 @@ from typing import Any
 import asyncpg
 from pgvector.asyncpg import register_vector
 
-from tokensvc.app import Service, migrate
+from tokensvc.app import Service, locate_database, migrate
 from tokensvc.auth.buckets import PepperKeyring
 from tokensvc.auth.capabilities import mint_capability
 from tokensvc.auth.devpki import (
@@ -42,7 +42,7 @@ from tokensvc.auth.devpki import (
 )
 from tokensvc.credentials import FileCredentialSource
 from tokensvc.settings import Settings, load_settings
-from tokensvc.storage.postgres import Database, EmbeddedPaths, EmbeddedPostgres
+from tokensvc.storage.postgres import EmbeddedPaths, EmbeddedPostgres
 
 __all__ = ["BenchEnv", "ServerProcess", "bench_env", "config_toml", "connect_as", "free_port", "settings_for"]
 
@@ -254,7 +254,7 @@ async def bench_env() -> AsyncIterator[BenchEnv]:
         dev = ensure_dev_material(root / "dev")
         await postgres.start()
         settings = service_settings(root, dev, postgres)
-        await migrate(await Database.locate(settings), settings)
+        await migrate(await locate_database(settings), settings)
         env = BenchEnv(root, dev, postgres, settings)
         yield env
     finally:

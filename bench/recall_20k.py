@@ -41,6 +41,7 @@ from typing import Any
 import asyncpg
 import numpy as np
 
+from tokensvc.app import locate_database
 from tokensvc.memory.filters import Condition, Filter, Operator, matches
 from tokensvc.memory.models import NewMemory
 from tokensvc.retrieval import SearchTuning, candidate_query
@@ -207,7 +208,7 @@ async def as_owner(database: Database, sql: str, *, app_role: str | None = None)
 async def run(rows: int, queries: int, seed: int) -> dict[str, Any]:
     state = Path(tempfile.mkdtemp(prefix="tokensvc-bench-"))
     settings = load_settings(environ={}, overrides={"state_dir": str(state), "pool_max_size": 4})
-    database = await Database.locate(settings)
+    database = await locate_database(settings)
     try:
         await as_owner(database, "", app_role=settings.database_app_role)
         pool = await database.open_pool()

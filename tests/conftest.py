@@ -12,9 +12,9 @@ import pytest
 
 from tests.api.memory_support import Launchers
 from tests.support import SharedDatabase, service_settings
-from tokensvc.app import Service, migrate
+from tokensvc.app import Service, locate_database, migrate
 from tokensvc.auth.devpki import DevPaths, ensure_dev_material
-from tokensvc.storage.postgres import Database, EmbeddedPostgres
+from tokensvc.storage.postgres import EmbeddedPostgres
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +34,7 @@ async def database(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Sh
     await server.start()
     shared = SharedDatabase(server)
     settings = service_settings(shared, ensure_dev_material(tmp_path_factory.mktemp("mig")), Path("."))
-    located = await Database.locate(settings)
+    located = await locate_database(settings)
     await migrate(located, settings)
     yield shared
     await server.stop()

@@ -261,6 +261,55 @@ def test_the_server_never_imports_the_dev_pki() -> None:
     )
 
 
+def _module_of(target: str) -> str | None:
+    """The module an import target names: itself, or the module a `from X import name` is in."""
+    while target and not _is_module(target):
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def import_circles(imports: Iterable[Import]) -> list[list[str]]:
+    """Every set of two or more modules that import each other round a circle (each reaches the
+    others by imports), each sorted; imports inside functions count like the others."""
+    graph: dict[str, set[str]] = {}
+    for imp in imports:
+        target = _module_of(imp.target)
+        if target is not None and target != imp.module:
+            graph.setdefault(imp.module, set()).add(target)
+
+    def reachable(start: str) -> set[str]:
+        seen: set[str] = set()
+        todo = list(graph.get(start, ()))
+        while todo:
+            module = todo.pop()
+            if module not in seen:
+                seen.add(module)
+                todo += graph.get(module, ())
+        return seen
+
+    reach = {module: reachable(module) for module in graph}
+    circles = {
+        tuple(sorted({module} | {other for other in reach[module] if module in reach.get(other, ())}))
+        for module in graph
+        if module in reach[module]
+    }
+    return [list(circle) for circle in sorted(circles)]
+
+
+def test_the_circle_finder_finds_a_circle_through_a_function_level_import() -> None:
+    a = imports_of("from tokensvc.settings import Settings\n", "tokensvc.errors")
+    b = imports_of("def f():\n    from tokensvc.errors import Reason\n", "tokensvc.settings")
+    c = imports_of("import tokensvc.errors\n", "tokensvc.names")
+    assert import_circles([*a, *b, *c]) == [["tokensvc.errors", "tokensvc.settings"]]
+
+
+def test_no_modules_import_each_other_round_a_circle() -> None:
+    circles = import_circles(OWN)
+    assert not circles, "modules that import each other (break the circle: move what both need down):\n" + (
+        "\n".join("  " + " <-> ".join(circle) for circle in circles)
+    )
+
+
 def test_every_allowed_exception_is_still_needed() -> None:
     stale = [
         (module, target)

@@ -46,7 +46,7 @@ from tokensvc.observability import METRICS, Vitals, configure_tracing, start_met
 from tokensvc.retrieval import FusionWeights, SearchTuning
 from tokensvc.settings import Settings, SettingsError
 from tokensvc.storage.ports import ConnectionPool
-from tokensvc.storage.postgres import Database
+from tokensvc.storage.postgres import Database, DatabaseLocation
 from tokensvc.storage.postgres.audit import PostgresAuditStore
 from tokensvc.storage.postgres.data_subjects import PostgresDataSubjectStore
 from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
@@ -164,7 +164,7 @@ class Service:
 
     async def _open_database(self) -> Database:
         """Locate (or start) the database, migrate if asked, open the pool, recover rotations."""
-        database = self.database = await Database.locate(self.settings)
+        database = self.database = await locate_database(self.settings)
         if self.settings.migrate_on_start:
             await migrate(database, self.settings)
         target = database.target
@@ -474,6 +474,25 @@ def _load_keyring(pepper_dir: Path) -> PepperKeyring:
         return PepperKeyring.load(pepper_dir)
     except ValueError as exc:
         raise SettingsError(f"pepper_dir: {exc}") from None
+
+
+def database_location(settings: Settings) -> DatabaseLocation:
+    """What the database layer needs of the settings."""
+    return DatabaseLocation(
+        dsn=settings.database_dsn,
+        state_dir=settings.state_dir,
+        connect_timeout=settings.database_connect_timeout_seconds,
+        pool_sizes=(settings.pool_min_size, settings.pool_max_size),
+        app_credential_dir=settings.database_credential_dir,
+        owner_credential_dir=settings.database_owner_credential_dir,
+        rotator_credential_dir=settings.database_rotator_credential_dir,
+        runner_credential_dir=settings.database_runner_credential_dir,
+    )
+
+
+async def locate_database(settings: Settings) -> Database:
+    """`Database.locate` for these settings: the embedded server is started when no DSN is set."""
+    return await Database.locate(database_location(settings))
 
 
 async def migrate(database: Database, settings: Settings) -> list[str]:

@@ -167,10 +167,9 @@ class _Supervisor:
         settings = self.settings
         if not settings.embedded_database and not settings.migrate_on_start:
             return None, settings
-        from tokensvc.app import migrate
-        from tokensvc.storage.postgres import Database
+        from tokensvc.app import locate_database, migrate
 
-        database = await Database.locate(settings)
+        database = await locate_database(settings)
         try:
             if settings.migrate_on_start:
                 await migrate(database, settings)

@@ -24,10 +24,11 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from tests.citus.cluster import prepare_citus_database
 from tests.support import service_settings
-from tokensvc.app import migrate
+from tokensvc.app import locate_database, migrate
 from tokensvc.auth.devpki import ensure_dev_material
-from tokensvc.storage.postgres import Database, EmbeddedPaths, EmbeddedPostgresError, prepare_citus_database
+from tokensvc.storage.postgres import EmbeddedPaths, EmbeddedPostgresError
 
 ENVIRONMENT = "TOKENSVC_TEST_CITUS_DSN"
 _HERE = Path(__file__).parent
@@ -102,7 +103,7 @@ async def database(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Ci
         raise pytest.UsageError(f"{ENVIRONMENT}: {exc}") from None
     citus = CitusDatabase(dsn, paths)
     settings = service_settings(citus, ensure_dev_material(tmp_path_factory.mktemp("citus-mig")), Path("."))  # type: ignore[arg-type]
-    await migrate(await Database.locate(settings), settings)
+    await migrate(await locate_database(settings), settings)
     await _cancel_leftover_migrations(given)
     yield citus
     shutil.rmtree(root, ignore_errors=True)

@@ -13,9 +13,10 @@ import pytest
 
 from tests.storage.test_memory_rls import NAMESPACE, SEARCH_KINDS, new_bucket, open_pool, rows
 from tests.support import service_settings, superuser
+from tokensvc.app import locate_database
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.retrieval import candidate_query
-from tokensvc.storage.postgres import PLACEMENTS, Database
+from tokensvc.storage.postgres import PLACEMENTS
 from tokensvc.storage.postgres.memories import PostgresMemoryStore, search_statement
 from tokensvc.storage.postgres.tenant import tenant_transaction
 from tokensvc.storage.records import Tenant
@@ -86,7 +87,7 @@ async def test_migrate_distributes_the_tenant_tables_and_keeps_the_global_ones_o
 async def test_a_second_migrate_changes_nothing(
     database: object, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    db = await Database.locate(service_settings(database, dev, tmp_path_factory.mktemp("again")))  # type: ignore[arg-type]
+    db = await locate_database(service_settings(database, dev, tmp_path_factory.mktemp("again")))  # type: ignore[arg-type]
     assert await db.migrate("tokensvc_app") == []
 
 

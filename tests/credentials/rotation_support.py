@@ -33,11 +33,11 @@ from tests.support import (
     service_settings,
     superuser,
 )
-from tokensvc.app import migrate
+from tokensvc.app import locate_database, migrate
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.credentials import DatabaseCredential
 from tokensvc.settings import Settings
-from tokensvc.storage.postgres import Database, EmbeddedPostgres
+from tokensvc.storage.postgres import EmbeddedPostgres
 from tokensvc.storage.postgres.scram import scram_sha256_verifier
 from tokensvc.v1 import admin_pb2, admin_pb2_grpc, memory_pb2
 
@@ -82,7 +82,7 @@ async def private_database(dev: DevPaths) -> AsyncIterator[SharedDatabase]:
         await server.start()
         database = SharedDatabase(server)
         settings = service_settings(database, dev, directory)
-        await migrate(await Database.locate(settings), settings)
+        await migrate(await locate_database(settings), settings)
         yield database
     finally:
         await server.stop()

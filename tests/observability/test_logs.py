@@ -24,11 +24,11 @@ import pytest
 from tests.api.knowledge_support import eq, open_clients
 from tests.api.memory_support import Launchers
 from tests.support import SharedDatabase, role_channel, service_settings
-from tokensvc.app import Service, migrate
+from tokensvc.app import Service, locate_database, migrate
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.credentials import FileCredentialSource
 from tokensvc.logs import JsonFormatter
-from tokensvc.storage.postgres import Database, EmbeddedPostgres
+from tokensvc.storage.postgres import EmbeddedPostgres
 from tokensvc.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -207,7 +207,7 @@ async def test_a_full_run_logs_every_rpc_and_no_secret(
     captured: Collect, own_database: SharedDatabase, dev: DevPaths, tmp_path: Path
 ) -> None:
     settings = service_settings(own_database, dev, tmp_path, migrate_on_start=False)
-    await migrate(await Database.locate(settings), settings)
+    await migrate(await locate_database(settings), settings)
     before_rotation = passwords(own_database)
     service = Service(settings)
     started = time.monotonic()

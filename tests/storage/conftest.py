@@ -10,9 +10,9 @@ import pytest
 
 from tests.storage.migration_support import connect
 from tests.support import SharedDatabase, service_settings
+from tokensvc.app import locate_database
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.credentials import FileCredentialSource
-from tokensvc.storage.postgres import Database
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ async def pool(
 ) -> AsyncIterator[asyncpg.Pool]:
     """The serving role's pool, opened as the service opens it (modules that share one across
     their tests keep their own, module-scoped)."""
-    db = await Database.locate(service_settings(database, dev, tmp_path_factory.mktemp("pool")))
+    db = await locate_database(service_settings(database, dev, tmp_path_factory.mktemp("pool")))
     try:
         yield await db.open_pool()
     finally:
@@ -33,7 +33,7 @@ async def runner_pool(
     database: SharedDatabase, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[asyncpg.Pool]:
     """The re-embedding runner role's pool, opened as the service opens it."""
-    db = await Database.locate(service_settings(database, dev, tmp_path_factory.mktemp("runner-pool")))
+    db = await locate_database(service_settings(database, dev, tmp_path_factory.mktemp("runner-pool")))
     try:
         await db.open_pool()
         source = db.target.runner_credentials

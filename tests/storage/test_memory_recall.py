@@ -28,12 +28,12 @@ from tests.storage.search_support import (
     vector_sql,
 )
 from tests.support import SharedDatabase, service_settings
+from tokensvc.app import locate_database
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.credentials import FileCredentialSource
 from tokensvc.memory.filters import Condition, Filter, Operator, matches
 from tokensvc.memory.models import NewMemory
 from tokensvc.retrieval import SearchTuning
-from tokensvc.storage.postgres import Database
 from tokensvc.storage.postgres.database import _init_connection
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
 from tokensvc.storage.postgres.tenant import tenant_transaction
@@ -112,7 +112,7 @@ async def pool(
     database: SharedDatabase, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[asyncpg.Pool]:
     """The serving role's pool, opened the way the service opens it."""
-    db = await Database.locate(service_settings(database, dev, tmp_path_factory.mktemp("recall")))
+    db = await locate_database(service_settings(database, dev, tmp_path_factory.mktemp("recall")))
     try:
         yield await db.open_pool()
     finally:

@@ -20,6 +20,7 @@ import pytest
 from tests.storage.migration_support import APP_ROLE
 from tests.storage.search_support import bucket_size, vector_search
 from tests.support import SharedDatabase, connect_as, service_settings, superuser
+from tokensvc.app import locate_database
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.embedders import EmbedderSpec
 from tokensvc.memory.models import MemorySpace, NewMemory
@@ -60,7 +61,7 @@ def rows(count: int, label: str, *, ttl: int | None = None) -> list[NewMemory]:
 async def open_pool(
     database: SharedDatabase, dev: DevPaths, factory: pytest.TempPathFactory, **overrides: object
 ) -> tuple[Database, asyncpg.Pool]:
-    db = await Database.locate(service_settings(database, dev, factory.mktemp("rls"), **overrides))
+    db = await locate_database(service_settings(database, dev, factory.mktemp("rls"), **overrides))
     return db, await db.open_pool()
 
 

@@ -24,9 +24,9 @@ import pytest
 
 from tests.storage.search_support import vector_search, vector_sql
 from tests.support import SharedDatabase, service_settings
+from tokensvc.app import locate_database
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.storage.filters import Condition, Operator
-from tokensvc.storage.postgres import Database
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
 from tokensvc.storage.postgres.tenant import tenant_transaction
 from tokensvc.storage.records import EmbedderSpec, MemorySpace, NewMemory, Tenant
@@ -63,7 +63,7 @@ async def pool(
     database: SharedDatabase, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[asyncpg.Pool]:
     """A pool of the serving role, opened the way the service opens it."""
-    db = await Database.locate(service_settings(database, dev, tmp_path_factory.mktemp("store")))
+    db = await locate_database(service_settings(database, dev, tmp_path_factory.mktemp("store")))
     try:
         yield await db.open_pool()
     finally:

@@ -131,14 +131,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    from tokensvc.app import migrate
-    from tokensvc.storage.postgres import Database
+    from tokensvc.app import locate_database, migrate
 
     overrides = {"state_dir": str(args.state_dir)} if args.state_dir else {}
     settings = load_settings(config_file=args.config, overrides=overrides)
 
     async def run() -> list[str]:
-        database = await Database.locate(settings)
+        database = await locate_database(settings)
         try:
             return await migrate(database, settings)
         finally:

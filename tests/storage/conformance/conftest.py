@@ -22,6 +22,7 @@ import pytest
 
 from tests.storage.conformance.support import new_bucket, new_tenant
 from tests.support import SharedDatabase, service_settings
+from tokensvc.app import locate_database
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.storage.memory import (
     InMemoryAuditStore,
@@ -82,7 +83,7 @@ async def conformance_database(
 ) -> AsyncIterator[Database]:
     """The shared database as the service reaches it: the serving pool, the re-embedding runner's
     pool, and connections of their own."""
-    db = await Database.locate(service_settings(database, dev, tmp_path_factory.mktemp("conformance")))
+    db = await locate_database(service_settings(database, dev, tmp_path_factory.mktemp("conformance")))
     try:
         await db.open_pool()
         source = db.target.runner_credentials
@@ -179,7 +180,7 @@ async def journal_database(
         settings = service_settings(
             database, dev, tmp_path_factory.mktemp("journal"), database_dsn=f"{server}/{name}"
         )
-        db = await Database.locate(settings)
+        db = await locate_database(settings)
         await db.migrate(settings.database_app_role, settings.database_runner_role)
         owner = await _connect(f"{server}/{name}", database.owner_credential_dir)
         try:

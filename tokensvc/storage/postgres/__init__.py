@@ -5,14 +5,12 @@ domain errors here (`errors.py`), so nothing above storage imports asyncpg."""
 from tokensvc.storage.postgres.audit import PostgresAuditStore
 from tokensvc.storage.postgres.citus import PLACEMENTS, citus_version
 from tokensvc.storage.postgres.data_subjects import PostgresDataSubjectStore
-from tokensvc.storage.postgres.database import Database, DatabaseTarget, connect_once
+from tokensvc.storage.postgres.database import Database, DatabaseLocation, DatabaseTarget, connect_once
 from tokensvc.storage.postgres.embedded import (
     EmbeddedPaths,
     EmbeddedPostgres,
     EmbeddedPostgresError,
     ensure_roles,
-    prepare_citus_database,
-    prepare_database,
 )
 from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
 from tokensvc.storage.postgres.logins import PostgresLogins
@@ -32,6 +30,7 @@ from tokensvc.storage.postgres.vector_indexes import PostgresVectorIndexes
 __all__ = [
     "PLACEMENTS",
     "Database",
+    "DatabaseLocation",
     "DatabaseTarget",
     "EmbeddedPaths",
     "EmbeddedPostgres",
@@ -53,7 +52,5 @@ __all__ = [
     "citus_version",
     "connect_once",
     "ensure_roles",
-    "prepare_citus_database",
-    "prepare_database",
     "schema_version",
 ]

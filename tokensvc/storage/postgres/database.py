@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import asyncpg
 from pgvector.asyncpg import register_vector
 
-from tokensvc.settings import Settings, SettingsError
+from tokensvc.settings import SettingsError
 from tokensvc.storage.postgres.citus import citus_version, distribute
 from tokensvc.storage.postgres.embedded import EmbeddedPostgres
 from tokensvc.storage.postgres.migrations import (
@@ -31,12 +31,10 @@ from tokensvc.storage.postgres.tenant import DistributedConnection
 from tokensvc.storage.records import DatabaseCredential
 from tokensvc.storage.secrets import FileCredentialSource
 
-__all__ = ["MINIMUM_PGVECTOR", "MINIMUM_POSTGRES", "Database", "DatabaseTarget", "connect_once"]
+__all__ = ["Database", "DatabaseLocation", "DatabaseTarget", "connect_once"]
 
 _log = logging.getLogger(__name__)
 
-MINIMUM_POSTGRES = 15
-MINIMUM_PGVECTOR = (0, 8, 0)
 SCHEMA = "tokensvc"
 _SERVER_SETTINGS = {
     "search_path": f"{SCHEMA}, public",
@@ -53,6 +51,22 @@ _SERVER_SETTINGS = {
 # e.g. a bytea[] parameter) then scanned pg_class once per type, 15 s instead of 30 ms
 # (measured). tokensvc never looks for tables by name, so it sees the catalog unfiltered.
 _CITUS_SERVER_SETTINGS = {"citus.override_table_visibility": "off"}
+
+
+@dataclass(frozen=True)
+class DatabaseLocation:
+    """What `Database.locate` needs to know: where the database is (no DSN: the embedded server
+    in `state_dir`) and the directories of the secrets that log in to it (unset ones of the
+    embedded server are its own). The composition root makes it from the settings."""
+
+    dsn: str | None
+    state_dir: Path
+    connect_timeout: float
+    pool_sizes: tuple[int, int]
+    app_credential_dir: Path | None = None
+    owner_credential_dir: Path | None = None
+    rotator_credential_dir: Path | None = None
+    runner_credential_dir: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -142,43 +156,42 @@ class Database:
         self.citus: str | None = None
 
     @classmethod
-    async def locate(cls, settings: Settings) -> Database:
+    async def locate(cls, location: DatabaseLocation) -> Database:
         """Start the embedded database when none is configured; nothing is connected yet."""
-        sizes = (settings.pool_min_size, settings.pool_max_size)
-        if settings.database_dsn is not None:
-            assert settings.database_credential_dir is not None
+        if location.dsn is not None:
+            assert location.app_credential_dir is not None
             target = DatabaseTarget.from_dsn(
-                settings.database_dsn,
-                settings.database_credential_dir,
-                settings.database_owner_credential_dir,
-                settings.database_connect_timeout_seconds,
+                location.dsn,
+                location.app_credential_dir,
+                location.owner_credential_dir,
+                location.connect_timeout,
             )
-            if settings.database_rotator_credential_dir is not None:
+            if location.rotator_credential_dir is not None:
                 target = replace(
-                    target, rotator_credentials=FileCredentialSource(settings.database_rotator_credential_dir)
+                    target, rotator_credentials=FileCredentialSource(location.rotator_credential_dir)
                 )
-            if settings.database_runner_credential_dir is not None:
+            if location.runner_credential_dir is not None:
                 target = replace(
-                    target, runner_credentials=FileCredentialSource(settings.database_runner_credential_dir)
+                    target, runner_credentials=FileCredentialSource(location.runner_credential_dir)
                 )
-            return cls(target, None, sizes)
-        embedded = EmbeddedPostgres(settings.state_dir)
+            return cls(target, None, location.pool_sizes)
+        embedded = EmbeddedPostgres(location.state_dir)
         await embedded.start()
         paths = embedded.paths
         target = DatabaseTarget.from_dsn(
             embedded.dsn(),
-            settings.database_credential_dir or paths.credential_dir("app"),
-            settings.database_owner_credential_dir or paths.credential_dir("owner"),
-            settings.database_connect_timeout_seconds,
+            location.app_credential_dir or paths.credential_dir("app"),
+            location.owner_credential_dir or paths.credential_dir("owner"),
+            location.connect_timeout,
         )
-        rotator = settings.database_rotator_credential_dir or paths.credential_dir("rotator")
-        runner = settings.database_runner_credential_dir or paths.credential_dir("runner")
+        rotator = location.rotator_credential_dir or paths.credential_dir("rotator")
+        runner = location.runner_credential_dir or paths.credential_dir("runner")
         target = replace(
             target,
             rotator_credentials=FileCredentialSource(rotator),
             runner_credentials=FileCredentialSource(runner),
         )
-        return cls(target, embedded, sizes)
+        return cls(target, embedded, location.pool_sizes)
 
     @property
     def pool(self) -> asyncpg.Pool:

@@ -45,8 +45,6 @@ __all__ = [
     "EmbeddedPostgres",
     "EmbeddedPostgresError",
     "ensure_roles",
-    "prepare_citus_database",
-    "prepare_database",
     "process_alive",
 ]
 
@@ -411,45 +409,6 @@ async def ensure_roles(conn: asyncpg.Connection, paths: EmbeddedPaths) -> None:
     for role in (*APP_LOGIN_ROLES, *RUNNER_LOGIN_ROLES):
         # ADMIN only: the rotator may set these roles' passwords, not use their grants.
         await conn.execute(f"GRANT {role} TO {ROTATOR_ROLE} WITH ADMIN TRUE, INHERIT FALSE, SET FALSE")
-
-
-async def prepare_database(conn: asyncpg.Connection, paths: EmbeddedPaths) -> None:
-    """As a superuser connected to an existing database (a Citus coordinator's, for the tests and
-    the benches): tokensvc's roles as `ensure_roles` makes them, the schema owner owning the
-    database, CONNECT for the serving and runner groups and the rotator only, and pgvector."""
-    name = await conn.fetchval("SELECT current_database()")
-    await ensure_roles(conn, paths)
-    quoted = '"' + str(name).replace('"', '""') + '"'
-    await conn.execute(f"ALTER DATABASE {quoted} OWNER TO {OWNER_ROLE}")
-    await conn.execute(f"REVOKE ALL ON DATABASE {quoted} FROM PUBLIC")
-    await conn.execute(
-        f"GRANT CONNECT ON DATABASE {quoted} TO {APP_GROUP_ROLE}, {RUNNER_GROUP_ROLE}, {ROTATOR_ROLE}"
-    )
-    await conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
-
-
-async def prepare_citus_database(superuser_dsn: str, paths: EmbeddedPaths) -> str:
-    """`prepare_database` on a Citus coordinator's database named by a superuser DSN (with its
-    password), the credentials kept under `paths`; returns the credential-free DSN tokensvc is
-    configured with. For the Citus tests and bench."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    from tokensvc.storage.postgres.citus import citus_version
-
-    parts = urlsplit(superuser_dsn)
-    if not (parts.hostname and parts.username and parts.password and parts.path.strip("/")):
-        raise EmbeddedPostgresError("needs postgresql://SUPERUSER:PASSWORD@HOST:PORT/DATABASE")
-    FileCredentialSource(paths.credential_dir("superuser")).write(
-        DatabaseCredential(parts.username, parts.password)
-    )
-    conn = await asyncpg.connect(superuser_dsn)
-    try:
-        if await citus_version(conn) is None:
-            raise EmbeddedPostgresError(f"database {parts.path.strip('/')!r} has no citus extension")
-        await prepare_database(conn, paths)
-    finally:
-        await conn.close()
-    return urlunsplit(("postgresql", f"{parts.hostname}:{parts.port or 5432}", parts.path, "", ""))
 
 
 def _ensure_credential(paths: EmbeddedPaths, who: str, username: str) -> DatabaseCredential:

@@ -19,6 +19,8 @@ from tokensvc.names import is_sql_identifier
 
 __all__ = [
     "LOCK_ID",
+    "MINIMUM_PGVECTOR",
+    "MINIMUM_POSTGRES",
     "Migration",
     "MigrationError",
     "apply_migrations",
@@ -26,6 +28,9 @@ __all__ = [
     "schema_version",
 ]
 
+# The oldest servers tokensvc runs on (checked before the first migration).
+MINIMUM_POSTGRES = 15
+MINIMUM_PGVECTOR = (0, 8, 0)
 # Arbitrary but fixed: the lock id every tokensvc process agrees on.
 LOCK_ID = 0x746F6B656E737663  # "tokensvc"
 _FILE_NAME = re.compile(r"(\d{4})_([a-z0-9_]+)\.sql")
@@ -131,8 +136,6 @@ async def schema_version(conn: asyncpg.Connection) -> int:
 
 
 async def _check_pgvector(conn: asyncpg.Connection) -> None:
-    from tokensvc.storage.postgres.database import MINIMUM_PGVECTOR, MINIMUM_POSTGRES
-
     server = conn.get_server_version()
     if server.major < MINIMUM_POSTGRES:
         raise MigrationError(f"PostgreSQL {server.major} is too old; tokensvc needs >= {MINIMUM_POSTGRES}")
