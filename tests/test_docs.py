@@ -8,7 +8,8 @@ from pathlib import Path
 from tokensvc.cli.main import build_parser
 from tokensvc.settings import Settings
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 def test_every_setting_is_in_the_readme() -> None:
@@ -21,6 +22,13 @@ def test_every_top_level_command_is_in_the_readme() -> None:
     commands = next(a for a in parser._actions if isinstance(getattr(a, "choices", None), dict)).choices
     missing = [name for name in commands if f"tokensvc {name}" not in README]
     assert not missing, f"document these commands in README.md: {missing}"
+
+
+def test_the_readme_layout_names_every_proto_file() -> None:
+    line = next(line for line in README.splitlines() if line.startswith("protos/tokensvc/v1/"))
+    listed = {name.strip() for name in line.split(":", 1)[1].split(",")}
+    shipped = {path.stem for path in (ROOT / "protos" / "tokensvc" / "v1").glob("*.proto")}
+    assert listed == shipped, f"README layout lists {sorted(listed)}, protos/ has {sorted(shipped)}"
 
 
 def test_every_knowledge_base_question_quotes_its_document_exactly_once() -> None:
