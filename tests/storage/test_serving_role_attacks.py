@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import asyncpg
 import numpy as np
@@ -20,6 +23,8 @@ from pgvector import Vector
 from tests.storage.test_memory_rls import new_bucket
 from tests.storage.test_reembedding_races import one_memory
 from tests.support import SharedDatabase, connect_as, superuser
+from tokensvc.storage.postgres import tenant
+from tokensvc.storage.postgres.citus import citus_version
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
 from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
 from tokensvc.storage.records import EmbedderSpec, EmbeddingMigration, MemorySpace, MigrationState, Tenant
@@ -89,26 +94,36 @@ async def _victims_migrations_cancelled(database: SharedDatabase) -> AsyncIterat
         )
 
 
-@pytest.fixture
-async def serving(database: SharedDatabase) -> AsyncIterator[asyncpg.Connection]:
-    """The serving login role, in a transaction rolled back afterwards."""
-    async with connect_as(database.app_credential_dir, database.dsn) as conn:
+@asynccontextmanager
+async def in_a_transaction(
+    credential_dir: Path, database: SharedDatabase
+) -> AsyncIterator[asyncpg.Connection]:
+    """A login role's connection of the class tokensvc's pools give it (`Database.open_pool`:
+    on a Citus coordinator a `DistributedConnection`, whose declarations reach the workers), in a
+    transaction rolled back afterwards."""
+    async with connect_as(credential_dir, database.dsn) as probe:
+        distributed = await citus_version(probe) is not None
+    kind = tenant.DistributedConnection if distributed else asyncpg.Connection
+    async with connect_as(credential_dir, database.dsn, connection_class=kind) as conn:
         await conn.execute("BEGIN")
         try:
             yield conn
         finally:
             await conn.execute("ROLLBACK")
+
+
+@pytest.fixture
+async def serving(database: SharedDatabase) -> AsyncIterator[asyncpg.Connection]:
+    """The serving login role, in a transaction rolled back afterwards."""
+    async with in_a_transaction(database.app_credential_dir, database) as conn:
+        yield conn
 
 
 @pytest.fixture
 async def runner(database: SharedDatabase) -> AsyncIterator[asyncpg.Connection]:
     """The runner's login role, in a transaction rolled back afterwards."""
-    async with connect_as(database.runner_credential_dir, database.dsn) as conn:
-        await conn.execute("BEGIN")
-        try:
-            yield conn
-        finally:
-            await conn.execute("ROLLBACK")
+    async with in_a_transaction(database.runner_credential_dir, database) as conn:
+        yield conn
 
 
 class Victim:
@@ -147,8 +162,10 @@ async def make_victim(pool: asyncpg.Pool, *, migrating: bool = False) -> Victim:
 
 
 async def declare(conn: asyncpg.Connection, **settings: str) -> None:
-    for name, value in settings.items():
-        await conn.execute("SELECT set_config($1, $2, true)", f"tokensvc.{name}", value)
+    """Declare `tokensvc.<name>` settings in the transaction as tokensvc declares a tenant (on
+    Citus with `SET LOCAL`s that reach the workers, where the shards' policies read them): an
+    attacker holding the serving role's credential can send the same statements."""
+    await tenant.declare(conn, {f"tokensvc.{name}": value for name, value in settings.items()})
 
 
 async def attempt(conn: asyncpg.Connection, sql: str, *args: object) -> list[asyncpg.Record] | None:
@@ -352,6 +369,11 @@ async def test_partitions_and_statistics_show_no_bucket(
 ) -> None:
     victim = await make_victim(pool)
     async with superuser(database) as admin:
+        if tenant.is_distributed(serving):
+            # The development cluster's Citus (15.0devel) fails the parallel ANALYZE of the
+            # shards of memories' 256 partitions ("connection not open"); one connection per
+            # worker analyzes them.
+            await admin.execute("SET citus.multi_shard_modify_mode = 'sequential'")
         await admin.execute("ANALYZE tokensvc.memories")
     for partition in ("memories_p000", "memories_p128", "memories_p255"):
         assert await attempt(serving, f"SELECT bucket FROM {partition} LIMIT 1") is None  # noqa: S608
@@ -364,6 +386,43 @@ async def test_partitions_and_statistics_show_no_bucket(
     )
     assert not mentions(stats, victim.bucket)
     assert stats == []
+    if tenant.is_distributed(serving):
+        await the_shards_show_no_bucket(database, victim)
+
+
+async def the_shards_show_no_bucket(database: SharedDatabase, victim: Victim) -> None:
+    """On Citus the rows and their statistics are the shards', on the workers, where the serving
+    role logs in too (Citus connects to them as it): there, with the shards shown, the partitions'
+    shards are refused and no statistics are visible, though the superuser sees some."""
+    name = urlsplit(database.dsn).path.strip("/")
+    async with superuser(database) as admin:
+        workers = await admin.fetch(
+            "SELECT nodename, nodeport FROM pg_dist_node WHERE groupid <> 0 AND noderole = 'primary'"
+        )
+        shards = await admin.fetch(
+            "SELECT nodename, nodeport, shard_name AS shard FROM citus_shards "
+            "WHERE table_name IN ('tokensvc.memories_p000'::regclass, 'tokensvc.memories_p255'::regclass)"
+        )
+    assert workers != []
+    assert shards != []
+    statistics = (
+        "SELECT tablename, most_common_vals::text, histogram_bounds::text FROM pg_stats "
+        "WHERE schemaname = 'tokensvc' AND tablename LIKE 'memories%'"
+    )
+    seen_by_superuser = 0
+    for worker in workers:
+        where = {"host": worker["nodename"], "port": worker["nodeport"], "database": name}
+        async with connect_as(database.superuser_credential_dir, **where) as admin:
+            await admin.execute("SET citus.override_table_visibility = off")
+            seen_by_superuser += len(await admin.fetch(statistics))
+        async with connect_as(database.app_credential_dir, **where) as conn:
+            await conn.execute("SET citus.override_table_visibility = off")
+            assert await conn.fetch(statistics) == []
+            for shard in shards:
+                if (shard["nodename"], shard["nodeport"]) == (worker["nodename"], worker["nodeport"]):
+                    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                        await conn.fetch(f"SELECT bucket FROM {shard['shard']} LIMIT 1")  # noqa: S608
+    assert seen_by_superuser > 0
 
 
 @pytest.mark.parametrize(
@@ -396,11 +455,7 @@ async def test_the_serving_role_deletes_no_memory_space_even_its_declared_one(
     reference table's placements for an INSERT only for roles that may also delete), so the
     refusal is a restrictive policy: not one row goes, in the victim's own declaration either."""
     victim = await make_victim(pool, migrating=False)
-    await serving.execute(
-        "SELECT set_config('tokensvc.namespace', $1, true), set_config('tokensvc.agent', $2, true)",
-        NAMESPACE,
-        victim.agent,
-    )
+    await declare(serving, namespace=NAMESPACE, agent=victim.agent)
     assert await attempt(serving, "DELETE FROM memory_spaces RETURNING namespace") == []
     assert await serving.fetchval("SELECT count(*) FROM memory_spaces") == 1
 
@@ -575,6 +630,7 @@ async def test_the_serving_role_cannot_cancel_resume_or_release_a_migration_it_d
             "SELECT current_setting('tokensvc.namespace', true) AS ns, current_setting('tokensvc.agent', true) "
             "AS agent, current_setting('tokensvc.kbs', true) AS kbs"
         )
+        assert declared is not None
         assert tuple(declared) == ("someone-else", "attacker", "*")
         state = await serving.fetchval(
             "SELECT state FROM embedding_migrations WHERE id = $1", victim.migration
