@@ -82,16 +82,34 @@ DEFINER_GRANTS = {
 
 
 @pytest.fixture(autouse=True)
-async def _victims_migrations_cancelled(database: SharedDatabase) -> AsyncIterator[None]:
-    """A victim's migration targets an embedder no service here has: left `backfilling`, it
-    would hold a runner slot of every later test's service (their own migrations waited)."""
+async def victims_migrations_finished(database: SharedDatabase) -> AsyncIterator[None]:
+    """Every migration of this suite's namespace ends CANCELLED with its test, so no later
+    service's runner has work left by it. Left BACKFILLING, a victim's migration is cancelled by
+    a later clean-up (the API tests' cancel every unfinished one); CANCELLING, it is claimed
+    before any newer migration (oldest first) and its slot cleared, which on Citus is a statement
+    over every shard, seconds per victim, while the later test's own migration waits.
+
+    Finishing one directly is the runner's own `finish_migration` (BACKFILLING to CANCELLED, as
+    for a subject that is gone) without the clearing, which is sound for a migration nothing ever
+    stored a vector for: its target embedder is one no service here has, so only a batch could
+    have filled the target slot, and a batch counts its rows (`rows_done`). One that did is left
+    as it is and fails the test. (A public name: the Citus suite re-runs this module with
+    `import *`, which leaves out names starting with `_`.)"""
     yield
     async with superuser(database) as admin:
         await admin.execute(
-            "UPDATE tokensvc.embedding_migrations SET state = 'cancelling', lease_owner = NULL, "
-            "lease_until = NULL WHERE namespace = $1 AND state IN ('backfilling', 'paused')",
+            "UPDATE tokensvc.embedding_migrations SET state = 'cancelled', reason = 'the attack suite''s victim', "
+            "lease_owner = NULL, lease_until = NULL, updated_at = statement_timestamp(), "
+            "finished_at = statement_timestamp() "
+            "WHERE namespace = $1 AND state IN ('backfilling', 'paused', 'cancelling') AND rows_done = 0",
             NAMESPACE,
         )
+        unfinished = await admin.fetch(
+            "SELECT id, state, rows_done FROM tokensvc.embedding_migrations WHERE namespace = $1 "
+            "AND state IN ('backfilling', 'paused', 'retiring', 'cancelling')",
+            NAMESPACE,
+        )
+    assert unfinished == []
 
 
 @asynccontextmanager
