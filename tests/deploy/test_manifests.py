@@ -539,6 +539,8 @@ def test_cnpg_cluster_has_pgvector_and_the_documented_roles(overlay: str, instan
         "WITH ADMIN TRUE, INHERIT FALSE, SET FALSE" in sql
     )
     assert "GRANT CONNECT ON DATABASE tokensvc TO tokensvc_app, tokensvc_runner, tokensvc_rotator" in sql
+    for login in ("tokensvc_app_a", "tokensvc_app_b", "tokensvc_runner_a", "tokensvc_runner_b"):
+        assert f"ALTER ROLE {login} SET track_activities = off" in sql
     # The passwords CloudNativePG sets are the Secrets tokensvc mounts.
     managed = {r["name"]: r for r in cluster["managed"]["roles"]}
     assert (

@@ -125,8 +125,10 @@ async def test_a_caller_over_its_concurrency_limit_is_refused_and_others_are_not
 async def sleeping_queries(database: SharedDatabase) -> list[int]:
     async with superuser(database) as conn:
         rows = await conn.fetch(
-            "SELECT pid FROM pg_stat_activity WHERE query = $1 AND state = 'active' AND pid <> pg_backend_pid()",
-            SLEEP_SQL,
+            # By what it waits for: the serving role's sessions show no query text
+            # (track_activities is off for tokensvc's login roles).
+            "SELECT pid FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND usename LIKE 'tokensvc\\_app\\_%' "
+            "AND pid <> pg_backend_pid()"
         )
     return [int(row["pid"]) for row in rows]
 

@@ -301,11 +301,14 @@ async def cut_over(conn: PoolConnectionProxy[asyncpg.Record], migration: Embeddi
 
 
 async def _upload_pid(watcher: asyncpg.Connection) -> int:
-    """The backend running an upload's first statement."""
+    """The backend of the upload's transaction: the one session of the serving role inside a
+    transaction (it holds its virtual transaction id). The role's sessions show no query text:
+    track_activities is off for tokensvc's login roles."""
     for _ in range(200):
         pid = await watcher.fetchval(
-            "SELECT pid FROM pg_stat_activity WHERE (query LIKE '%document_write_state%' OR query LIKE '%knowledge_base_generation%') "
-            "AND query NOT LIKE '%pg_stat_activity%' LIMIT 1"
+            "SELECT a.pid FROM pg_stat_activity a JOIN pg_locks l ON l.pid = a.pid "
+            "AND l.locktype = 'virtualxid' AND l.granted "
+            "WHERE a.usename LIKE 'tokensvc\\_app\\_%' AND a.backend_type = 'client backend' LIMIT 1"
         )
         if pid is not None:
             return int(pid)

@@ -715,3 +715,27 @@ async def test_pins_the_serving_role_makes_up_get_indexes_for_16_dimensions_at_m
     assert refused >= 30 - 16
     # A dimension that has its indexes is still built on every partition.
     assert await serving.fetchval("SELECT ensure_memory_partition_index(384, 1, 5)") is True
+
+
+async def test_no_session_of_the_serving_role_reads_the_buckets_another_one_declares(
+    pool: asyncpg.Pool, serving: asyncpg.Connection
+) -> None:
+    """A transaction's first message declares its tenant's bucket ids as literals (one round trip:
+    tokensvc/storage/postgres/tenant.py), and pg_stat_activity shows a session's last message to
+    every session of the same role: the login roles run with track_activities off, which a
+    session of theirs cannot turn back on (on Citus, on every node)."""
+    bucket = new_bucket()
+    async with tenant.tenant_transaction(pool, Tenant(NAMESPACE, "watched", (bucket,))) as victim:
+        assert victim is not None  # its last message was its declaration; it waits there
+        seen = await serving.fetch("SELECT pid, state, coalesce(query, '') AS query FROM pg_stat_activity")
+        assert {row["state"] for row in seen if row["pid"] != serving.get_server_pid()} <= {"disabled", None}
+        assert not [row for row in seen if bucket in row["query"]]
+    assert await serving.fetchval("SHOW track_activities") == "off"
+    if await citus_version(serving) is not None:
+        on_workers = await serving.fetch(
+            "SELECT success, result FROM run_command_on_workers('SHOW track_activities')"
+        )
+        assert on_workers
+        assert {(row["success"], row["result"]) for row in on_workers} == {(True, "off")}
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await serving.execute("SET track_activities = on")

@@ -203,9 +203,18 @@ class Database:
         """The serving pool; `credential` is asked for every new connection (rotation needs no restart)."""
         target = self.target
         current = self._credential = credential or target.app_credentials.read
-        probe = await connect_once(target, current())
+        login = current()
+        probe = await connect_once(target, login)
         try:
             self.citus = await citus_version(probe)
+            if await probe.fetchval("SHOW track_activities") != "off":
+                _log.warning(
+                    "track_activities is on for the serving role %s: a session of that role can read "
+                    "the bucket ids other sessions declare in pg_stat_activity; as a superuser, "
+                    "ALTER ROLE ... SET track_activities = off for each login role "
+                    '(docs/operations.md, "Database roles")',
+                    login.username,
+                )
         finally:
             await probe.close(timeout=target.connect_timeout)
         if self.citus is not None:

@@ -407,6 +407,11 @@ async def ensure_roles(conn: asyncpg.Connection, paths: EmbeddedPaths) -> None:
     rotator = _ensure_credential(paths, "rotator", ROTATOR_ROLE)
     await _ensure_login_role(conn, rotator, "CREATEROLE")
     for role in (*APP_LOGIN_ROLES, *RUNNER_LOGIN_ROLES):
+        # A transaction's first message declares its tenant's bucket ids as literals (one round
+        # trip: storage/postgres/tenant.py), and pg_stat_activity shows a session's last message to
+        # every session of the same role: off, so no other connection of the role can read them.
+        # Only a superuser may change it; a session of the role cannot turn it back on.
+        await conn.execute(f"ALTER ROLE {role} SET track_activities = off")
         # ADMIN only: the rotator may set these roles' passwords, not use their grants.
         await conn.execute(f"GRANT {role} TO {ROTATOR_ROLE} WITH ADMIN TRUE, INHERIT FALSE, SET FALSE")
 
