@@ -1,6 +1,6 @@
 """The records the store ports take and return: plain frozen dataclasses, no I/O, no SQL.
 
-The domain builds and reads them; every store implementation (PostgreSQL, in-memory) speaks
+The domain builds and reads them; every store implementation (PostgreSQL, in-process) speaks
 them. They live below the domain so that storage never imports `memory/` or `knowledge/`.
 """
 

@@ -4,7 +4,7 @@ The reference scores are computed here from the formulas in the contracts (cosin
 of unit vectors; BM25 as `tokensvc.storage.postgres.ranking` states it), independently of either
 implementation, so "both agree with the reference" means "they agree with each other". Texts in
 scored fixtures are lowercase ASCII words separated by spaces under the `simple` configuration,
-where PostgreSQL's parser and the in-memory tokeniser see the same terms.
+where PostgreSQL's parser and the in-process tokeniser see the same terms.
 """
 
 from __future__ import annotations
