@@ -37,7 +37,7 @@ from tokensvc.auth.operations import CapabilityOperations
 from tokensvc.auth.revocation import RevocationList
 from tokensvc.credentials.custody import CredentialCustodian
 from tokensvc.embedders import EmbedderRegistry, load_embedders
-from tokensvc.knowledge.extraction import ExtractionPool
+from tokensvc.knowledge.extraction_pool import ExtractionPool
 from tokensvc.knowledge.service import KnowledgeBases
 from tokensvc.memory.data_subjects import DataSubjectRequests
 from tokensvc.memory.reembedding import EmbeddingMigrations, MigrationRunner, RunnerSettings
