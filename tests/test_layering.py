@@ -87,7 +87,7 @@ ALLOWED: dict[tuple[str, str], str] = {}
 
 @dataclass(frozen=True)
 class Import:
-    module: str  # the importing module, e.g. tokensvc.memory.filters
+    module: str  # the importing module, e.g. tokensvc.memory.metadata
     target: str  # what it imports, e.g. tokensvc.v1.common_pb2
     line: int
 
@@ -177,7 +177,7 @@ def test_the_parser_sees_nested_relative_and_from_imports() -> None:
         "def f():\n"
         "    from tokensvc.v1 import common_pb2\n"
     )
-    found = {imp.target for imp in imports_of(source, "tokensvc.memory.filters")}
+    found = {imp.target for imp in imports_of(source, "tokensvc.memory.metadata")}
     assert {"grpc", "tokensvc.memory", "tokensvc.memory.models", "tokensvc.storage.ports"} <= found
     assert "tokensvc.v1.common_pb2" in found
 

@@ -18,7 +18,7 @@ from tokensvc.embedders import EmbedderRegistry, EmbedderSpec, HashEmbedder, Vec
 from tokensvc.errors import InvalidArgument, NotFound, PermissionDenied, PinnedConfiguration
 from tokensvc.knowledge import ChunkingKind, ChunkingStrategy, ExtractionPool
 from tokensvc.knowledge.service import KnowledgeBases, UploadResult
-from tokensvc.memory.filters import Condition, Operator
+from tokensvc.memory import Condition, Operator
 from tokensvc.retrieval import SearchMode
 from tokensvc.storage.inprocess import InProcessAuditStore, InProcessKnowledgeStore
 from tokensvc.storage.records import BaseRow, DocumentRow, Tenant

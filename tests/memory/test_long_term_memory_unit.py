@@ -28,7 +28,7 @@ from tokensvc.errors import (
     PinnedConfiguration,
     Reason,
 )
-from tokensvc.memory.filters import Condition, Operator
+from tokensvc.memory import Condition, Operator
 from tokensvc.memory.models import NewMemory
 from tokensvc.memory.paging import PageCursor
 from tokensvc.memory.service import LongTermMemory, RememberItem, SearchMode, SearchQuery

@@ -37,7 +37,7 @@ from tokensvc.errors import (
 )
 from tokensvc.knowledge.chunking import Chunk, ChunkingStrategy
 from tokensvc.knowledge.extraction_pool import ExtractionPool
-from tokensvc.memory.filters import Filter
+from tokensvc.memory import Filter
 from tokensvc.memory.metadata import MetadataScalar
 from tokensvc.observability.metrics import observe_embedding
 from tokensvc.retrieval import (

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tokensvc.storage.filters import Filter
+from tokensvc.storage.filter_language import Filter
 from tokensvc.storage.records import (
     AuditRecord,
     BaseRow,

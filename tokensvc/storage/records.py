@@ -17,7 +17,7 @@ from typing import Any, Generic, Literal, TypeVar
 import numpy as np
 
 from tokensvc.names import is_dns_label, is_kb_ref
-from tokensvc.storage.filters import MetadataScalar
+from tokensvc.storage.filter_language import MetadataScalar
 
 __all__ = [
     "ALL_KNOWLEDGE_BASES",

@@ -23,7 +23,7 @@ import numpy as np
 
 from tests.storage.search_support import search_candidates
 from tokensvc.retrieval import BM25_B, BM25_K1, SearchTuning, candidate_query, query_words
-from tokensvc.storage.filters import Filter
+from tokensvc.storage.filter_language import Filter
 from tokensvc.storage.ports import KnowledgeStore, MemoryStore
 from tokensvc.storage.records import (
     ALL_KNOWLEDGE_BASES,

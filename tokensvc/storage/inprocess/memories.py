@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from tokensvc.errors import AlreadyExists
-from tokensvc.storage.filters import Filter, matches
+from tokensvc.storage.filter_language import Filter, matches
 from tokensvc.storage.inprocess.clock import Clock, StoreClock
 from tokensvc.storage.inprocess.ranking import Searchable, candidates
 from tokensvc.storage.inprocess.text import Terms, terms_of
