@@ -36,7 +36,7 @@ from bench.dataset import DIM, FILTERS, K, make_dataset
 from bench.load import binary_vectors
 from bench.peer import PeerStore
 from bench.workers import serve
-from tokensvc.memory.filters import Condition, Filter, Operator
+from tokensvc.memory import Condition, Filter, Operator
 from tokensvc.retrieval import SearchTuning, candidate_query
 from tokensvc.storage.postgres import database as tokensvc_database
 from tokensvc.storage.postgres.memories import search_statement

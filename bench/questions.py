@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokensvc.knowledge.extract import extract_text
+from tokensvc.knowledge.formats import extract_text
 
 __all__ = [
     "CONTENT_TYPE",

@@ -42,7 +42,7 @@ import asyncpg
 import numpy as np
 
 from tokensvc.app import locate_database
-from tokensvc.memory.filters import Condition, Filter, Operator, matches
+from tokensvc.memory import Condition, Filter, Operator, matches
 from tokensvc.memory.models import NewMemory
 from tokensvc.retrieval import SearchTuning, candidate_query
 from tokensvc.settings import load_settings

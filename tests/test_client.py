@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from tests.support import dev_capability, free_port
 from tokensvc.auth.devpki import LAUNCHER_SPIFFE_ID, DevPaths, issue_client_certificate
-from tokensvc.client import TokensvcClient, TokensvcError
+from tokensvc.client import CallFailed, TokensvcClient
 
 
 def capability(dev: DevPaths, **claims: object) -> str:
@@ -35,14 +35,14 @@ async def test_typed_results_and_errors_carry_the_error_info_reason(service, dev
         results = await client.remember(["client fact about otters"])
         hits = await client.search_memories("otters", top_k=3)
         assert results[0].id in {hit.memory.id for hit in hits}
-        with pytest.raises(TokensvcError) as caught:
+        with pytest.raises(CallFailed) as caught:
             await client.derive_session_key("bad/id")
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.reason == "INVALID_ARGUMENT"
     assert caught.value.field == "conversation_id"
 
     async with launcher_client(service.port, dev, capability(dev, agent="someone-else")) as client:
-        with pytest.raises(TokensvcError) as caught:
+        with pytest.raises(CallFailed) as caught:
             await client.verify_capability()
     assert caught.value.code == grpc.StatusCode.PERMISSION_DENIED
     assert caught.value.reason == "BINDING_MISMATCH"
@@ -66,7 +66,7 @@ async def test_idempotent_calls_are_retried_until_the_server_comes_up(start_serv
 async def test_writes_are_not_retried(dev: DevPaths) -> None:
     async with launcher_client(free_port(), dev, capability(dev), max_attempts=5, backoff=2.0) as client:
         started = time.monotonic()
-        with pytest.raises(TokensvcError) as caught:
+        with pytest.raises(CallFailed) as caught:
             await client.remember(["no idempotency key, so no retry"])
         elapsed = time.monotonic() - started
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
@@ -92,10 +92,18 @@ async def test_a_rotated_client_certificate_is_picked_up_without_a_new_client(
         f"127.0.0.1:{service.port}", dev.ca_cert, cert_file, key_file, capability=bound, check_interval=0.0
     )
     async with client:
-        with pytest.raises(TokensvcError) as caught:
+        with pytest.raises(CallFailed) as caught:
             await client.verify_capability()
         assert caught.value.reason == "BINDING_MISMATCH"
         shutil.copy(rotated_key, key_file)
         shutil.copy(rotated_cert, cert_file)
         scope = await client.verify_capability()
     assert scope.agent == "dev-agent"
+
+
+def test_the_former_name_tokensvc_error_still_catches_failed_calls_and_warns() -> None:
+    with pytest.warns(DeprecationWarning, match="CallFailed"):
+        from tokensvc.client import TokensvcError  # type: ignore[attr-defined]
+    assert TokensvcError is CallFailed
+    with pytest.raises(ImportError):
+        from tokensvc.client import NoSuchName  # type: ignore[attr-defined] # noqa: F401

@@ -7,7 +7,7 @@ import counts, including those inside functions. The layers, bottom to top:
     -> app (composition root) -> cli
 
 A module may import its own layer and the layers below it, never one above. Storage
-implementations (PostgreSQL, in-memory) implement the ports they sit on: only the composition
+implementations (PostgreSQL, in-process) implement the ports they sit on: only the composition
 root (app, cli) names them, so the domain can only ever hold a port. On top of the ranking:
 no transport (gRPC, protobuf, the generated stubs) below the API, the database driver only in
 `tokensvc/storage/postgres`, the API reaching storage only through domain re-exports, and the
@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("storage ports", ("tokensvc.storage",)),
-    ("storage implementations", ("tokensvc.storage.postgres", "tokensvc.storage.memory")),
+    ("storage implementations", ("tokensvc.storage.postgres", "tokensvc.storage.inprocess")),
     ("retrieval / embedders", ("tokensvc.retrieval", "tokensvc.embedders")),
     (
         "domain",
@@ -67,7 +67,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 RANK = {name: rank for rank, (name, _) in enumerate(LAYERS)}
 
 STORAGE = "tokensvc.storage"
-IMPLEMENTATIONS = ("tokensvc.storage.postgres", "tokensvc.storage.memory")
+IMPLEMENTATIONS = ("tokensvc.storage.postgres", "tokensvc.storage.inprocess")
 DOMAIN_AND_BELOW = ("domain", "retrieval / embedders", "storage ports", "storage implementations", "shared")
 TRANSPORT = (
     "grpc",
@@ -87,7 +87,7 @@ ALLOWED: dict[tuple[str, str], str] = {}
 
 @dataclass(frozen=True)
 class Import:
-    module: str  # the importing module, e.g. tokensvc.memory.filters
+    module: str  # the importing module, e.g. tokensvc.memory.metadata
     target: str  # what it imports, e.g. tokensvc.v1.common_pb2
     line: int
 
@@ -177,7 +177,7 @@ def test_the_parser_sees_nested_relative_and_from_imports() -> None:
         "def f():\n"
         "    from tokensvc.v1 import common_pb2\n"
     )
-    found = {imp.target for imp in imports_of(source, "tokensvc.memory.filters")}
+    found = {imp.target for imp in imports_of(source, "tokensvc.memory.metadata")}
     assert {"grpc", "tokensvc.memory", "tokensvc.memory.models", "tokensvc.storage.ports"} <= found
     assert "tokensvc.v1.common_pb2" in found
 

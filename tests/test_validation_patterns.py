@@ -93,7 +93,7 @@ def test_an_embedder_name_with_a_trailing_newline_is_refused(tmp_path: Path) -> 
 
 
 async def test_migrations_refuse_an_app_role_with_a_trailing_newline() -> None:
-    from tokensvc.storage.postgres import MigrationError
+    from tokensvc.storage.postgres import SchemaMigrationError
 
-    with pytest.raises(MigrationError, match="plain SQL identifier"):
+    with pytest.raises(SchemaMigrationError, match="plain SQL identifier"):
         await apply_migrations(None, app_role="tokensvc_app\n")  # type: ignore[arg-type]

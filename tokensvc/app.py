@@ -37,7 +37,7 @@ from tokensvc.auth.operations import CapabilityOperations
 from tokensvc.auth.revocation import RevocationList
 from tokensvc.credentials.custody import CredentialCustodian
 from tokensvc.embedders import EmbedderRegistry, load_embedders
-from tokensvc.knowledge.extraction import ExtractionPool
+from tokensvc.knowledge.extraction_pool import ExtractionPool
 from tokensvc.knowledge.service import KnowledgeBases
 from tokensvc.memory.data_subjects import DataSubjectRequests
 from tokensvc.memory.reembedding import EmbeddingMigrations, MigrationRunner, RunnerSettings
@@ -70,7 +70,7 @@ __all__ = ["Service", "run_service"]
 _log = logging.getLogger(__name__)
 
 
-# How often the gauges read from the database (memories per space, open rotations, migrations)
+# How often the gauges read from the database (memories per space, open rotations, re-embedding migrations)
 # are refreshed: the alerts on them wait 15 minutes or more, every replica runs the same reads,
 # and counting memories per space scans the memories table.
 _DATABASE_GAUGE_SECONDS = 60.0
@@ -104,7 +104,7 @@ class Service:
     migration_runner: MigrationRunner | None = None
     audit: AuditLog | None = None
     custodian: CredentialCustodian | None = None
-    # The re-embedding runner's credential (None: this replica runs no migrations).
+    # The re-embedding runner's credential (None: this replica runs no re-embedding migrations).
     runner_custodian: CredentialCustodian | None = None
     tls: ReloadingServerCredentials | None = None
     monitor: HealthMonitor | None = None
@@ -496,7 +496,7 @@ async def locate_database(settings: Settings) -> Database:
 
 
 async def migrate(database: Database, settings: Settings) -> list[str]:
-    """Apply pending migrations as the schema owner; returns the names applied."""
+    """Apply the pending schema migrations as the schema owner; returns the names applied."""
     return await database.migrate(settings.database_app_role, settings.database_runner_role)
 
 

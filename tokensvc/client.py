@@ -12,17 +12,20 @@
   `authorization: Bearer <token>` on every launcher call.
 - Every call has a deadline. Idempotent calls are retried on UNAVAILABLE with jittered
   exponential backoff; writes are not (a Remember whose items all carry idempotency keys is).
-- Errors are `TokensvcError` with the status code and the stable `ErrorInfo` reason.
+- Errors are `CallFailed` with the status code and the stable `ErrorInfo` reason. (`TokensvcError`,
+  its former name here, is a deprecated alias: the name belongs to the server's domain errors,
+  `tokensvc.errors.TokensvcError`.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.rpc import error_details_pb2
@@ -42,7 +45,7 @@ from tokensvc.v1 import (
     migration_pb2_grpc,
 )
 
-__all__ = ["ClientCertificates", "TokensvcClient", "TokensvcError"]
+__all__ = ["CallFailed", "ClientCertificates", "TokensvcClient"]
 
 _STUBS: dict[str, Callable[[grpc.aio.Channel], Any]] = {
     "CapabilityService": capability_pb2_grpc.CapabilityServiceStub,
@@ -75,8 +78,12 @@ _IDEMPOTENT = frozenset(
 )
 
 
-class TokensvcError(Exception):
-    """A failed call: gRPC status code, the stable ErrorInfo reason, its metadata and message."""
+class CallFailed(Exception):
+    """A failed call: gRPC status code, the stable ErrorInfo reason, its metadata and message.
+
+    `reason` is the ErrorInfo reason as sent (a string: a newer server may send one this client
+    does not know), or None when the failure carried none (an unreachable server, say).
+    """
 
     def __init__(self, code: grpc.StatusCode, message: str, reason: str | None, metadata: dict[str, str]):
         super().__init__(f"{code.name}{f' ({reason})' if reason else ''}: {message}")
@@ -90,7 +97,7 @@ class TokensvcError(Exception):
         return self.metadata.get("field")
 
     @classmethod
-    def from_rpc_error(cls, error: grpc.aio.AioRpcError) -> TokensvcError:
+    def from_rpc_error(cls, error: grpc.aio.AioRpcError) -> CallFailed:
         reason, metadata = None, {}
         status = rpc_status.from_call(error)  # type: ignore[arg-type]
         if status is not None:
@@ -100,6 +107,19 @@ class TokensvcError(Exception):
                     detail.Unpack(info)
                     reason, metadata = info.reason, dict(info.metadata)
         return cls(error.code(), error.details() or "", reason, metadata)
+
+
+if not TYPE_CHECKING:  # type checkers see no such name, so new code is told to use CallFailed
+
+    def __getattr__(name: str) -> Any:
+        if name == "TokensvcError":
+            warnings.warn(
+                "tokensvc.client.TokensvcError is deprecated; catch tokensvc.client.CallFailed",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return CallFailed
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -186,7 +206,7 @@ class TokensvcClient:
         idempotent: bool | None = None,
         deadline_seconds: float | None = None,
     ) -> Any:
-        """One unary call with deadline, capability and retries; raises TokensvcError."""
+        """One unary call with deadline, capability and retries; raises CallFailed."""
         retry = method in _IDEMPOTENT if idempotent is None else idempotent
         attempts = self.max_attempts if retry else 1
         delay = self.backoff
@@ -198,7 +218,7 @@ class TokensvcClient:
                 )
             except grpc.aio.AioRpcError as error:
                 if error.code() != grpc.StatusCode.UNAVAILABLE or attempt == attempts:
-                    raise TokensvcError.from_rpc_error(error) from None
+                    raise CallFailed.from_rpc_error(error) from None
             await asyncio.sleep(random.uniform(delay / 2, delay))  # noqa: S311 - jitter, not crypto
             delay = min(delay * 2, self.max_backoff)
         raise AssertionError("unreachable")
@@ -207,7 +227,7 @@ class TokensvcClient:
         self, service: str, method: str, request: Any, *, deadline_seconds: float | None = None
     ) -> AsyncIterator[Any]:
         """The messages of one server-streaming call (no retries: a stream resumes by its own
-        tokens); raises TokensvcError."""
+        tokens); raises CallFailed."""
         stub = _STUBS[service](self._current_channel())
         call = getattr(stub, method)(
             request, timeout=deadline_seconds or self.timeout, metadata=self._metadata(False)
@@ -216,7 +236,7 @@ class TokensvcClient:
             async for message in call:
                 yield message
         except grpc.aio.AioRpcError as error:
-            raise TokensvcError.from_rpc_error(error) from None
+            raise CallFailed.from_rpc_error(error) from None
 
     async def upload_document(
         self,
@@ -238,7 +258,7 @@ class TokensvcClient:
                 requests(), timeout=deadline_seconds
             )
         except grpc.aio.AioRpcError as error:
-            raise TokensvcError.from_rpc_error(error) from None
+            raise CallFailed.from_rpc_error(error) from None
         return response
 
     # --- launcher conveniences ---------------------------------------------------------------

@@ -240,7 +240,7 @@ class Settings:
     )
     database_owner_credential_dir: Path | None = field(
         default=None,
-        metadata=_doc("Directory with `username` and `password` of the schema owner (migrations)."),
+        metadata=_doc("Directory with `username` and `password` of the schema owner (schema migrations)."),
     )
     database_rotator_credential_dir: Path | None = field(
         default=None,
@@ -252,7 +252,7 @@ class Settings:
         default=None,
         metadata=_doc(
             "`username`/`password` of the re-embedding runner's login role (a member of "
-            "database_runner_role); unset with database_dsn: this replica runs no migrations; "
+            "database_runner_role); unset with database_dsn: this replica runs no re-embedding migrations; "
             "embedded: generated."
         ),
     )
@@ -284,7 +284,9 @@ class Settings:
     database_connect_timeout_seconds: float = field(
         default=5.0, metadata=_doc("Bound on one connection attempt.")
     )
-    migrate_on_start: bool = field(default=False, metadata=_doc("Apply migrations when serving starts."))
+    migrate_on_start: bool = field(
+        default=False, metadata=_doc("Apply the schema migrations when serving starts.")
+    )
 
     # --- observability and limits ------------------------------------------------------------
     otlp_endpoint: str | None = field(

@@ -40,7 +40,7 @@ from tests.knowledge.worker_support import SLOW_HTML, extraction_workers, killed
 from tests.support import SharedDatabase, superuser
 from tokensvc.app import Service
 from tokensvc.auth.devpki import CONTROL_PLANE_SPIFFE_ID, DevPaths
-from tokensvc.knowledge.extract import extract_text
+from tokensvc.knowledge.formats import extract_text
 from tokensvc.v1 import knowledge_pb2
 
 HANDBOOK_TEXT = HANDBOOK.read_text(encoding="utf-8")

@@ -18,7 +18,7 @@ import pytest
 from tests.auth.test_revocation_late_commit import listening_list
 from tests.support import SharedDatabase, connect_as, superuser
 from tokensvc.auth.revocation import RevocationList
-from tokensvc.storage.memory.ledgers import InMemoryRevocationStore
+from tokensvc.storage.inprocess.ledgers import InProcessRevocationStore
 from tokensvc.storage.records import Revocation, RevocationKind
 
 FAR_FUTURE = datetime(2999, 1, 1, tzinfo=UTC)
@@ -117,7 +117,7 @@ async def test_a_malformed_announcement_is_dropped_and_the_feed_keeps_working(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records
 
 
-class SlowFind(InMemoryRevocationStore):
+class SlowFind(InProcessRevocationStore):
     """Reading rows back takes a moment, as a database round trip does, so a flood piles up."""
 
     async def find(self, keys: Collection[tuple[RevocationKind, str]]) -> list[Revocation]:

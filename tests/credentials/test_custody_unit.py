@@ -1,10 +1,10 @@
-"""CredentialCustodian's rules that need no database, on the in-memory secret source and audit
+"""CredentialCustodian's rules that need no database, on the in-process secret source and audit
 trail: new connections get the last tested credential whatever the secret holds now, a custodian
 cannot start on a secret it cannot read, login roles are plain identifiers, and ROTATE without a
 rotator credential is refused and audited before anything is journaled.
 
 The custodian's `DatabaseLogins` is the real PostgreSQL adapter aimed at a port nothing listens on
-(there is no in-memory stand-in for login roles): none of these paths may reach the database, and
+(there is no in-process stand-in for login roles): none of these paths may reach the database, and
 one that did would fail DATABASE_UNAVAILABLE. Rotations, reloads and recovery against real roles
 are tests/credentials/test_rotation.py and test_rotation_crash.py.
 """
@@ -19,7 +19,7 @@ from tests.support import free_port
 from tokensvc.audit import AuditKind, AuditLog, AuditOutcome
 from tokensvc.credentials import CredentialCustodian
 from tokensvc.errors import Reason, TokensvcError
-from tokensvc.storage.memory import InMemoryAuditStore, InMemoryCredentialSource
+from tokensvc.storage.inprocess import InProcessAuditStore, InProcessCredentialSource
 from tokensvc.storage.postgres import DatabaseTarget, PostgresLogins
 from tokensvc.storage.records import DatabaseCredential
 from tokensvc.storage.secrets import FileCredentialSource
@@ -42,7 +42,7 @@ def unreachable_logins(tmp_path: Path) -> PostgresLogins:
 
 
 def custodian(
-    tmp_path: Path, source: InMemoryCredentialSource, audit: AuditLog | None = None
+    tmp_path: Path, source: InProcessCredentialSource, audit: AuditLog | None = None
 ) -> CredentialCustodian:
     return CredentialCustodian(
         source=source, rotator=None, login_roles=ROLES, logins=unreachable_logins(tmp_path), audit=audit
@@ -52,7 +52,7 @@ def custodian(
 def test_new_connections_keep_the_tested_credential_when_the_secret_changes_or_breaks(
     tmp_path: Path,
 ) -> None:
-    source = InMemoryCredentialSource(FIRST)
+    source = InProcessCredentialSource(FIRST)
     custody = custodian(tmp_path, source)
     assert (custody.credential_for_new_connection(), custody.active_role) == (FIRST, "tokensvc_app_a")
 
@@ -71,7 +71,7 @@ def test_a_custodian_cannot_start_on_a_secret_it_cannot_read(
     tmp_path: Path, credential: DatabaseCredential | None
 ) -> None:
     with pytest.raises(TokensvcError) as refused:
-        custodian(tmp_path, InMemoryCredentialSource(credential))
+        custodian(tmp_path, InProcessCredentialSource(credential))
     assert refused.value.reason is Reason.CREDENTIAL_INVALID
 
 
@@ -79,7 +79,7 @@ def test_a_custodian_cannot_start_on_a_secret_it_cannot_read(
 def test_login_roles_must_be_plain_sql_identifiers(tmp_path: Path, role: str) -> None:
     with pytest.raises(ValueError, match="plain SQL identifier"):
         CredentialCustodian(
-            source=InMemoryCredentialSource(FIRST),
+            source=InProcessCredentialSource(FIRST),
             rotator=None,
             login_roles=("tokensvc_app_a", role),
             logins=unreachable_logins(tmp_path),
@@ -89,7 +89,7 @@ def test_login_roles_must_be_plain_sql_identifiers(tmp_path: Path, role: str) ->
 async def test_rotate_without_a_rotator_is_refused_and_audited_before_anything_changes(
     tmp_path: Path,
 ) -> None:
-    source, events = InMemoryCredentialSource(FIRST), InMemoryAuditStore()
+    source, events = InProcessCredentialSource(FIRST), InProcessAuditStore()
     # Not attached to a journal: journaling anything would raise RuntimeError.
     custody = custodian(tmp_path, source, AuditLog(events))
     stamp = source.stamp()

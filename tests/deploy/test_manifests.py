@@ -508,7 +508,7 @@ def test_network_policy_admits_only_launchers_the_control_plane_and_admins(overl
     assert database["to"] == [{"podSelector": {"matchLabels": {"cnpg.io/cluster": "tokensvc-db"}}}]
 
 
-# --- database: CloudNativePG and the migration Job ------------------------------------------------
+# --- database: CloudNativePG and the schema migration Job ------------------------------------------------
 
 
 def _roles_in_operations_doc() -> list[str]:
@@ -584,7 +584,7 @@ def test_migration_job_runs_tokensvc_migrate_as_the_schema_owner(overlay: str) -
     resources = render(overlay)
     job = one(resources, "Job", "tokensvc-migrate")
     pod = job["spec"]["template"]["spec"]
-    _assert_hardened(pod, f"{overlay} migration Job")
+    _assert_hardened(pod, f"{overlay} schema migration Job")
     (container,) = pod["containers"]
     assert container["image"] == _server_container(overlay)["image"]
     assert container["args"][0] == "migrate"

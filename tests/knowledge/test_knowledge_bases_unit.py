@@ -1,4 +1,4 @@
-"""KnowledgeBases' business rules on the in-memory stores: no database, the `hash` embedder.
+"""KnowledgeBases' business rules on the in-process stores: no database, the `hash` embedder.
 
 The store contract is the conformance suite's (tests/storage/conformance); these pin what the
 domain adds: pinned choices, audited management, upload as unchanged / metadata-only / new
@@ -18,9 +18,9 @@ from tokensvc.embedders import EmbedderRegistry, EmbedderSpec, HashEmbedder, Vec
 from tokensvc.errors import InvalidArgument, NotFound, PermissionDenied, PinnedConfiguration
 from tokensvc.knowledge import ChunkingKind, ChunkingStrategy, ExtractionPool
 from tokensvc.knowledge.service import KnowledgeBases, UploadResult
-from tokensvc.memory.filters import Condition, Operator
+from tokensvc.memory import Condition, Operator
 from tokensvc.retrieval import SearchMode
-from tokensvc.storage.memory import InMemoryAuditStore, InMemoryKnowledgeStore
+from tokensvc.storage.inprocess import InProcessAuditStore, InProcessKnowledgeStore
 from tokensvc.storage.records import BaseRow, DocumentRow, Tenant
 
 NS = "team-a"
@@ -80,13 +80,13 @@ def embedder() -> CountingEmbedder:
 
 
 @pytest.fixture
-def audit_store() -> InMemoryAuditStore:
-    return InMemoryAuditStore()
+def audit_store() -> InProcessAuditStore:
+    return InProcessAuditStore()
 
 
 @pytest.fixture
-def store() -> InMemoryKnowledgeStore:
-    return InMemoryKnowledgeStore()
+def store() -> InProcessKnowledgeStore:
+    return InProcessKnowledgeStore()
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +98,9 @@ def extraction() -> Iterator[ExtractionPool]:
 
 @pytest.fixture
 def kbs(
-    store: InMemoryKnowledgeStore,
+    store: InProcessKnowledgeStore,
     embedder: CountingEmbedder,
-    audit_store: InMemoryAuditStore,
+    audit_store: InProcessAuditStore,
     extraction: ExtractionPool,
 ) -> KnowledgeBases:
     registry = EmbedderRegistry({"hash": embedder, "small": CountingEmbedder("small", 64)})
@@ -109,7 +109,7 @@ def kbs(
     )
 
 
-async def audited(audit_store: InMemoryAuditStore, kind: AuditKind) -> list[tuple[str, str]]:
+async def audited(audit_store: InProcessAuditStore, kind: AuditKind) -> list[tuple[str, str]]:
     events = await audit_store.page(before_id=None, kinds=[kind.value], since=None, until=None, limit=100)
     return [(event.target, event.detail) for event in reversed(events)]
 
@@ -124,7 +124,7 @@ async def upload(
 
 
 async def test_create_pins_the_choices_audits_once_and_refuses_a_change(
-    kbs: KnowledgeBases, audit_store: InMemoryAuditStore
+    kbs: KnowledgeBases, audit_store: InProcessAuditStore
 ) -> None:
     base, created = await kbs.create(NS, "handbook", "The handbook", "", FIXED, actor=ACTOR)
     assert created
@@ -165,7 +165,7 @@ async def test_create_refuses_an_unknown_embedder_or_text_config_naming_the_fiel
 
 
 async def test_delete_is_audited_with_its_document_count_and_a_missing_base_is_not_found(
-    kbs: KnowledgeBases, audit_store: InMemoryAuditStore
+    kbs: KnowledgeBases, audit_store: InProcessAuditStore
 ) -> None:
     await kbs.create(NS, "handbook", "", "", FIXED, actor=ACTOR)
     await upload(kbs, "a", b"first document")
@@ -226,7 +226,7 @@ async def test_new_bytes_write_the_next_version(kbs: KnowledgeBases, embedder: C
 
 
 async def test_metadata_for_bytes_that_changed_meanwhile_is_chunked_after_all(
-    kbs: KnowledgeBases, store: InMemoryKnowledgeStore, monkeypatch: pytest.MonkeyPatch
+    kbs: KnowledgeBases, store: InProcessKnowledgeStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await kbs.create(NS, "handbook", "", "", FIXED, actor=ACTOR)
     old = await upload(kbs, "ops", HANDBOOK)

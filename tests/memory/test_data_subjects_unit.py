@@ -1,4 +1,4 @@
-"""DataSubjectRequests over the in-memory stores: batches, pepper versions, the resume token, and
+"""DataSubjectRequests over the in-process stores: batches, pepper versions, the resume token, and
 what a receipt and its audit event hold (never the user id)."""
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ from tokensvc.audit import AuditLog
 from tokensvc.auth.buckets import PepperKeyring, all_bucket_ids
 from tokensvc.errors import DatabaseUnavailable, InvalidArgument, NotFound
 from tokensvc.memory.data_subjects import DataSubjectRequests, ReceiptKind
-from tokensvc.storage.memory import InMemoryAuditStore, InMemoryDataSubjectStore, InMemoryMemoryStore
+from tokensvc.storage.inprocess import InProcessAuditStore, InProcessDataSubjectStore, InProcessMemoryStore
 from tokensvc.storage.records import Tenant
 
 USER = "unit-subject-7f3c"
 KEYRING = PepperKeyring({1: os.urandom(32), 2: os.urandom(32)})
 
 
-async def stores() -> tuple[DataSubjectRequests, InMemoryMemoryStore, InMemoryAuditStore]:
-    memories, audit = InMemoryMemoryStore(), InMemoryAuditStore()
+async def stores() -> tuple[DataSubjectRequests, InProcessMemoryStore, InProcessAuditStore]:
+    memories, audit = InProcessMemoryStore(), InProcessAuditStore()
     requests = DataSubjectRequests(
-        InMemoryDataSubjectStore(memories), lambda: KEYRING, AuditLog(audit), batch_size=2
+        InProcessDataSubjectStore(memories), lambda: KEYRING, AuditLog(audit), batch_size=2
     )
     for agent, per_version in (("agent-a", (3, 2)), ("agent-b", (0, 1)), ("agent-c", (0, 0))):
         await memories.pin_space(Tenant("ns", agent), SPACE)
@@ -113,8 +113,8 @@ async def test_extra_agents_get_their_session_key_prefixes_too() -> None:
     ]
 
 
-class _FailingSecondBatch(InMemoryDataSubjectStore):
-    def __init__(self, memories: InMemoryMemoryStore) -> None:
+class _FailingSecondBatch(InProcessDataSubjectStore):
+    def __init__(self, memories: InProcessMemoryStore) -> None:
         super().__init__(memories)
         self.batches = 0
 
@@ -144,6 +144,6 @@ async def test_an_erasure_cut_off_part_of_the_way_records_what_it_erased() -> No
         ["agent-a"],
     )
     again = await DataSubjectRequests(
-        InMemoryDataSubjectStore(memories), lambda: KEYRING, AuditLog(audit)
+        InProcessDataSubjectStore(memories), lambda: KEYRING, AuditLog(audit)
     ).erase("ns", USER, actor="cp")
     assert (again.receipt.complete, again.receipt.memories) == (True, 4)

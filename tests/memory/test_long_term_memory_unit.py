@@ -1,4 +1,4 @@
-"""LongTermMemory's business rules on the in-memory store: no database, the `hash` embedder.
+"""LongTermMemory's business rules on the in-process store: no database, the `hash` embedder.
 
 The store's own contract is the conformance suite's (tests/storage/conformance); these tests pin
 what the domain adds on top: the scope gate, pinning, content normalisation and dedupe ids,
@@ -28,11 +28,11 @@ from tokensvc.errors import (
     PinnedConfiguration,
     Reason,
 )
-from tokensvc.memory.filters import Condition, Operator
+from tokensvc.memory import Condition, Operator
 from tokensvc.memory.models import NewMemory
 from tokensvc.memory.paging import PageCursor
 from tokensvc.memory.service import LongTermMemory, RememberItem, SearchMode, SearchQuery
-from tokensvc.storage.memory import InMemoryMemoryStore
+from tokensvc.storage.inprocess import InProcessMemoryStore
 from tokensvc.storage.records import MemorySpace, StoredRef, Tenant
 
 
@@ -98,8 +98,8 @@ def clock() -> MovableClock:
 
 
 @pytest.fixture
-def store(clock: MovableClock) -> InMemoryMemoryStore:
-    return InMemoryMemoryStore(clock=clock)
+def store(clock: MovableClock) -> InProcessMemoryStore:
+    return InProcessMemoryStore(clock=clock)
 
 
 @pytest.fixture
@@ -108,7 +108,7 @@ def hashing() -> EmbedderRegistry:
 
 
 @pytest.fixture
-def ltm(store: InMemoryMemoryStore, hashing: EmbedderRegistry) -> LongTermMemory:
+def ltm(store: InProcessMemoryStore, hashing: EmbedderRegistry) -> LongTermMemory:
     return LongTermMemory(store, hashing, default_embedder="hash")
 
 
@@ -134,7 +134,7 @@ async def test_a_capability_without_long_term_memory_is_refused_everywhere(ltm: 
 
 
 async def test_the_first_write_pins_the_default_embedder_and_text_config(
-    ltm: LongTermMemory, store: InMemoryMemoryStore, scope: TenantScope
+    ltm: LongTermMemory, store: InProcessMemoryStore, scope: TenantScope
 ) -> None:
     tenant = Tenant(scope.namespace, scope.agent, (scope.bucket_id,))
     assert await ltm.search(scope, query("anything")) == [], "reads never pin"
@@ -146,7 +146,7 @@ async def test_the_first_write_pins_the_default_embedder_and_text_config(
 
 
 async def test_a_space_pinned_to_a_differently_configured_embedder_is_refused(
-    store: InMemoryMemoryStore, scope: TenantScope
+    store: InProcessMemoryStore, scope: TenantScope
 ) -> None:
     tenant = Tenant(scope.namespace, scope.agent, (scope.bucket_id,))
     await store.pin_space(tenant, MemorySpace(HashEmbedder(dimension=384).spec, "english"))
@@ -161,7 +161,7 @@ async def test_a_space_pinned_to_a_differently_configured_embedder_is_refused(
 
 
 async def test_a_space_pinned_to_an_embedder_no_longer_configured_still_serves_reads(
-    store: InMemoryMemoryStore, hashing: EmbedderRegistry, scope: TenantScope
+    store: InProcessMemoryStore, hashing: EmbedderRegistry, scope: TenantScope
 ) -> None:
     tenant = Tenant(scope.namespace, scope.agent, (scope.bucket_id,))
     gone = EmbedderSpec("retired", "retired-model", 384, True)
@@ -212,7 +212,7 @@ async def test_an_idempotency_key_returns_its_memory_and_refuses_other_content(
 
 
 async def test_a_batch_refused_by_the_store_stores_nothing(
-    ltm: LongTermMemory, store: InMemoryMemoryStore, scope: TenantScope, monkeypatch: pytest.MonkeyPatch
+    ltm: LongTermMemory, store: InProcessMemoryStore, scope: TenantScope, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await ltm.remember(scope, [item("warm up the space"), item("taken meanwhile", key="race")])
 
@@ -233,7 +233,7 @@ async def test_a_batch_refused_by_the_store_stores_nothing(
 
 
 async def test_rows_under_older_pepper_buckets_move_to_the_current_one_on_first_access(
-    store: InMemoryMemoryStore, hashing: EmbedderRegistry
+    store: InProcessMemoryStore, hashing: EmbedderRegistry
 ) -> None:
     oldest, older, current = bucket(1), bucket(2), bucket(3)
     before = LongTermMemory(store, hashing, default_embedder="hash")
@@ -257,7 +257,7 @@ async def test_rows_under_older_pepper_buckets_move_to_the_current_one_on_first_
 
 
 async def test_a_bucket_is_moved_once_per_process(
-    store: InMemoryMemoryStore, hashing: EmbedderRegistry, monkeypatch: pytest.MonkeyPatch
+    store: InProcessMemoryStore, hashing: EmbedderRegistry, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     older, current = bucket(1), bucket(2)
     ltm = LongTermMemory(store, hashing, default_embedder="hash")
@@ -517,8 +517,8 @@ async def test_one_agents_memories_are_invisible_to_another_agent_and_user(
 # --- conflicts the database resolves by rolling a transaction back --------------------------
 
 
-class ConflictingStore(InMemoryMemoryStore):
-    """The in-memory store, whose next `conflicts` inserts are rolled back (a deadlock on Citus)."""
+class ConflictingStore(InProcessMemoryStore):
+    """The in-process store, whose next `conflicts` inserts are rolled back (a deadlock on Citus)."""
 
     def __init__(self, conflicts: int) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""EmbeddingMigrations and MigrationRunner on the in-memory stores: no database.
+"""EmbeddingMigrations and MigrationRunner on the in-process stores: no database.
 
 The stores' contract is the conformance suite's; these tests pin what the domain adds: refusals,
 the dry run, writes during a backfill getting both vectors, a failing target embedder backing off
@@ -29,10 +29,10 @@ from tokensvc.memory.reembedding import (
     RunnerSettings,
 )
 from tokensvc.memory.service import LongTermMemory, RememberItem, SearchMode, SearchQuery
-from tokensvc.storage.memory import (
-    InMemoryAuditStore,
-    InMemoryEmbeddingMigrationStore,
-    InMemoryMemoryStore,
+from tokensvc.storage.inprocess import (
+    InProcessAuditStore,
+    InProcessEmbeddingMigrationStore,
+    InProcessMemoryStore,
 )
 from tokensvc.storage.records import EmbeddingMigration, PendingMemory
 
@@ -73,13 +73,13 @@ def scope(user: int) -> TenantScope:
 
 
 def wired(
-    memories: InMemoryMemoryStore,
-    migrations: InMemoryEmbeddingMigrationStore,
+    memories: InProcessMemoryStore,
+    migrations: InProcessEmbeddingMigrationStore,
     embedders: EmbedderRegistry,
-    audit_store: InMemoryAuditStore,
+    audit_store: InProcessAuditStore,
     settings: RunnerSettings,
 ) -> tuple[MigrationRunner, EmbeddingMigrations, LongTermMemory]:
-    """A runner, the operators' service and long-term memory over the same in-memory stores."""
+    """A runner, the operators' service and long-term memory over the same in-process stores."""
     audit = AuditLog(audit_store)
     runner = MigrationRunner(migrations, embedders, audit, settings)
     service = EmbeddingMigrations(migrations, memories, embedders, audit, wake=runner.wake)
@@ -88,10 +88,12 @@ def wired(
 
 
 @pytest.fixture
-def world() -> tuple[LongTermMemory, EmbeddingMigrations, MigrationRunner, FlakyEmbedder, InMemoryAuditStore]:
-    memories = InMemoryMemoryStore()
-    audit_store = InMemoryAuditStore()
-    migrations = InMemoryEmbeddingMigrationStore(memories, audit_store)
+def world() -> tuple[
+    LongTermMemory, EmbeddingMigrations, MigrationRunner, FlakyEmbedder, InProcessAuditStore
+]:
+    memories = InProcessMemoryStore()
+    audit_store = InProcessAuditStore()
+    migrations = InProcessEmbeddingMigrationStore(memories, audit_store)
     target = FlakyEmbedder()
     embedders = EmbedderRegistry({"hash": HashEmbedder(), "target": target})
     audit = AuditLog(audit_store)
@@ -227,9 +229,9 @@ class SlowEmbedder(HashEmbedder):
 async def test_a_batch_slower_than_the_lease_keeps_it_and_the_migration_finishes() -> None:
     """Leased from its read to its write, a batch that outlasts the lease would find it lapsed at
     every write and never progress: the runner renews the lease while it works."""
-    memories = InMemoryMemoryStore()
-    audit_store = InMemoryAuditStore()
-    migrations = InMemoryEmbeddingMigrationStore(memories, audit_store)
+    memories = InProcessMemoryStore()
+    audit_store = InProcessAuditStore()
+    migrations = InProcessEmbeddingMigrationStore(memories, audit_store)
     embedders = EmbedderRegistry({"hash": HashEmbedder(), "target": SlowEmbedder(0.5)})
     audit = AuditLog(audit_store)
     lease = 0.3
@@ -267,9 +269,9 @@ class HangingEmbedder(HashEmbedder):
 async def test_a_stuck_migration_does_not_hold_back_the_next_one() -> None:
     """The runner drives two migrations at once: the older one, whose embedder hangs, keeps one
     slot, and the younger one still finishes (with one slot it would wait forever)."""
-    memories = InMemoryMemoryStore()
-    audit_store = InMemoryAuditStore()
-    migrations = InMemoryEmbeddingMigrationStore(memories, audit_store)
+    memories = InProcessMemoryStore()
+    audit_store = InProcessAuditStore()
+    migrations = InProcessEmbeddingMigrationStore(memories, audit_store)
     hanging = HangingEmbedder()
     embedders = EmbedderRegistry({"hash": HashEmbedder(), "target": FlakyEmbedder(), "hanging": hanging})
     runner, service, memory = wired(
@@ -301,8 +303,8 @@ async def test_a_stuck_migration_does_not_hold_back_the_next_one() -> None:
             await running
 
 
-class CountingStore(InMemoryEmbeddingMigrationStore):
-    """The in-memory store, counting the backfill's reads."""
+class CountingStore(InProcessEmbeddingMigrationStore):
+    """The in-process store, counting the backfill's reads."""
 
     reads = 0
 
@@ -314,8 +316,8 @@ class CountingStore(InMemoryEmbeddingMigrationStore):
 async def test_a_space_backfill_reads_hundreds_of_memories_at_once_and_embeds_them_in_batches() -> None:
     """On Citus each read of a space is a multi-shard statement (seconds): one read serves many
     embedder batches, and the backfill is as complete as with one read per batch."""
-    memories = InMemoryMemoryStore()
-    audit_store = InMemoryAuditStore()
+    memories = InProcessMemoryStore()
+    audit_store = InProcessAuditStore()
     migrations = CountingStore(memories, audit_store)
     target = FlakyEmbedder()
     embedders = EmbedderRegistry({"hash": HashEmbedder(), "target": target})
@@ -336,8 +338,8 @@ async def test_a_space_backfill_reads_hundreds_of_memories_at_once_and_embeds_th
     assert migrations.reads == 3
 
 
-class AwayStore(InMemoryEmbeddingMigrationStore):
-    """The in-memory store, whose backfill reads fail (a database that is away)."""
+class AwayStore(InProcessEmbeddingMigrationStore):
+    """The in-process store, whose backfill reads fail (a database that is away)."""
 
     reads = 0
 
@@ -349,8 +351,8 @@ class AwayStore(InMemoryEmbeddingMigrationStore):
 async def test_a_failing_drive_waits_a_poll_before_the_migration_is_tried_again() -> None:
     """A drive that fails (the database is away) holds its slot for `poll_seconds`: the runner
     does not ask again at once, in a loop."""
-    memories = InMemoryMemoryStore()
-    audit_store = InMemoryAuditStore()
+    memories = InProcessMemoryStore()
+    audit_store = InProcessAuditStore()
     migrations = AwayStore(memories, audit_store)
     embedders = EmbedderRegistry({"hash": HashEmbedder(), "target": FlakyEmbedder()})
     runner, service, memory = wired(

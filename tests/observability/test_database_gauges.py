@@ -1,6 +1,6 @@
 """The gauges the alerts read that do not come from RPCs: what the background refresh reads from
 the stores (open credential rotations, unfinished migrations, memories per space) and the
-expired-memory sweeper's success stamp. In-memory stores; tests/monitoring/test_prometheus.py
+expired-memory sweeper's success stamp. In-process stores; tests/monitoring/test_prometheus.py
 scrapes the same gauges from a real service on PostgreSQL.
 """
 
@@ -16,9 +16,9 @@ from prometheus_client import REGISTRY
 from tests.storage.conformance.support import NAMESPACE, SPACE, axis, memory, new_bucket
 from tokensvc.embedders import EmbedderRegistry, EmbedderSpec, HashEmbedder
 from tokensvc.memory.service import LongTermMemory
-from tokensvc.storage.memory.credentials import InMemoryCredentialJournal
-from tokensvc.storage.memory.memories import InMemoryMemoryStatistics, InMemoryMemoryStore
-from tokensvc.storage.memory.reembedding import InMemoryEmbeddingMigrationStore
+from tokensvc.storage.inprocess.credentials import InProcessCredentialJournal
+from tokensvc.storage.inprocess.memories import InProcessMemoryStatistics, InProcessMemoryStore
+from tokensvc.storage.inprocess.reembedding import InProcessEmbeddingMigrationStore
 from tokensvc.storage.records import EmbeddingMigration, MigrationState, Tenant
 from tokensvc.supervision import read_database_gauges, sweep_forever
 
@@ -38,17 +38,17 @@ def planned(agent: str) -> EmbeddingMigration:
 
 
 async def test_the_readings_count_open_rotations_and_list_only_unfinished_migrations() -> None:
-    memories = InMemoryMemoryStore()
-    journal, runner_journal = InMemoryCredentialJournal(), InMemoryCredentialJournal()
+    memories = InProcessMemoryStore()
+    journal, runner_journal = InProcessCredentialJournal(), InProcessCredentialJournal()
     journals = [journal, runner_journal]
-    migrations = InMemoryEmbeddingMigrationStore(memories)
+    migrations = InProcessEmbeddingMigrationStore(memories)
     agents = [f"agent-{uuid.uuid4().hex[:8]}" for _ in range(2)]
     for agent in agents:
         tenant = Tenant(NAMESPACE, agent, (new_bucket(),), generation=0)
         await memories.pin_space(Tenant(NAMESPACE, agent), SPACE)
         await memories.insert(tenant, tenant.buckets[0], [memory(f"fact {i}", axis(i % 4)) for i in range(3)])
 
-    empty = await read_database_gauges(InMemoryMemoryStatistics(memories), journals, migrations)
+    empty = await read_database_gauges(InProcessMemoryStatistics(memories), journals, migrations)
     assert (empty.open_rotations, empty.oldest_open_rotation_started, empty.migrations) == (0, 0.0, ())
     assert empty.memories_per_space == {(NAMESPACE, agents[0]): 3, (NAMESPACE, agents[1]): 3}
 
@@ -64,7 +64,7 @@ async def test_the_readings_count_open_rotations_and_list_only_unfinished_migrat
         cancelled.id, expect=[MigrationState.BACKFILLING], state=MigrationState.CANCELLED
     )
 
-    readings = await read_database_gauges(InMemoryMemoryStatistics(memories), journals, migrations)
+    readings = await read_database_gauges(InProcessMemoryStatistics(memories), journals, migrations)
     assert readings.open_rotations == 2
     assert before - 1 <= readings.oldest_open_rotation_started <= time.time()
     assert [(m.id, m.kind, m.state, m.rows_total) for m in readings.migrations] == [
@@ -72,12 +72,12 @@ async def test_the_readings_count_open_rotations_and_list_only_unfinished_migrat
     ]
 
     await journal.close(first, outcome="failed", reason="test")
-    later = await read_database_gauges(InMemoryMemoryStatistics(memories), journals, migrations)
+    later = await read_database_gauges(InProcessMemoryStatistics(memories), journals, migrations)
     assert later.open_rotations == 1
 
 
 async def test_the_sweeper_stamps_each_successful_sweep_and_counts_failures() -> None:
-    class FailingOnce(InMemoryMemoryStore):
+    class FailingOnce(InProcessMemoryStore):
         failed = False
 
         async def sweep_expired(self, limit: int = 1000) -> int:

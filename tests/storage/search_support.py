@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from tokensvc.retrieval import SearchTuning, candidate_query
-from tokensvc.storage.filters import Filter
+from tokensvc.storage.filter_language import Filter
 from tokensvc.storage.ports import MemoryStore
 from tokensvc.storage.postgres.memories import search_statement
 from tokensvc.storage.records import Candidate, CandidateQuery, MemoryRecord, Tenant

@@ -31,7 +31,7 @@ from tests.support import SharedDatabase, service_settings
 from tokensvc.app import locate_database
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.credentials import FileCredentialSource
-from tokensvc.memory.filters import Condition, Filter, Operator, matches
+from tokensvc.memory import Condition, Filter, Operator, matches
 from tokensvc.memory.models import NewMemory
 from tokensvc.retrieval import SearchTuning
 from tokensvc.storage.postgres.database import _init_connection

@@ -26,7 +26,7 @@ from tests.storage.search_support import vector_search, vector_sql
 from tests.support import SharedDatabase, service_settings
 from tokensvc.app import locate_database
 from tokensvc.auth.devpki import DevPaths
-from tokensvc.storage.filters import Condition, Operator
+from tokensvc.storage.filter_language import Condition, Operator
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
 from tokensvc.storage.postgres.tenant import tenant_transaction
 from tokensvc.storage.records import EmbedderSpec, MemorySpace, NewMemory, Tenant

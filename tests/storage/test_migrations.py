@@ -9,7 +9,12 @@ import pytest
 
 from tests.support import SharedDatabase
 from tokensvc.credentials import FileCredentialSource
-from tokensvc.storage.postgres import MigrationError, apply_migrations, available_migrations, schema_version
+from tokensvc.storage.postgres import (
+    SchemaMigrationError,
+    apply_migrations,
+    available_migrations,
+    schema_version,
+)
 
 SCHEMA_SNAPSHOT = """
 SELECT c.relname, c.relkind, a.attname, format_type(a.atttypid, a.atttypmod)
@@ -58,7 +63,7 @@ async def test_an_applied_migration_that_changed_is_an_error(database: SharedDat
     try:
         async with conn.transaction():
             await conn.execute("UPDATE tokensvc.schema_migrations SET checksum = 'edited' WHERE version = 1")
-            with pytest.raises(MigrationError, match="changed after it was applied"):
+            with pytest.raises(SchemaMigrationError, match="changed after it was applied"):
                 await apply_migrations(conn, app_role="tokensvc_app")
             raise asyncpg.exceptions.RaiseError  # roll the edit back
     except asyncpg.exceptions.RaiseError:
@@ -70,7 +75,7 @@ async def test_an_applied_migration_that_changed_is_an_error(database: SharedDat
 async def test_app_role_name_must_be_a_plain_identifier(database: SharedDatabase) -> None:
     conn = await owner_connection(database)
     try:
-        with pytest.raises(MigrationError, match="identifier"):
+        with pytest.raises(SchemaMigrationError, match="identifier"):
             await apply_migrations(conn, app_role="x; DROP SCHEMA tokensvc")
     finally:
         await conn.close()

@@ -159,7 +159,7 @@ async def test_migration_0013_keeps_every_row_index_and_guarantee(
 async def test_a_write_open_when_migration_0013_starts_is_copied_not_lost(
     database: SharedDatabase, scratch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Replicas keep serving while the migration Job runs. A Remember whose transaction is open when
+    """Replicas keep serving while the schema migration Job runs. A Remember whose transaction is open when
     the migration starts must end up in the new table: the migration waits for it before it copies
     (without that, the copy would miss the row, and its commit would land in the dropped table)."""
     owner = await connect(database, "owner", scratch)

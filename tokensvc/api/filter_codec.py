@@ -1,5 +1,5 @@
 """The metadata filter language from the proto: validation into the tree of
-`tokensvc.storage.filters` (whose docstring states the semantics).
+`tokensvc.storage.filter_language` (whose docstring states the semantics).
 
 The API edge builds it with `filter_from_proto`, which enforces the contract written in
 `protos/tokensvc/v1/common.proto` (`Filter`, `FieldFilter`, `FilterOperator`) and names the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tokensvc.api.metadata_codec import scalar_from_proto
 from tokensvc.errors import InvalidArgument
-from tokensvc.memory.filters import (
+from tokensvc.memory import (
     LIST_OPERATORS,
     ORDERING_OPERATORS,
     AllOf,

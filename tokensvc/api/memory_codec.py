@@ -15,7 +15,7 @@ from tokensvc.api.convert import decode_search_mode, decode_uuid, set_timestamp
 from tokensvc.api.filter_codec import filter_from_proto
 from tokensvc.api.metadata_codec import metadata_from_proto, set_metadata
 from tokensvc.errors import InvalidArgument, PayloadTooLarge
-from tokensvc.memory.filters import Filter
+from tokensvc.memory import Filter
 from tokensvc.memory.models import MemoryRecord
 from tokensvc.memory.service import RememberItem, SearchHit, SearchQuery
 from tokensvc.v1 import common_pb2, memory_pb2

@@ -7,8 +7,8 @@ from typing import Any
 
 from tokensvc.cli.connection import add_connection_flags, call_service
 from tokensvc.cli.data_subject_commands import add_data_subject_commands
-from tokensvc.cli.migrate_commands import add_migrate_commands
 from tokensvc.cli.output import output
+from tokensvc.cli.reembedding_commands import add_reembedding_commands
 from tokensvc.v1 import admin_pb2
 
 __all__ = ["add_admin_commands"]
@@ -55,7 +55,7 @@ def add_admin_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
     for parser in (rotate, status, audit, reload):
         parser.add_argument("--json", action="store_true", help="print the response as JSON")
         add_connection_flags(parser)
-    add_migrate_commands(sub)
+    add_reembedding_commands(sub)
     add_data_subject_commands(sub)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from tokensvc.auth.devpki import DevPaths
-from tokensvc.client import TokensvcClient, TokensvcError
+from tokensvc.client import CallFailed, TokensvcClient
 
 __all__ = [
     "ClientFiles",
@@ -134,5 +134,5 @@ def call_service(
 
     try:
         return asyncio.run(call())
-    except TokensvcError as exc:
+    except CallFailed as exc:
         raise RpcFailed(str(exc)) from None

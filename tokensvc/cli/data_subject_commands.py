@@ -18,7 +18,7 @@ from google.protobuf import json_format
 
 from tokensvc.cli.connection import RpcFailed, add_connection_flags, call_service, client_for
 from tokensvc.cli.output import output
-from tokensvc.client import TokensvcError
+from tokensvc.client import CallFailed
 from tokensvc.v1 import data_subject_pb2
 
 __all__ = ["add_data_subject_commands"]
@@ -118,7 +118,7 @@ def _export(args: argparse.Namespace) -> int:
     target: TextIO = sys.stdout if args.output is None else args.output.open(mode, encoding="utf-8")
     try:
         receipt = asyncio.run(_stream(args, request, target))
-    except TokensvcError as exc:
+    except CallFailed as exc:
         raise RpcFailed(str(exc)) from None
     finally:
         if target is not sys.stdout:

@@ -13,7 +13,7 @@ from typing import Any
 from tokensvc.cli.capability_commands import add_capability_source, read_capability
 from tokensvc.cli.connection import RpcFailed, add_connection_flags, call_service, client_for
 from tokensvc.cli.output import SEARCH_MODES, add_search_mode, output
-from tokensvc.client import TokensvcError
+from tokensvc.client import CallFailed
 from tokensvc.v1 import knowledge_pb2
 
 __all__ = ["CHUNKING_KINDS", "add_knowledge_commands"]
@@ -184,7 +184,7 @@ def _upload(args: argparse.Namespace) -> int:
 
     try:
         response = asyncio.run(upload())
-    except TokensvcError as exc:
+    except CallFailed as exc:
         raise RpcFailed(str(exc)) from None
     document = response.document
     state = (

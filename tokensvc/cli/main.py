@@ -60,7 +60,7 @@ def _readable(exc: Exception) -> str | None:
     from tokensvc.cli.connection import ConnectionError_, RpcFailed
     from tokensvc.errors import TokensvcError
     from tokensvc.settings import SettingsError
-    from tokensvc.storage.postgres import EmbeddedPostgresError, MigrationError
+    from tokensvc.storage.postgres import EmbeddedPostgresError, SchemaMigrationError
 
     if isinstance(
         exc,
@@ -69,7 +69,7 @@ def _readable(exc: Exception) -> str | None:
         | RpcFailed
         | DevMaterialError
         | EmbeddedPostgresError
-        | MigrationError,
+        | SchemaMigrationError,
     ):
         return str(exc)
     if isinstance(exc, TokensvcError):

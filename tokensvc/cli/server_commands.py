@@ -51,8 +51,8 @@ def add_server_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
 
     migrate = commands.add_parser(
         "migrate",
-        help="apply database migrations as the schema owner",
-        description="Apply pending SQL migrations (idempotent; safe to run concurrently).",
+        help="apply the schema migrations as the schema owner",
+        description="Apply pending SQL schema migrations (idempotent; safe to run concurrently).",
     )
     migrate.add_argument("--config", type=Path, help="TOML config file (or $TOKENSVC_CONFIG)")
     migrate.add_argument("--state-dir", type=Path, help="embedded database state dir")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from tokensvc.knowledge.chunking import Chunk, ChunkingKind, ChunkingStrategy, chunk_document
-from tokensvc.knowledge.extract import SUPPORTED_CONTENT_TYPES, extract_text, parse_content_type
-from tokensvc.knowledge.extraction import ExtractionPool
+from tokensvc.knowledge.extraction_pool import ExtractionPool
+from tokensvc.knowledge.formats import SUPPORTED_CONTENT_TYPES, extract_text, parse_content_type
 from tokensvc.knowledge.models import BaseRow, ChunkRow, DocumentRow, PassageRow
 
 __all__ = [

@@ -36,8 +36,8 @@ from tokensvc.errors import (
     Reason,
 )
 from tokensvc.knowledge.chunking import Chunk, ChunkingStrategy
-from tokensvc.knowledge.extraction import ExtractionPool
-from tokensvc.memory.filters import Filter
+from tokensvc.knowledge.extraction_pool import ExtractionPool
+from tokensvc.memory import Filter
 from tokensvc.memory.metadata import MetadataScalar
 from tokensvc.observability.metrics import observe_embedding
 from tokensvc.retrieval import (
@@ -263,7 +263,7 @@ class KnowledgeBases:
         # During the base's migration, the target's chunks too (when this replica has its embedder).
         target = self._migration_target(base)
         strategies = (strategy,) if target is None or target[1] == strategy else (strategy, target[1])
-        # In a worker process, stopped when this call ends (see knowledge/extraction.py).
+        # In a worker process, stopped when this call ends (see knowledge/extraction_pool.py).
         extraction = await self._extraction.extract(content, content_type, strategies)
         # Uploads are bulk work in their namespace's fair share: searches and Remembers go first.
         demand = Demand.of(WorkClass.BULK, base.namespace)

@@ -3,7 +3,7 @@ decodes `MetadataValue` maps and applies these checks).
 
 Metadata is a flat map from key to scalar: a string, a number or a boolean. It is stored as a
 jsonb object whose values are JSON strings, JSON numbers and JSON booleans, so the filter
-language (`tokensvc.memory.filters`) can compare numbers as numbers and strings as strings.
+language (`tokensvc.storage.filter_language`) can compare numbers as numbers and strings as strings.
 
 The contract is the one in `protos/tokensvc/v1/common.proto` (`MetadataValue`):
 
@@ -28,7 +28,7 @@ import re
 from collections.abc import Mapping
 
 from tokensvc.errors import InvalidArgument, PayloadTooLarge
-from tokensvc.storage.filters import MetadataScalar, scalar_kind
+from tokensvc.storage.filter_language import MetadataScalar, scalar_kind
 
 __all__ = [
     "MAX_METADATA_ENTRIES",

@@ -59,7 +59,7 @@ from tokensvc.retrieval import (
     candidate_query,
     unit_vector,
 )
-from tokensvc.storage.filters import Filter
+from tokensvc.storage.filter_language import Filter
 from tokensvc.storage.ports import MemoryStore, StaleMemorySpace
 from tokensvc.storage.records import CandidateQuery, Tenant
 

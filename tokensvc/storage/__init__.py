@@ -1,6 +1,6 @@
 """Storage: the store ports (Protocols with their contracts) and the records they speak.
 
-Implementations: `tokensvc.storage.postgres` (every SQL statement) and `tokensvc.storage.memory`
+Implementations: `tokensvc.storage.postgres` (every SQL statement) and `tokensvc.storage.inprocess`
 (in-process); `tokensvc.storage.secrets` reads and writes credentials in mounted secret files.
 Nothing here imports the domain (`memory/`, `knowledge/`, `credentials/`) or the API.
 """

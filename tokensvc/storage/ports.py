@@ -1,11 +1,11 @@
 """The store ports: what the domain needs from storage, as Protocols, with their contracts.
 
-Every implementation (`tokensvc.storage.postgres`, `tokensvc.storage.memory`) passes the one
+Every implementation (`tokensvc.storage.postgres`, `tokensvc.storage.inprocess`) passes the one
 conformance suite in `tests/storage/conformance/`, which checks the contracts written here.
 Domain services take these Protocols, never a concrete store.
 `DatabaseLogins`, `ConnectionPool`, `DatabaseHealth` and `DatabaseServer` are not stores but
 adapters to the database server itself (its login roles, connections, liveness and process), so
-they have a PostgreSQL implementation only and no in-memory stand-in.
+they have a PostgreSQL implementation only and no in-process stand-in.
 
 Common to every tenant-scoped method: it runs in one transaction bound to `tenant` and sees
 nothing outside it (the bucket or namespace predicate, and row-level security in PostgreSQL);
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tokensvc.storage.filters import Filter
+from tokensvc.storage.filter_language import Filter
 from tokensvc.storage.records import (
     AuditRecord,
     BaseRow,

@@ -1,6 +1,6 @@
 """The records the store ports take and return: plain frozen dataclasses, no I/O, no SQL.
 
-The domain builds and reads them; every store implementation (PostgreSQL, in-memory) speaks
+The domain builds and reads them; every store implementation (PostgreSQL, in-process) speaks
 them. They live below the domain so that storage never imports `memory/` or `knowledge/`.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Generic, Literal, TypeVar
 import numpy as np
 
 from tokensvc.names import is_dns_label, is_kb_ref
-from tokensvc.storage.filters import MetadataScalar
+from tokensvc.storage.filter_language import MetadataScalar
 
 __all__ = [
     "ALL_KNOWLEDGE_BASES",

@@ -1,12 +1,12 @@
 """The conformance suite's fixtures: every test runs once per store implementation.
 
 `backend` is parametrized over PostgreSQL (the session's real embedded database, reached through a
-pool of the serving role, opened the way the service opens it) and the in-memory stores (fresh
-per test, no database: `pytest tests/storage/conformance -k inmemory` starts none). PostgreSQL's
+pool of the serving role, opened the way the service opens it) and the in-process stores (fresh
+per test, no database: `pytest tests/storage/conformance -k inprocess` starts none). PostgreSQL's
 database is shared by the whole session, so a test works in fresh buckets, agents and namespaces
 and never assumes an empty table. Two exceptions: the rotation journal (one global table, no
 tenant) runs on a database of its own, emptied before each test; the credential source runs over
-files in a temporary directory (`file`) and in memory (`inmemory`), no database either way.
+files in a temporary directory (`file`) and in process (`inprocess`), no database either way.
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ from tests.storage.conformance.support import new_bucket, new_tenant
 from tests.support import SharedDatabase, service_settings
 from tokensvc.app import locate_database
 from tokensvc.auth.devpki import DevPaths
-from tokensvc.storage.memory import (
-    InMemoryAuditStore,
-    InMemoryCredentialJournal,
-    InMemoryCredentialSource,
-    InMemoryDataSubjectStore,
-    InMemoryEmbeddingMigrationStore,
-    InMemoryKnowledgeStore,
-    InMemoryMemoryStatistics,
-    InMemoryMemoryStore,
-    InMemoryRevocationStore,
+from tokensvc.storage.inprocess import (
+    InProcessAuditStore,
+    InProcessCredentialJournal,
+    InProcessCredentialSource,
+    InProcessDataSubjectStore,
+    InProcessEmbeddingMigrationStore,
+    InProcessKnowledgeStore,
+    InProcessMemoryStatistics,
+    InProcessMemoryStore,
+    InProcessRevocationStore,
 )
 from tokensvc.storage.ports import (
     AuditStore,
@@ -60,7 +60,7 @@ from tokensvc.storage.postgres import (
 from tokensvc.storage.records import Tenant
 from tokensvc.storage.secrets import FileCredentialSource
 
-BACKENDS = ("postgres", "inmemory")
+BACKENDS = ("postgres", "inprocess")
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def conformance_pool(conformance_database: Database) -> asyncpg.Pool:
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> Backend:
     if request.param == "postgres":
-        # Asked for here, not as a parameter: the in-memory runs need no database at all.
+        # Asked for here, not as a parameter: the in-process runs need no database at all.
         db: Database = request.getfixturevalue("conformance_database")
         pool = db.pool
         return Backend(
@@ -115,18 +115,18 @@ def backend(request: pytest.FixtureRequest) -> Backend:
             PostgresEmbeddingMigrationStore(pool, runner_pool=db.runner_pool),
             PostgresDataSubjectStore(pool),
         )
-    memories = InMemoryMemoryStore()
-    knowledge = InMemoryKnowledgeStore()
-    audit = InMemoryAuditStore()
+    memories = InProcessMemoryStore()
+    knowledge = InProcessKnowledgeStore()
+    audit = InProcessAuditStore()
     return Backend(
-        "inmemory",
+        "inprocess",
         memories,
         knowledge,
-        InMemoryRevocationStore(),
+        InProcessRevocationStore(),
         audit,
-        InMemoryMemoryStatistics(memories),
-        InMemoryEmbeddingMigrationStore(memories, audit, knowledge),
-        InMemoryDataSubjectStore(memories),
+        InProcessMemoryStatistics(memories),
+        InProcessEmbeddingMigrationStore(memories, audit, knowledge),
+        InProcessDataSubjectStore(memories),
     )
 
 
@@ -205,23 +205,23 @@ def journal(request: pytest.FixtureRequest) -> CredentialJournal:
     if request.param == "postgres":
         journal_db: JournalDatabase = request.getfixturevalue("empty_journal_database")
         return PostgresRotationJournal(journal_db.pool)
-    return InMemoryCredentialJournal()
+    return InProcessCredentialJournal()
 
 
 class Secret:
     """One secret, and handles on it: `open()` gives another reader and writer of the same secret
-    (for files, another `FileCredentialSource` over the directory; in memory, the one source)."""
+    (for files, another `FileCredentialSource` over the directory; in process, the one source)."""
 
     def __init__(self, name: str, tmp_path: Path):
         self.name = name
         self._directory = tmp_path / "secret"
-        self._memory = InMemoryCredentialSource()
+        self._inprocess = InProcessCredentialSource()
 
     def open(self) -> CredentialSource:
-        return FileCredentialSource(self._directory) if self.name == "file" else self._memory
+        return FileCredentialSource(self._directory) if self.name == "file" else self._inprocess
 
 
-@pytest.fixture(params=("file", "inmemory"))
+@pytest.fixture(params=("file", "inprocess"))
 def secret(request: pytest.FixtureRequest, tmp_path: Path) -> Secret:
     """A secret nothing has been written to yet."""
     return Secret(request.param, tmp_path)

@@ -4,7 +4,7 @@ The reference scores are computed here from the formulas in the contracts (cosin
 of unit vectors; BM25 as `tokensvc.storage.postgres.ranking` states it), independently of either
 implementation, so "both agree with the reference" means "they agree with each other". Texts in
 scored fixtures are lowercase ASCII words separated by spaces under the `simple` configuration,
-where PostgreSQL's parser and the in-memory tokeniser see the same terms.
+where PostgreSQL's parser and the in-process tokeniser see the same terms.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 
 from tests.storage.search_support import search_candidates
 from tokensvc.retrieval import BM25_B, BM25_K1, SearchTuning, candidate_query, query_words
-from tokensvc.storage.filters import Filter
+from tokensvc.storage.filter_language import Filter
 from tokensvc.storage.ports import KnowledgeStore, MemoryStore
 from tokensvc.storage.records import (
     ALL_KNOWLEDGE_BASES,

@@ -1,7 +1,7 @@
 """CredentialSource: a written credential is read back whole (never one write's username with
 another's password, even by a reader racing the writer, through another handle on the same
 secret); the stamp changes with every write and with nothing else; a secret that is missing or
-has an empty field is CREDENTIAL_INVALID. Run over files in a temporary directory and in memory.
+has an empty field is CREDENTIAL_INVALID. Run over files in a temporary directory and in process.
 
 What only files can show (the `..data` layout, a kubelet-mounted secret, file modes, a write
 that fails) is in tests/credentials/test_credential_source.py.

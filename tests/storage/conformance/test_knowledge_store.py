@@ -22,7 +22,7 @@ from tests.storage.conformance.support import (
     upload,
     vector_query,
 )
-from tokensvc.storage.filters import Condition, Operator
+from tokensvc.storage.filter_language import Condition, Operator
 from tokensvc.storage.ports import KnowledgeStore
 from tokensvc.storage.records import DocumentRow, Tenant
 

@@ -20,7 +20,7 @@ from tests.storage.conformance.support import (
     text_query,
     vector_query,
 )
-from tokensvc.storage.filters import AllOf, AnyOf, Condition, Filter, Not, Operator
+from tokensvc.storage.filter_language import AllOf, AnyOf, Condition, Filter, Not, Operator
 from tokensvc.storage.ports import MemoryStore
 from tokensvc.storage.records import MemoryRecord, Tenant
 

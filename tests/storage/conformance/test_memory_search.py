@@ -23,7 +23,7 @@ from tests.storage.conformance.support import (
     unit,
     vector_query,
 )
-from tokensvc.storage.filters import Condition, Operator
+from tokensvc.storage.filter_language import Condition, Operator
 from tokensvc.storage.ports import MemoryStore
 from tokensvc.storage.records import CandidateQuery, NewMemory, Tenant
 

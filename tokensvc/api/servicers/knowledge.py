@@ -26,7 +26,7 @@ from tokensvc.api.memory_codec import decode_filter, decode_page_size
 from tokensvc.api.metadata_codec import metadata_from_proto
 from tokensvc.api.page_tokens import decode_ref_position, encode_ref_position, listing_binding
 from tokensvc.errors import InvalidArgument, PayloadTooLarge
-from tokensvc.knowledge.extract import parse_content_type
+from tokensvc.knowledge.formats import parse_content_type
 from tokensvc.knowledge.service import KnowledgeBases
 from tokensvc.memory.metadata import MetadataScalar
 from tokensvc.v1 import knowledge_pb2, knowledge_pb2_grpc

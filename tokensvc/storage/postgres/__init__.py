@@ -16,7 +16,7 @@ from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
 from tokensvc.storage.postgres.logins import PostgresLogins
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
 from tokensvc.storage.postgres.migrations import (
-    MigrationError,
+    SchemaMigrationError,
     apply_migrations,
     available_migrations,
     schema_version,
@@ -35,7 +35,6 @@ __all__ = [
     "EmbeddedPaths",
     "EmbeddedPostgres",
     "EmbeddedPostgresError",
-    "MigrationError",
     "PostgresAuditStore",
     "PostgresDataSubjectStore",
     "PostgresEmbeddingMigrationStore",
@@ -47,6 +46,7 @@ __all__ = [
     "PostgresRotationJournal",
     "PostgresStatistics",
     "PostgresVectorIndexes",
+    "SchemaMigrationError",
     "apply_migrations",
     "available_migrations",
     "citus_version",

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from tokensvc.storage.postgres.migrations import MigrationError
+from tokensvc.storage.postgres.migrations import SchemaMigrationError
 
 __all__ = ["PLACEMENTS", "SHARD_COUNT", "Placement", "citus_version", "distribute"]
 
@@ -96,7 +96,7 @@ async def distribute(conn: asyncpg.Connection, lock_id: int) -> list[str]:
             )
             if placed_as is not None:
                 if (placed_as["partmethod"], placed_as["column"]) != placement.shape():
-                    raise MigrationError(
+                    raise SchemaMigrationError(
                         f"{name} is placed as ({placed_as['partmethod']}, {placed_as['column']}), "
                         f"not as tokensvc places it {placement.shape()}; undistribute it first"
                     )
@@ -104,7 +104,7 @@ async def distribute(conn: asyncpg.Connection, lock_id: int) -> list[str]:
             # Citus would copy a table's rows with COPY, which row-level security refuses, and
             # keep the local copy: only an empty table is placed.
             if await conn.fetchval(f"SELECT EXISTS (SELECT FROM {name})"):
-                raise MigrationError(
+                raise SchemaMigrationError(
                     f"{name} holds rows: migrate places an empty schema only (moving a populated "
                     "database onto Citus is not supported)"
                 )

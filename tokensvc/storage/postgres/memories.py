@@ -12,9 +12,9 @@ import numpy as np
 from pgvector import Vector
 
 from tokensvc.errors import AlreadyExists
-from tokensvc.storage.filters import Filter
+from tokensvc.storage.filter_language import Filter
 from tokensvc.storage.postgres.errors import translate_errors
-from tokensvc.storage.postgres.filters import compile_filter
+from tokensvc.storage.postgres.filter_sql import compile_filter
 from tokensvc.storage.postgres.ranking import (
     Corpus,
     candidates_from,

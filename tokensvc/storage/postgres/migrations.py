@@ -22,7 +22,7 @@ __all__ = [
     "MINIMUM_PGVECTOR",
     "MINIMUM_POSTGRES",
     "Migration",
-    "MigrationError",
+    "SchemaMigrationError",
     "apply_migrations",
     "available_migrations",
     "schema_version",
@@ -36,8 +36,8 @@ LOCK_ID = 0x746F6B656E737663  # "tokensvc"
 _FILE_NAME = re.compile(r"(\d{4})_([a-z0-9_]+)\.sql")
 
 
-class MigrationError(RuntimeError):
-    """A migration cannot be applied, or the recorded history disagrees with the files."""
+class SchemaMigrationError(RuntimeError):
+    """A schema migration cannot be applied, or the recorded history disagrees with the files."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def available_migrations() -> list[Migration]:
     found.sort(key=lambda migration: migration.version)
     versions = [migration.version for migration in found]
     if versions != list(range(1, len(found) + 1)):
-        raise MigrationError(f"migration versions must be 1..n without gaps, found {versions}")
+        raise SchemaMigrationError(f"migration versions must be 1..n without gaps, found {versions}")
     return found
 
 
@@ -85,7 +85,7 @@ async def apply_migrations(
     (0021 on), both checked to be plain identifiers first."""
     for what, role in (("app", app_role), ("runner", runner_role)):
         if not is_sql_identifier(role):
-            raise MigrationError(f"{what} role {role!r} is not a plain SQL identifier")
+            raise SchemaMigrationError(f"{what} role {role!r} is not a plain SQL identifier")
     migrations = available_migrations()
     applied: list[Migration] = []
     async with conn.transaction():
@@ -99,7 +99,7 @@ async def apply_migrations(
         for migration in migrations:
             if migration.version in recorded:
                 if recorded[migration.version] != migration.checksum:
-                    raise MigrationError(
+                    raise SchemaMigrationError(
                         f"migration {migration.version:04d}_{migration.name} was changed after it "
                         "was applied; add a new migration instead"
                     )
@@ -116,7 +116,7 @@ async def apply_migrations(
             applied.append(migration)
         unknown = sorted(set(recorded) - {m.version for m in migrations})
         if unknown:
-            raise MigrationError(
+            raise SchemaMigrationError(
                 f"the database has migrations {unknown} this tokensvc does not know; upgrade tokensvc"
             )
     return applied
@@ -138,25 +138,29 @@ async def schema_version(conn: asyncpg.Connection) -> int:
 async def _check_pgvector(conn: asyncpg.Connection) -> None:
     server = conn.get_server_version()
     if server.major < MINIMUM_POSTGRES:
-        raise MigrationError(f"PostgreSQL {server.major} is too old; tokensvc needs >= {MINIMUM_POSTGRES}")
+        raise SchemaMigrationError(
+            f"PostgreSQL {server.major} is too old; tokensvc needs >= {MINIMUM_POSTGRES}"
+        )
     version = await conn.fetchval("SELECT extversion FROM pg_extension WHERE extname = 'vector'")
     if version is None:
         available = await conn.fetchval(
             "SELECT default_version FROM pg_available_extensions WHERE name = 'vector'"
         )
         if available is None:
-            raise MigrationError("pgvector is not installed on the database server; install pgvector >= 0.8")
+            raise SchemaMigrationError(
+                "pgvector is not installed on the database server; install pgvector >= 0.8"
+            )
         try:
             await conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
         except asyncpg.InsufficientPrivilegeError:
-            raise MigrationError(
+            raise SchemaMigrationError(
                 "the pgvector extension is not created in this database and the migrating role may not "
                 "create it; run `CREATE EXTENSION vector` as a superuser"
             ) from None
         version = await conn.fetchval("SELECT extversion FROM pg_extension WHERE extname = 'vector'")
     parsed = tuple(int(part) for part in re.findall(r"\d+", str(version))[:3])
     if parsed < MINIMUM_PGVECTOR:
-        raise MigrationError(
+        raise SchemaMigrationError(
             f"pgvector {version} is too old; tokensvc needs >= {'.'.join(map(str, MINIMUM_PGVECTOR))} "
             "(ALTER EXTENSION vector UPDATE)"
         )

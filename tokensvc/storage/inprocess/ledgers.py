@@ -6,15 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from datetime import datetime
 
-from tokensvc.storage.memory.clock import Clock, StoreClock
+from tokensvc.storage.inprocess.clock import Clock, StoreClock
 from tokensvc.storage.records import AuditRecord, Revocation, RevocationKind, RevocationSnapshot
 
-__all__ = ["InMemoryAuditStore", "InMemoryRevocationStore"]
+__all__ = ["InProcessAuditStore", "InProcessRevocationStore"]
 
 _MAX_DETAIL = 2048
 
 
-class InMemoryRevocationStore:
+class InProcessRevocationStore:
     """`RevocationStore` over a dictionary; a revocation is visible (and its key announced to
     listeners) as soon as it is recorded. `announce` sends an announcement with no record behind
     it, as any PostgreSQL role can."""
@@ -66,7 +66,7 @@ class _Feed:
         self._open = False
 
 
-class InMemoryAuditStore:
+class InProcessAuditStore:
     """`AuditStore` over a list; ids start at 1 and increase by one."""
 
     def __init__(self, clock: Clock | None = None):

@@ -1,4 +1,4 @@
-"""The in-memory text ranker: a `simple` tokeniser and the BM25 of the PostgreSQL stores.
+"""The in-process text ranker: a `simple` tokeniser and the BM25 of the PostgreSQL stores.
 
 The formula is `tokensvc.storage.postgres.ranking`'s, term for term: per row d and query term t
 over the rows the query matches, `idf(t) * tf * (k1 + 1) / (tf + k1 * (1 - b + b * |d| / avg|d|))`,

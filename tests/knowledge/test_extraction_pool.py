@@ -26,7 +26,7 @@ from tokensvc.knowledge import (
     ExtractionPool,
     chunk_document,
     extract_text,
-    extraction,
+    extraction_pool,
 )
 from tokensvc.observability.deadlines import reset_deadline, use_deadline
 
@@ -191,9 +191,9 @@ def test_an_unexpected_parser_failure_is_a_refused_document_not_an_internal_erro
     def broken(content: bytes, content_type: str) -> str:
         raise RuntimeError("the parser gave up on this document")
 
-    monkeypatch.setattr(extraction, "extract_text", broken)
-    refused = extraction._extract_and_chunk(PAGE, "text/html", RECURSIVE)
-    assert isinstance(refused, extraction._Refused)
+    monkeypatch.setattr(extraction_pool, "extract_text", broken)
+    refused = extraction_pool._extract_and_chunk(PAGE, "text/html", RECURSIVE)
+    assert isinstance(refused, extraction_pool._Refused)
     assert (refused.field, refused.message, refused.error_type) == (
         "content",
         "could not be extracted",

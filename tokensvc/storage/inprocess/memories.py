@@ -4,8 +4,8 @@ The same semantics as `tokensvc.storage.postgres.memories`, checked by the one c
 (`tests/storage/conformance/`): tenant isolation by bucket (a bucket the tenant did not declare
 is invisible, and writing into it raises `PermissionError`, where PostgreSQL's row-level security
 refuses), expiry, deduplication by content hash and idempotency key, newest-first paging, the
-search's candidates (`tokensvc.storage.memory.ranking`; always exact). Text terms are
-`tokensvc.storage.memory.text`'s `simple` words whatever the pinned configuration.
+search's candidates (`tokensvc.storage.inprocess.ranking`; always exact). Text terms are
+`tokensvc.storage.inprocess.text`'s `simple` words whatever the pinned configuration.
 
 Concurrency: every write holds the store's lock from its first read to its last write, across a
 scheduling point where PostgreSQL would take a round trip, so concurrent writers serialise as
@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from tokensvc.errors import AlreadyExists
-from tokensvc.storage.filters import Filter, matches
-from tokensvc.storage.memory.clock import Clock, StoreClock
-from tokensvc.storage.memory.ranking import Searchable, candidates
-from tokensvc.storage.memory.text import Terms, terms_of
+from tokensvc.storage.filter_language import Filter, matches
+from tokensvc.storage.inprocess.clock import Clock, StoreClock
+from tokensvc.storage.inprocess.ranking import Searchable, candidates
+from tokensvc.storage.inprocess.text import Terms, terms_of
 from tokensvc.storage.ports import StaleMemorySpace
 from tokensvc.storage.records import (
     EmbedderSpec,
@@ -41,7 +41,7 @@ from tokensvc.storage.records import (
     Tenant,
 )
 
-__all__ = ["InMemoryMemoryStatistics", "InMemoryMemoryStore"]
+__all__ = ["InProcessMemoryStatistics", "InProcessMemoryStore"]
 
 _SWEEP_LIMITS = range(1, 10_001)  # what PostgreSQL's sweep function accepts
 
@@ -49,7 +49,7 @@ _SWEEP_LIMITS = range(1, 10_001)  # what PostgreSQL's sweep function accepts
 @dataclass(frozen=True)
 class _Row:
     bucket: str
-    namespace: str  # the space that wrote the row (what `InMemoryMemoryStatistics` counts by)
+    namespace: str  # the space that wrote the row (what `InProcessMemoryStatistics` counts by)
     agent: str
     id: str
     content: str
@@ -108,7 +108,7 @@ async def _round_trip() -> None:
     await asyncio.sleep(0)
 
 
-class InMemoryMemoryStore:
+class InProcessMemoryStore:
     """`MemoryStore` over dictionaries; `clock` is the wall clock (tests may move it forward)."""
 
     def __init__(self, clock: Clock | None = None):
@@ -116,7 +116,7 @@ class InMemoryMemoryStore:
         self._lock = asyncio.Lock()
         self._rows: dict[str, dict[str, _Row]] = {}  # bucket -> id -> row, in insertion order
         self._spaces: dict[tuple[str, str], MemorySpace] = {}
-        # Backfilling migrations' targets by space (kept by InMemoryEmbeddingMigrationStore).
+        # Backfilling migrations' targets by space (kept by InProcessEmbeddingMigrationStore).
         self._migrating: dict[tuple[str, str], tuple[str, EmbedderSpec]] = {}
 
     def _bucket(self, tenant: Tenant, bucket: str) -> dict[str, _Row]:
@@ -420,12 +420,12 @@ def _indexed(rows: Iterable[_Row], embedder: str, slot: int) -> Iterable[Searcha
         )
 
 
-class InMemoryMemoryStatistics:
-    """`MemoryStatistics` over the rows of one `InMemoryMemoryStore`: every bucket of every tenant
+class InProcessMemoryStatistics:
+    """`MemoryStatistics` over the rows of one `InProcessMemoryStore`: every bucket of every tenant
     (counts only), live rows alone. A row counts for the pepper version of the bucket it is in now
     (`v<N>.<...>`) and for the space (namespace, agent) that wrote it, as PostgreSQL's columns say."""
 
-    def __init__(self, store: InMemoryMemoryStore):
+    def __init__(self, store: InProcessMemoryStore):
         self._store = store
 
     def _live(self) -> Iterator[_Row]:

@@ -19,7 +19,7 @@ from tests.support import SharedDatabase, superuser
 from tokensvc.api.filter_codec import filter_from_proto
 from tokensvc.api.metadata_codec import scalar_to_proto
 from tokensvc.errors import InvalidArgument, PayloadTooLarge
-from tokensvc.memory.filters import (
+from tokensvc.memory import (
     AllOf,
     AnyOf,
     Condition,
@@ -29,7 +29,7 @@ from tokensvc.memory.filters import (
     matches,
 )
 from tokensvc.memory.metadata import MetadataScalar
-from tokensvc.storage.postgres.filters import compile_filter
+from tokensvc.storage.postgres.filter_sql import compile_filter
 from tokensvc.v1 import common_pb2 as pb
 
 Row = dict[str, MetadataScalar]

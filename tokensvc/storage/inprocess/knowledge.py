@@ -5,7 +5,7 @@ tenant sees its namespace's knowledge bases in its roster (`("*",)` alone: all o
 writing outside it raises `PermissionError` (row-level security refuses in PostgreSQL); a
 document's current version and its chunks are swapped in one step, so a reader sees exactly one
 version; deleting a base or a document deletes what belongs to it. Searching is
-`tokensvc.storage.memory.ranking`'s (always exact, `simple` words).
+`tokensvc.storage.inprocess.ranking`'s (always exact, `simple` words).
 
 Writers hold the store's lock from their first read to their last write, across a scheduling
 point where PostgreSQL would take a round trip (its per-document advisory lock serialises the
@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from tokensvc.storage.filters import Filter, matches
-from tokensvc.storage.memory.clock import Clock, StoreClock
-from tokensvc.storage.memory.ranking import Searchable, candidates
-from tokensvc.storage.memory.text import Terms, terms_of
+from tokensvc.storage.filter_language import Filter, matches
+from tokensvc.storage.inprocess.clock import Clock, StoreClock
+from tokensvc.storage.inprocess.ranking import Searchable, candidates
+from tokensvc.storage.inprocess.text import Terms, terms_of
 from tokensvc.storage.ports import StaleKnowledgeBases
 from tokensvc.storage.records import (
     ALL_KNOWLEDGE_BASES,
@@ -40,7 +40,7 @@ from tokensvc.storage.records import (
     Tenant,
 )
 
-__all__ = ["InMemoryKnowledgeStore"]
+__all__ = ["InProcessKnowledgeStore"]
 
 _DocKey = tuple[str, str, str]  # namespace, kb_ref, ref
 
@@ -80,7 +80,7 @@ async def _round_trip() -> None:
     await asyncio.sleep(0)
 
 
-class InMemoryKnowledgeStore:
+class InProcessKnowledgeStore:
     """`KnowledgeStore` over dictionaries; `clock` is the wall clock."""
 
     def __init__(self, clock: Clock | None = None):

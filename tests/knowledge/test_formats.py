@@ -1,4 +1,4 @@
-"""Text extraction: what each content type yields, and which uploads are refused, naming the field."""
+"""Document formats: what each content type yields, and which uploads are refused, naming the field."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Re-embedding migrations in process memory (the contract:
-`tokensvc.storage.ports.EmbeddingMigrationStore`), over the rows of one `InMemoryMemoryStore`.
+`tokensvc.storage.ports.EmbeddingMigrationStore`), over the rows of one `InProcessMemoryStore`.
 
 The same semantics as `tokensvc.storage.postgres.reembedding`, checked by the conformance suite:
 one active migration per space, leases with expiry, batches in (bucket, id) order after a
@@ -17,9 +17,9 @@ from datetime import datetime, timedelta
 
 import numpy as np
 
-from tokensvc.storage.memory.knowledge import InMemoryKnowledgeStore, _chunk, _Version
-from tokensvc.storage.memory.ledgers import InMemoryAuditStore
-from tokensvc.storage.memory.memories import InMemoryMemoryStore, _Row, _vector, _with_vector
+from tokensvc.storage.inprocess.knowledge import InProcessKnowledgeStore, _chunk, _Version
+from tokensvc.storage.inprocess.ledgers import InProcessAuditStore
+from tokensvc.storage.inprocess.memories import InProcessMemoryStore, _Row, _vector, _with_vector
 from tokensvc.storage.records import (
     ChunkRow,
     EmbeddingMigration,
@@ -29,20 +29,20 @@ from tokensvc.storage.records import (
     StoredChunk,
 )
 
-__all__ = ["InMemoryEmbeddingMigrationStore"]
+__all__ = ["InProcessEmbeddingMigrationStore"]
 
 
-class InMemoryEmbeddingMigrationStore:
+class InProcessEmbeddingMigrationStore:
     def __init__(
         self,
-        memories: InMemoryMemoryStore,
-        audit: InMemoryAuditStore | None = None,
-        knowledge: InMemoryKnowledgeStore | None = None,
+        memories: InProcessMemoryStore,
+        audit: InProcessAuditStore | None = None,
+        knowledge: InProcessKnowledgeStore | None = None,
     ):
         self._memories = memories
-        self._knowledge = knowledge or InMemoryKnowledgeStore()
+        self._knowledge = knowledge or InProcessKnowledgeStore()
         self._knowledge._end_migrations = self._base_deleted
-        self._audit = audit or InMemoryAuditStore()  # where the cutover's audit event goes
+        self._audit = audit or InProcessAuditStore()  # where the cutover's audit event goes
         self._migrations: dict[str, EmbeddingMigration] = {}
         self._leases: dict[str, datetime] = {}
 

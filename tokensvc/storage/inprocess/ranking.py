@@ -1,11 +1,11 @@
-"""Search candidates over in-memory rows, with the PostgreSQL stores' semantics.
+"""Search candidates over the in-process stores' rows, with the PostgreSQL stores' semantics.
 
 `candidates` is `tokensvc.storage.postgres.ranking` in Python: the vector ranker's top k by inner
 product, the text ranker's top k by BM25, their union with both scores, 1-based ranks in each
 ranker (0: not among its top k) and, when asked, both scores of each candidate's neighbours.
 Ties break by the row's key, as the PostgreSQL statements do (`ORDER BY score DESC, key`).
 
-An in-memory search is always exact: `CandidateQuery.exact = False` (an HNSW scan in PostgreSQL,
+An in-process search is always exact: `CandidateQuery.exact = False` (an HNSW scan in PostgreSQL,
 re-run exactly when short) is answered exactly too, and `ef_search` / `max_scan_tuples` are
 ignored.
 """
@@ -19,7 +19,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from tokensvc.storage.memory.text import Terms, bm25_scores
+from tokensvc.storage.inprocess.text import Terms, bm25_scores
 from tokensvc.storage.records import Candidate, CandidateQuery
 
 __all__ = ["Searchable", "candidates"]

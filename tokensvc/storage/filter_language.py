@@ -2,8 +2,8 @@
 
 A filter is a small immutable tree: `Condition` leaves combined by `AllOf`, `AnyOf` and `Not`,
 built from the proto at the API edge (`filter_from_proto`). Every store applies it with exactly
-these semantics: `matches` here (the in-memory stores), `compile_filter` in
-`tokensvc.storage.postgres.filters` (SQL); a property test checks the two agree.
+these semantics: `matches` here (the in-process stores), `compile_filter` in
+`tokensvc.storage.postgres.filter_sql` (SQL); a property test checks the two agree.
 
 Semantics:
 

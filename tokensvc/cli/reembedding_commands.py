@@ -18,12 +18,12 @@ from tokensvc.cli.knowledge_commands import CHUNKING_KINDS
 from tokensvc.cli.output import output
 from tokensvc.v1 import knowledge_pb2, migration_pb2
 
-__all__ = ["add_migrate_commands"]
+__all__ = ["add_reembedding_commands"]
 
 _FINAL = {migration_pb2.MIGRATION_PHASE_SUCCEEDED, migration_pb2.MIGRATION_PHASE_CANCELLED}
 
 
-def add_migrate_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_reembedding_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     migrate = sub.add_parser(
         "migrate",
         help="move a memory space or a knowledge base to another embedder without downtime",

@@ -1,4 +1,4 @@
-"""The filter language compiled to SQL (semantics: `tokensvc.storage.filters`)."""
+"""The filter language compiled to SQL (semantics: `tokensvc.storage.filter_language`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import re
 from collections.abc import Callable
 
-from tokensvc.storage.filters import (
+from tokensvc.storage.filter_language import (
     COMPARISONS,
     LIST_OPERATORS,
     ORDERING_OPERATORS,

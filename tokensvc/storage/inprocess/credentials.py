@@ -15,16 +15,16 @@ from dataclasses import replace
 from datetime import datetime
 
 from tokensvc.errors import Reason, TokensvcError
-from tokensvc.storage.memory.clock import Clock, StoreClock
+from tokensvc.storage.inprocess.clock import Clock, StoreClock
 from tokensvc.storage.records import DatabaseCredential, RotationEntry
 
-__all__ = ["InMemoryCredentialJournal", "InMemoryCredentialSource"]
+__all__ = ["InProcessCredentialJournal", "InProcessCredentialSource"]
 
 # The outcomes that put a credential version in force (unless the credential did not change).
 _VERSIONED_OUTCOMES = ("succeeded", "recovered")
 
 
-class InMemoryCredentialJournal:
+class InProcessCredentialJournal:
     """`CredentialJournal` over a dictionary; ids start at 1 and increase by one."""
 
     def __init__(self, clock: Clock | None = None):
@@ -92,7 +92,7 @@ class InMemoryCredentialJournal:
         return current.version, current.updated_at, latest
 
 
-class InMemoryCredentialSource:
+class InProcessCredentialSource:
     """`CredentialSource` holding one credential (None: nothing written yet, like a secret whose
     files are missing). The stamp counts the writes. Reading trims what a secret file's reader
     trims (whitespace around the username, line breaks ending the password); a credential left
@@ -104,7 +104,7 @@ class InMemoryCredentialSource:
         self._current: tuple[int, DatabaseCredential | None] = (0, credential)
 
     def __repr__(self) -> str:
-        return "InMemoryCredentialSource()"
+        return "InProcessCredentialSource()"
 
     def read(self) -> DatabaseCredential:
         credential = self._current[1]

@@ -43,7 +43,7 @@ import pebble
 
 from tokensvc.errors import DeadlineExceeded, InvalidArgument, PayloadTooLarge
 from tokensvc.knowledge.chunking import Chunk, ChunkingStrategy, chunk_document
-from tokensvc.knowledge.extract import extract_text
+from tokensvc.knowledge.formats import extract_text
 from tokensvc.observability.deadlines import current_deadline
 from tokensvc.observability.metrics import METRICS
 
@@ -51,7 +51,7 @@ __all__ = ["Extraction", "ExtractionPool"]
 
 _log = logging.getLogger("tokensvc.knowledge")
 _NEEDS_MORE_MEMORY = "needs more memory to extract than knowledge_extract_memory_bytes allows"
-_PRELOADED = ["tokensvc.knowledge.extraction"]  # and with it extract, chunking, bs4 and lxml
+_PRELOADED = ["tokensvc.knowledge.extraction_pool"]  # and with it formats, chunking, bs4 and lxml
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The in-memory stores' clock: readings strictly increase, like PostgreSQL's `clock_timestamp()`.
+"""The in-process stores' clock: readings strictly increase, like PostgreSQL's `clock_timestamp()`.
 
 PostgreSQL's timestamps have microsecond resolution; so do these. Two readings never tie, so the
 items of one insert are created in order and an operation's "now" is later than any timestamp

@@ -1,4 +1,4 @@
-"""Text extraction: turn an uploaded document's bytes into the text that is chunked and cited.
+"""Document formats: turn an uploaded document's bytes into the text that is chunked and cited.
 
 Passage offsets index this text (see `Passage` in `protos/tokensvc/v1/knowledge.proto`), so what
 it is matters to clients:

@@ -1,5 +1,5 @@
 """End-user data rights in process memory (the contract: `tokensvc.storage.ports.DataSubjectStore`),
-over the rows of one `InMemoryMemoryStore`.
+over the rows of one `InProcessMemoryStore`.
 
 The same semantics as `tokensvc.storage.postgres.data_subjects`, checked by the conformance suite:
 only the tenant's declared buckets are touched, rows are visited in (bucket, created_at, id)
@@ -12,14 +12,14 @@ import uuid
 from dataclasses import replace
 from datetime import datetime
 
-from tokensvc.storage.memory.memories import InMemoryMemoryStore
+from tokensvc.storage.inprocess.memories import InProcessMemoryStore
 from tokensvc.storage.records import DataSubjectReceipt, ExportedMemory, Tenant
 
-__all__ = ["InMemoryDataSubjectStore"]
+__all__ = ["InProcessDataSubjectStore"]
 
 
-class InMemoryDataSubjectStore:
-    def __init__(self, memories: InMemoryMemoryStore):
+class InProcessDataSubjectStore:
+    def __init__(self, memories: InProcessMemoryStore):
         self._memories = memories
         self._receipts: dict[str, DataSubjectReceipt] = {}
 
