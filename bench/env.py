@@ -41,7 +41,8 @@ from tokensvc.auth.devpki import (
     load_signing_key,
 )
 from tokensvc.credentials import FileCredentialSource
-from tokensvc.settings import Settings, load_settings
+from tokensvc.settings import Settings
+from tokensvc.settings_sources import load_settings
 from tokensvc.storage.postgres import EmbeddedPaths, EmbeddedPostgres
 
 __all__ = ["BenchEnv", "ServerProcess", "bench_env", "config_toml", "connect_as", "free_port", "settings_for"]

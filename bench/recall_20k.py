@@ -45,7 +45,7 @@ from tokensvc.app import locate_database
 from tokensvc.memory import Condition, Filter, Operator, matches
 from tokensvc.memory.models import NewMemory
 from tokensvc.retrieval import SearchTuning, candidate_query
-from tokensvc.settings import load_settings
+from tokensvc.settings_sources import load_settings
 from tokensvc.storage.postgres import Database, apply_migrations, connect_once
 from tokensvc.storage.postgres.database import _init_connection
 from tokensvc.storage.postgres.memories import PostgresMemoryStore, search_statement

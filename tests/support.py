@@ -34,7 +34,8 @@ from tokensvc.auth.devpki import (
     load_signing_key,
 )
 from tokensvc.credentials import FileCredentialSource
-from tokensvc.settings import Settings, load_settings
+from tokensvc.settings import Settings
+from tokensvc.settings_sources import load_settings
 from tokensvc.storage.postgres import EmbeddedPostgres
 from tokensvc.v1 import admin_pb2, admin_pb2_grpc
 

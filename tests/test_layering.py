@@ -41,6 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "tokensvc.names",
             "tokensvc.untrusted_json",
             "tokensvc.settings",
+            "tokensvc.settings_sources",
             "tokensvc.logs",
             "tokensvc.observability",
         ),

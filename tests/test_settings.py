@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tokensvc.settings import SettingsError, load_settings
+from tokensvc.settings import SettingsError
+from tokensvc.settings_sources import load_settings
 
 
 def test_defaults_are_valid_and_embedded() -> None:

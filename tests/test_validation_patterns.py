@@ -15,7 +15,8 @@ import pytest
 from tokensvc.auth.identity import IdentityPolicy, parse_spiffe_id
 from tokensvc.embedders import load_embedders
 from tokensvc.names import is_dns_label, is_kb_ref, is_sql_identifier
-from tokensvc.settings import SettingsError, load_settings
+from tokensvc.settings import SettingsError
+from tokensvc.settings_sources import load_settings
 from tokensvc.storage.postgres.migrations import apply_migrations
 from tokensvc.storage.records import Tenant
 

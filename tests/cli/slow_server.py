@@ -13,7 +13,7 @@ import grpc
 from tokensvc.api.policy import ANY_ROLE, RpcPolicy
 from tokensvc.app import run_service
 from tokensvc.logs import configure_logging
-from tokensvc.settings import load_settings
+from tokensvc.settings_sources import load_settings
 
 SLOW_METHOD = "/test.Slow/Sleep"
 SLEEP_SECONDS = 2.0

@@ -22,7 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.cli.test_cli import ROOT, TOKENSVC, clean_env, settings_env, wait_for_health
 from tests.support import SharedDatabase, free_port
 from tokensvc.auth.devpki import DevPaths, ensure_dev_material
-from tokensvc.settings import SettingsError, load_settings
+from tokensvc.settings import SettingsError
+from tokensvc.settings_sources import load_settings
 from tokensvc.workers import worker_settings
 
 

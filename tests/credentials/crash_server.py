@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tokensvc.app import run_service
 from tokensvc.logs import configure_logging
-from tokensvc.settings import load_settings
+from tokensvc.settings_sources import load_settings
 from tokensvc.storage.postgres.rotations import PostgresRotationJournal
 
 CRASH_AT = os.environ.get("CRASH_AT_STEP", "")

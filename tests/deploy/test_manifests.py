@@ -31,7 +31,8 @@ from tests.deploy.rendering import (
     string_values,
 )
 from tokensvc.embedders.registry import load_embedders
-from tokensvc.settings import ENV_PREFIX, Settings, load_settings
+from tokensvc.settings import Settings
+from tokensvc.settings_sources import ENV_PREFIX, load_settings
 
 Resource = dict[str, Any]
 

@@ -39,7 +39,8 @@ from tokensvc.auth.devpki import (
     DevPaths,
     issue_client_certificate,
 )
-from tokensvc.settings import Settings, load_settings
+from tokensvc.settings import Settings
+from tokensvc.settings_sources import load_settings
 from tokensvc.storage.postgres.embedded import DATABASE_NAME, process_alive
 from tokensvc.v1 import memory_pb2, memory_pb2_grpc
 

@@ -13,7 +13,7 @@ from tokensvc.auth import devpki
 from tokensvc.auth.capabilities import mint_capability
 from tokensvc.cli.connection import add_connection_flags, call_service
 from tokensvc.cli.output import output
-from tokensvc.settings import load_settings
+from tokensvc.settings_sources import load_settings
 from tokensvc.v1 import capability_pb2
 
 __all__ = ["add_capability_commands", "add_capability_source", "read_capability"]

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from tokensvc.auth import devpki
-from tokensvc.settings import Settings, load_settings
+from tokensvc.settings import Settings
+from tokensvc.settings_sources import load_settings
 
 __all__ = ["add_server_commands"]
 
