@@ -52,6 +52,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "domain",
         (
+            "tokensvc.reembedding",
             "tokensvc.memory",
             "tokensvc.knowledge",
             "tokensvc.credentials",
