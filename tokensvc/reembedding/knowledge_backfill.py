@@ -14,7 +14,7 @@ from tokensvc.errors import EmbedderUnavailable
 from tokensvc.knowledge.chunking import ChunkingStrategy, chunk_document
 from tokensvc.observability.metrics import METRICS
 from tokensvc.reembedding.backfill import Pipeline, bulk_demand, embed_texts
-from tokensvc.storage.ports import EmbeddingMigrationStore
+from tokensvc.storage.ports import KnowledgeBackfillStore
 from tokensvc.storage.records import ChunkRow, EmbeddingMigration, PendingDocument, StoredChunk
 
 __all__ = ["KnowledgeBackfill"]
@@ -33,7 +33,7 @@ class KnowledgeBackfill:
     rows = "documents"
     clear_limit = _CLEAR_DOCUMENTS
 
-    def __init__(self, store: EmbeddingMigrationStore, *, runner_id: str, lease_seconds: float):
+    def __init__(self, store: KnowledgeBackfillStore, *, runner_id: str, lease_seconds: float):
         self._store = store
         self._runner_id = runner_id
         self._lease_seconds = lease_seconds

@@ -10,7 +10,7 @@ import numpy as np
 from tokensvc.embedders import ScheduledEmbedder
 from tokensvc.observability.metrics import METRICS
 from tokensvc.reembedding.backfill import Pipeline, bulk_demand, embed_texts
-from tokensvc.storage.ports import EmbeddingMigrationStore
+from tokensvc.storage.ports import MemoryBackfillStore
 from tokensvc.storage.records import EmbeddingMigration, PendingMemory
 
 __all__ = ["MemoryBackfill"]
@@ -28,7 +28,7 @@ class MemoryBackfill:
     rows = "memories"
     clear_limit = _CLEAR_BATCH
 
-    def __init__(self, store: EmbeddingMigrationStore, *, runner_id: str, lease_seconds: float):
+    def __init__(self, store: MemoryBackfillStore, *, runner_id: str, lease_seconds: float):
         self._store = store
         self._runner_id = runner_id
         self._lease_seconds = lease_seconds
@@ -69,7 +69,7 @@ class _ReadAhead:
     may go stale (changed or forgotten since): the store's write skips those, as it does for a
     single batch read ahead, and the next pass catches what changed."""
 
-    def __init__(self, store: EmbeddingMigrationStore, *, batch: int, rows: int):
+    def __init__(self, store: MemoryBackfillStore, *, batch: int, rows: int):
         self._store = store
         self._batch = batch
         self._rows = rows

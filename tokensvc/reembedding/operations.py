@@ -22,7 +22,7 @@ from tokensvc.embedders import (
 from tokensvc.errors import InvalidArgument, NotFound, Reason, TokensvcError
 from tokensvc.reembedding.backfill import batch_size_of
 from tokensvc.reembedding.events import announce
-from tokensvc.storage.ports import EmbeddingMigrationStore, KnowledgeStore, MemoryStore
+from tokensvc.storage.ports import KnowledgeStore, MemoryStore, MigrationOperationsStore
 from tokensvc.storage.records import (
     ALL_KNOWLEDGE_BASES,
     ChunkingSpec,
@@ -98,7 +98,7 @@ class EmbeddingMigrations:
 
     def __init__(
         self,
-        store: EmbeddingMigrationStore,
+        store: MigrationOperationsStore,
         memories: MemoryStore,
         embedders: EmbedderRegistry,
         audit: AuditLog,

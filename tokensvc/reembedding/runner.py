@@ -25,7 +25,7 @@ from tokensvc.reembedding.backfill import Backfill, batch_size_of
 from tokensvc.reembedding.events import announce
 from tokensvc.reembedding.knowledge_backfill import KnowledgeBackfill
 from tokensvc.reembedding.memory_backfill import MemoryBackfill
-from tokensvc.storage.ports import EmbeddingMigrationStore
+from tokensvc.storage.ports import MigrationRunnerStore
 from tokensvc.storage.records import EmbeddingMigration, MigrationState
 
 __all__ = ["MigrationRunner", "RunnerSettings"]
@@ -59,7 +59,7 @@ class MigrationRunner:
 
     def __init__(
         self,
-        store: EmbeddingMigrationStore,
+        store: MigrationRunnerStore,
         embedders: EmbedderRegistry,
         audit: AuditLog,
         settings: RunnerSettings | None = None,
