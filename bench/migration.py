@@ -39,7 +39,7 @@ from bench.client import mtls_channel
 from bench.env import BenchEnv, bench_env, connect_as
 from bench.stats import latency_summary, percentile
 from tokensvc.knowledge.chunking import ChunkingStrategy, chunk_document
-from tokensvc.memory.reembedding import batch_size_of
+from tokensvc.reembedding import batch_size_of
 from tokensvc.v1 import (
     common_pb2,
     knowledge_pb2,

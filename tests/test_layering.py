@@ -10,8 +10,9 @@ A module may import its own layer and the layers below it, never one above. Stor
 implementations (PostgreSQL, in-process) implement the ports they sit on: only the composition
 root (app, cli) names them, so the domain can only ever hold a port. On top of the ranking:
 no transport (gRPC, protobuf, the generated stubs) below the API, the database driver only in
-`tokensvc/storage/postgres`, the API reaching storage only through domain re-exports, and the
-dev PKI only in the CLI.
+`tokensvc/storage/postgres`, the API reaching storage only through domain re-exports, the
+dev PKI only in the CLI, and re-embedding (`tokensvc/reembedding`) above memory and knowledge
+within the domain: it re-chunks with `tokensvc.knowledge.chunking`, neither of them imports it.
 
 An exception is an entry in `ALLOWED` with a one-line reason; an entry that no longer matches an
 import fails too, so the list only shrinks.
@@ -52,6 +53,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "domain",
         (
+            "tokensvc.reembedding",
             "tokensvc.memory",
             "tokensvc.knowledge",
             "tokensvc.credentials",
@@ -81,6 +83,9 @@ TRANSPORT = (
 )
 DRIVER = ("asyncpg", "pgvector")
 DEV_PKI = "tokensvc.auth.devpki"
+# Re-embedding sits above these domain packages: it uses them, they never import it.
+REEMBEDDING = "tokensvc.reembedding"
+BELOW_REEMBEDDING = ("tokensvc.memory", "tokensvc.knowledge")
 
 # (importing module, imported module or prefix) -> why this one import is allowed.
 ALLOWED: dict[tuple[str, str], str] = {}
@@ -190,7 +195,18 @@ def test_every_module_has_a_layer() -> None:
 
 
 def test_storage_imports_nothing_of_the_domain_api_or_composition_root() -> None:
-    above = ("memory", "knowledge", "api", "credentials", "admin", "app", "cli", "auth", "audit")
+    above = (
+        "memory",
+        "knowledge",
+        "reembedding",
+        "api",
+        "credentials",
+        "admin",
+        "app",
+        "cli",
+        "auth",
+        "audit",
+    )
     forbidden = tuple(f"tokensvc.{name}" for name in above)
     bad = [imp for imp in OWN if within(imp.module, STORAGE) and within(imp.target, *forbidden)]
     assert not bad, offences(bad, "storage must not import the domain, the API or the composition root")
@@ -241,6 +257,36 @@ def test_no_module_imports_a_layer_above_its_own() -> None:
         if mine is not None and theirs is not None and RANK[theirs] > RANK[mine]:
             bad.append(imp)
     assert not bad, offences(bad, "imports up the layers (" + " -> ".join(name for name, _ in LAYERS) + ")")
+
+
+def imports_of_reembedding_from_below(imports: Iterable[Import]) -> list[Import]:
+    """The imports by which memory or knowledge would reach up into re-embedding."""
+    return [
+        imp for imp in imports if within(imp.module, *BELOW_REEMBEDDING) and within(imp.target, REEMBEDDING)
+    ]
+
+
+def test_the_reembedding_rule_sees_memory_or_knowledge_importing_it() -> None:
+    nested = imports_of(
+        "def f():\n    from tokensvc.reembedding import MigrationRunner\n", "tokensvc.memory.service"
+    )
+    relative = imports_of("from ..reembedding import runner\n", "tokensvc.knowledge.service")
+    downward = imports_of(
+        "from tokensvc.knowledge.chunking import chunk_document\n", "tokensvc.reembedding.runner"
+    )
+    found = imports_of_reembedding_from_below([*nested, *relative, *downward])
+    assert {(imp.module, imp.target) for imp in found} == {
+        ("tokensvc.memory.service", "tokensvc.reembedding"),
+        ("tokensvc.knowledge.service", "tokensvc.reembedding"),
+        ("tokensvc.knowledge.service", "tokensvc.reembedding.runner"),
+    }
+
+
+def test_memory_and_knowledge_never_import_reembedding() -> None:
+    bad = imports_of_reembedding_from_below(OWN)
+    assert not bad, offences(
+        bad, "re-embedding sits above memory and knowledge: they must not import tokensvc.reembedding"
+    )
 
 
 def test_storage_implementations_are_named_only_by_the_composition_root() -> None:

@@ -40,9 +40,9 @@ from tokensvc.embedders import EmbedderRegistry, load_embedders
 from tokensvc.knowledge.extraction_pool import ExtractionPool
 from tokensvc.knowledge.service import KnowledgeBases
 from tokensvc.memory.data_subjects import DataSubjectRequests
-from tokensvc.memory.reembedding import EmbeddingMigrations, MigrationRunner, RunnerSettings
 from tokensvc.memory.service import LongTermMemory
 from tokensvc.observability import METRICS, Vitals, configure_tracing, start_metrics_server
+from tokensvc.reembedding import EmbeddingMigrations, MigrationRunner, RunnerSettings
 from tokensvc.retrieval import FusionWeights, SearchTuning
 from tokensvc.settings import Settings, SettingsError
 from tokensvc.storage.ports import ConnectionPool

@@ -21,8 +21,8 @@ from tokensvc.storage.ports import (
     CredentialJournal,
     DatabaseHealth,
     DatabaseServer,
-    EmbeddingMigrationStore,
     MemoryStatistics,
+    MigrationOperationsStore,
     VectorIndexMaintenance,
 )
 
@@ -143,7 +143,7 @@ async def finish_vector_indexes_forever(indexes: VectorIndexMaintenance, interva
 async def read_database_gauges(
     statistics: MemoryStatistics,
     journals: Sequence[CredentialJournal],
-    migrations: EmbeddingMigrationStore,
+    migrations: MigrationOperationsStore,
 ) -> DatabaseReadings:
     """Memories per space, open credential rotations (of every credential's journal) and
     unfinished migrations: counts and times, never content."""
@@ -170,7 +170,7 @@ async def read_database_gauges(
 async def refresh_gauges_forever(
     statistics: MemoryStatistics,
     journals: Sequence[CredentialJournal],
-    migrations: EmbeddingMigrationStore,
+    migrations: MigrationOperationsStore,
     interval: float,
 ) -> None:
     """Keep `METRICS.live.database` current (every replica reads the same rows: rules take max)."""

@@ -5,7 +5,7 @@ pinned at its first write and a later configuration change is refused (re-embedd
 needed); content is deduplicated per bucket after NFC normalisation and trimming; embedding
 happens before any write, so an embedder failure leaves nothing half-written; rows under an older
 pepper version's bucket move to the current bucket on first access. A re-embedding migration
-(`tokensvc.memory.reembedding`) changes a pin explicitly: a write that embedded for the old
+(`tokensvc.reembedding`) changes a pin explicitly: a write that embedded for the old
 generation is refused by storage (`StaleMemorySpace`) and done again for the new one, and pins are
 cached for `space_cache_seconds` only, so every replica follows a cutover.
 """

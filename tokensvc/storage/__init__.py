@@ -14,9 +14,14 @@ from tokensvc.storage.ports import (
     DatabaseLogins,
     DatabaseServer,
     EmbeddingMigrationStore,
+    KnowledgeBackfillStore,
     KnowledgeStore,
+    MemoryBackfillStore,
     MemoryStatistics,
     MemoryStore,
+    MigrationOperationsStore,
+    MigrationRunnerStore,
+    MigrationStateStore,
     RevocationStore,
 )
 
@@ -29,8 +34,13 @@ __all__ = [
     "DatabaseLogins",
     "DatabaseServer",
     "EmbeddingMigrationStore",
+    "KnowledgeBackfillStore",
     "KnowledgeStore",
+    "MemoryBackfillStore",
     "MemoryStatistics",
     "MemoryStore",
+    "MigrationOperationsStore",
+    "MigrationRunnerStore",
+    "MigrationStateStore",
     "RevocationStore",
 ]

@@ -2,7 +2,8 @@
 
 Every implementation (`tokensvc.storage.postgres`, `tokensvc.storage.inprocess`) passes the one
 conformance suite in `tests/storage/conformance/`, which checks the contracts written here.
-Domain services take these Protocols, never a concrete store.
+Domain services take these Protocols, never a concrete store, and each the narrowest one it
+needs. The re-embedding ports live in `tokensvc.storage.reembedding_ports` and are re-exported here.
 `DatabaseLogins`, `ConnectionPool`, `DatabaseHealth` and `DatabaseServer` are not stores but
 adapters to the database server itself (its login roles, connections, liveness and process), so
 they have a PostgreSQL implementation only and no in-process stand-in.
@@ -29,16 +30,12 @@ from tokensvc.storage.records import (
     DatabaseCredential,
     DataSubjectReceipt,
     DocumentRow,
-    EmbeddingMigration,
     ExportedMemory,
     KnowledgePins,
     MemoryRecord,
     MemorySpace,
-    MigrationState,
     NewMemory,
     PassageRow,
-    PendingDocument,
-    PendingMemory,
     Revocation,
     RevocationKind,
     RevocationSnapshot,
@@ -47,6 +44,14 @@ from tokensvc.storage.records import (
     SearchPlan,
     StoredRef,
     Tenant,
+)
+from tokensvc.storage.reembedding_ports import (
+    EmbeddingMigrationStore,
+    KnowledgeBackfillStore,
+    MemoryBackfillStore,
+    MigrationOperationsStore,
+    MigrationRunnerStore,
+    MigrationStateStore,
 )
 
 __all__ = [
@@ -59,9 +64,14 @@ __all__ = [
     "DatabaseLogins",
     "DatabaseServer",
     "EmbeddingMigrationStore",
+    "KnowledgeBackfillStore",
     "KnowledgeStore",
+    "MemoryBackfillStore",
     "MemoryStatistics",
     "MemoryStore",
+    "MigrationOperationsStore",
+    "MigrationRunnerStore",
+    "MigrationStateStore",
     "RevocationFeed",
     "RevocationStore",
     "StaleKnowledgeBases",
@@ -179,139 +189,6 @@ class MemoryStore(Protocol):
         `plan(row_count)` says what to rank (`CandidateQuery`). Returns the candidates (see
         `CandidateQuery`) over the live rows matching the filter; a memory's neighbours are the
         live, matching memories of the bucket created just before and after it."""
-
-
-class EmbeddingMigrationStore(Protocol):
-    """Re-embedding migrations of memory spaces: their durable state, the lease of the one runner
-    at a time, and the runner's batches over every bucket of the space (`MemoryStore`'s rows).
-
-    Every runner call names the runner (`runner`) and does nothing (returning None or False) when
-    that runner does not hold the migration's unexpired lease; a batch and its progress commit
-    together, so a runner killed mid-batch leaves that batch to do again and nothing else.
-    """
-
-    async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
-        """Record `migration` (state BACKFILLING, no lease), after making sure the target
-        dimension can be indexed. None (nothing recorded) when the space (base) already has an
-        active migration (`MigrationState.active`) or its generation is no longer
-        `migration.from_generation`. A knowledge base's documents start with no next-generation
-        chunks written (`pending_documents` lists them all). A space's `rows_total` is kept as
-        given, the caller's `space_size` (a count over every bucket: on Citus every shard, so a
-        start counts once); a knowledge base's is set to its documents now."""
-
-    async def get(self, migration_id: str) -> EmbeddingMigration | None:
-        """The migration with this id."""
-
-    async def page(self, *, limit: int, before: tuple[datetime, str] | None) -> list[EmbeddingMigration]:
-        """Up to `limit` migrations newest first (created_at, then id, descending), strictly
-        before the cursor (created_at, id)."""
-
-    async def active(self) -> list[EmbeddingMigration]:
-        """Every migration not finished (its state `active`: backfilling, paused, retiring or
-        cancelling), oldest first."""
-
-    async def transition(
-        self, migration_id: str, *, expect: Sequence[MigrationState], state: MigrationState, reason: str = ""
-    ) -> EmbeddingMigration | None:
-        """Move the migration to `state` (with `reason`; failures reset) when it is in one of
-        `expect`, releasing its lease; None when it is not (or does not exist). SUCCEEDED and
-        CANCELLED also set `finished_at`."""
-
-    async def claim(
-        self,
-        runner: str,
-        *,
-        lease_seconds: float,
-        embedders: Sequence[str],
-        retire_after_seconds: float,
-        busy: Collection[str] = (),
-    ) -> EmbeddingMigration | None:
-        """Take (or renew) the lease of the oldest runnable migration whose lease is free,
-        expired or `runner`'s own, other than those in `busy` (the ids `runner` is driving
-        already); a BACKFILLING one only when its target embedder is among `embedders` (this
-        runner can embed for it), a RETIRING one only `retire_after_seconds` after its cutover.
-        None when there is none."""
-
-    async def pending(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingMemory]:
-        """Up to `limit` live memories of the space without a vector in the target slot, in
-        (bucket, id) order strictly after `migration.cursor` (from the start when None); for the
-        runner holding the BACKFILLING migration's lease (`migration.lease_owner`) only: nothing
-        otherwise."""
-
-    async def space_size(self, namespace: str, agent: str) -> tuple[int, int]:
-        """The space's live memories and their average length in characters (no content)."""
-
-    async def store_vectors(
-        self,
-        migration: EmbeddingMigration,
-        runner: str,
-        rows: Sequence[tuple[PendingMemory, np.ndarray]],
-        *,
-        lease_seconds: float,
-    ) -> EmbeddingMigration | None:
-        """In one transaction: write each vector to its memory's target slot unless the memory
-        is gone or its content changed since it was read; move the cursor to the last row;
-        count the rows written in `rows_done` (and `rows_total` when more were written than
-        counted); reset `failures`; renew the lease. Returns the migration as stored, None (nothing
-        written) when `runner` does not hold the lease or the migration is no longer BACKFILLING."""
-
-    async def renew(self, migration: EmbeddingMigration, runner: str, *, lease_seconds: float) -> bool:
-        """Extend `runner`'s lease (an expired one too, when no runner has taken it since); False
-        when another runner holds the migration or it is not runnable."""
-
-    async def rewind(self, migration: EmbeddingMigration, runner: str) -> bool:
-        """Set the cursor back to the start (the pass that catches rows written behind it)."""
-
-    async def cut_over(self, migration: EmbeddingMigration, runner: str) -> bool:
-        """The atomic switch, ordered with every write of the space: when every live memory has a
-        vector in the target slot, pin the target embedder, bump the space's generation (searches
-        and writes use the target slot from then on), move to RETIRING and record the audit event
-        (kind `embedding_migration`, action `cut over embedding migration`), all at once. False
-        (nothing changed) when a memory still lacks one, or `runner` does not hold the lease.
-
-        A knowledge base's: when every document's current version has its next-generation chunks,
-        pin the target embedder and chunking, bump the base's generation and take each document's
-        chunk count from them, with the same state change and audit event; a base deleted since
-        the migration started moves it to CANCELLED instead (and returns False)."""
-
-    async def clear_slot(
-        self, migration: EmbeddingMigration, runner: str, *, limit: int, lease_seconds: float
-    ) -> tuple[int, EmbeddingMigration] | None:
-        """Empty the vector slot the migration leaves behind in the next `limit` memories of the
-        space after `migration.cursor` ((bucket, id) order), expired ones too: RETIRING, the old
-        generation's; CANCELLING, the target's. Returns how many (0: none left) and the migration
-        with its cursor moved past them, its lease renewed; None when `runner` does not hold the
-        lease. A knowledge base's: delete the chunks of the generation left behind of up to
-        `limit` documents (returning how many chunks)."""
-
-    async def pending_documents(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingDocument]:
-        """A knowledge base's backfill: up to `limit` documents whose current version has no
-        next-generation chunks, in ref order strictly after `migration.document_cursor`, each with
-        its stored text and, when the migration keeps the chunking, its current chunks; for the
-        runner holding the BACKFILLING migration's lease only: nothing otherwise."""
-
-    async def store_documents(
-        self,
-        migration: EmbeddingMigration,
-        runner: str,
-        documents: Sequence[tuple[PendingDocument, Sequence[ChunkRow]]],
-        *,
-        lease_seconds: float,
-    ) -> EmbeddingMigration | None:
-        """In one transaction: each document's next-generation chunks (written whole, unless the
-        document has a newer version or is gone); the cursor moved to the last document; the
-        documents written counted in `rows_done`; failures reset; the lease renewed. None (nothing
-        written) when `runner` does not hold the lease or the migration is not BACKFILLING."""
-
-    async def base_size(self, namespace: str, kb_ref: str) -> tuple[int, int, int, int]:
-        """A knowledge base's documents, their current chunks, the chunks' average length in
-        characters, and how many documents have no stored text (uploaded before texts were kept)."""
-
-    async def record_failure(
-        self, migration: EmbeddingMigration, runner: str, reason: str, *, pause_after: int
-    ) -> EmbeddingMigration | None:
-        """Count a consecutive embedder failure; at `pause_after` of them move to PAUSED with
-        `reason` (and release the lease). None when `runner` does not hold the lease."""
 
 
 class DataSubjectStore(Protocol):

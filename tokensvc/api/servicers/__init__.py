@@ -20,8 +20,8 @@ from tokensvc.api.servicers.migration import MigrationServicer
 from tokensvc.auth.operations import CapabilityOperations
 from tokensvc.knowledge.service import KnowledgeBases
 from tokensvc.memory.data_subjects import DataSubjectRequests
-from tokensvc.memory.reembedding import EmbeddingMigrations
 from tokensvc.memory.service import LongTermMemory
+from tokensvc.reembedding import EmbeddingMigrations
 from tokensvc.v1 import (
     admin_pb2,
     admin_pb2_grpc,

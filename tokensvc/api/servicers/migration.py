@@ -15,14 +15,14 @@ from tokensvc.api.page_tokens import decode_memory_cursor, encode_memory_cursor,
 from tokensvc.embedders import EmbedderSpec
 from tokensvc.errors import InvalidArgument
 from tokensvc.memory.paging import PageCursor
-from tokensvc.memory.reembedding import (
+from tokensvc.names import is_dns_label, is_kb_ref
+from tokensvc.reembedding import (
     ChunkingSpec,
     EmbeddingMigrations,
     MigrationEstimate,
     MigrationProgress,
     MigrationState,
 )
-from tokensvc.names import is_dns_label, is_kb_ref
 from tokensvc.v1 import migration_pb2, migration_pb2_grpc
 
 __all__ = ["MigrationServicer"]

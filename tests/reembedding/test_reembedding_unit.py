@@ -21,14 +21,14 @@ from tokensvc.audit import AuditLog
 from tokensvc.auth.scope import TenantScope
 from tokensvc.embedders import EmbedderRegistry, HashEmbedder
 from tokensvc.errors import DatabaseUnavailable, EmbedderUnavailable, InvalidArgument, NotFound
-from tokensvc.memory.reembedding import (
+from tokensvc.memory.service import LongTermMemory, RememberItem, SearchMode, SearchQuery
+from tokensvc.reembedding import (
     EmbeddingMigrations,
     MigrationConflict,
     MigrationRunner,
     MigrationState,
     RunnerSettings,
 )
-from tokensvc.memory.service import LongTermMemory, RememberItem, SearchMode, SearchQuery
 from tokensvc.storage.inprocess import (
     InProcessAuditStore,
     InProcessEmbeddingMigrationStore,
