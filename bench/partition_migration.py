@@ -23,7 +23,7 @@ import asyncpg
 from bench.dataset import DIM, make_dataset
 from bench.env import bench_env
 from bench.load import MEMORY_COLUMNS, binary_vectors, bucket_ids, copy_connection, memory_records
-from tokensvc.storage.postgres import migrations
+from tokensvc.storage.postgres import schema_migrations as migrations
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = 20_240_601
@@ -36,7 +36,7 @@ def log(message: str) -> None:
 
 async def run(scale: str) -> dict[str, Any]:
     data = make_dataset(scale, seed=SEED)
-    shipped = migrations.available_migrations()
+    shipped = migrations.available_schema_migrations()
     async with bench_env() as env:
         name = "partition_migration"
         admin = await copy_connection(env, "superuser")
@@ -50,8 +50,8 @@ async def run(scale: str) -> dict[str, Any]:
         owner = await copy_connection(env, "owner", name)
         app_role = env.settings.database_app_role
         try:
-            migrations.available_migrations = lambda: [m for m in shipped if m.version < PARTITIONED]  # type: ignore[assignment]
-            await migrations.apply_migrations(owner, app_role=app_role)
+            migrations.available_schema_migrations = lambda: [m for m in shipped if m.version < PARTITIONED]  # type: ignore[assignment]
+            await migrations.apply_schema_migrations(owner, app_role=app_role)
             await owner.execute(f"DROP INDEX tokensvc.memories_hnsw_{DIM}")
             ids = bucket_ids(env, len(data.sizes))
             encoded = binary_vectors(data.vectors)
@@ -68,15 +68,15 @@ async def run(scale: str) -> dict[str, Any]:
             # 0013 runs with the server's defaults, as `tokensvc migrate` would (one partition's
             # graph at a time fits the default maintenance_work_mem).
             log("applying 0013")
-            migrations.available_migrations = lambda: shipped  # type: ignore[assignment]
+            migrations.available_schema_migrations = lambda: shipped  # type: ignore[assignment]
             began = time.perf_counter()
-            applied = await migrations.apply_migrations(owner, app_role=app_role)
+            applied = await migrations.apply_schema_migrations(owner, app_role=app_role)
             seconds = time.perf_counter() - began
             assert [m.version for m in applied][:1] == [PARTITIONED], applied
             count = await superuser.fetchval("SELECT count(*) FROM tokensvc.memories")
             assert count == data.rows, (count, data.rows)
         finally:
-            migrations.available_migrations = lambda: shipped  # type: ignore[assignment]
+            migrations.available_schema_migrations = lambda: shipped  # type: ignore[assignment]
             await owner.close()
             await superuser.close()
     result = {

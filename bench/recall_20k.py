@@ -46,7 +46,7 @@ from tokensvc.memory import Condition, Filter, Operator, matches
 from tokensvc.memory.models import NewMemory
 from tokensvc.retrieval import SearchTuning, candidate_query
 from tokensvc.settings_sources import load_settings
-from tokensvc.storage.postgres import Database, apply_migrations, connect_once
+from tokensvc.storage.postgres import Database, apply_schema_migrations, connect_once
 from tokensvc.storage.postgres.database import _init_connection
 from tokensvc.storage.postgres.memories import PostgresMemoryStore, search_statement
 from tokensvc.storage.postgres.tenant import tenant_transaction
@@ -198,7 +198,7 @@ async def as_owner(database: Database, sql: str, *, app_role: str | None = None)
     conn = await connect_once(database.target, owner.read())
     try:
         if app_role is not None:
-            await apply_migrations(conn, app_role=app_role)
+            await apply_schema_migrations(conn, app_role=app_role)
         if sql:
             await conn.execute(sql)
     finally:

@@ -17,7 +17,7 @@ from tokensvc.embedders import load_embedders
 from tokensvc.names import is_dns_label, is_kb_ref, is_sql_identifier
 from tokensvc.settings import SettingsError
 from tokensvc.settings_sources import load_settings
-from tokensvc.storage.postgres.migrations import apply_migrations
+from tokensvc.storage.postgres.schema_migrations import apply_schema_migrations
 from tokensvc.storage.records import Tenant
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tokensvc"
@@ -97,4 +97,4 @@ async def test_migrations_refuse_an_app_role_with_a_trailing_newline() -> None:
     from tokensvc.storage.postgres import SchemaMigrationError
 
     with pytest.raises(SchemaMigrationError, match="plain SQL identifier"):
-        await apply_migrations(None, app_role="tokensvc_app\n")  # type: ignore[arg-type]
+        await apply_schema_migrations(None, app_role="tokensvc_app\n")  # type: ignore[arg-type]

@@ -10,8 +10,8 @@ import pytest
 
 from tests.support import SharedDatabase
 from tokensvc.credentials import FileCredentialSource
-from tokensvc.storage.postgres import apply_migrations, available_migrations
-from tokensvc.storage.postgres import migrations as migration_module
+from tokensvc.storage.postgres import apply_schema_migrations, available_schema_migrations
+from tokensvc.storage.postgres import schema_migrations as migration_module
 
 APP_ROLE = "tokensvc_app"
 
@@ -37,7 +37,7 @@ async def migrate_through(
     conn: asyncpg.Connection, version: int, monkeypatch: pytest.MonkeyPatch
 ) -> list[Any]:
     """Apply the pending migrations up to `version` (none later); returns those applied."""
-    before = [m for m in available_migrations() if m.version <= version]
+    before = [m for m in available_schema_migrations() if m.version <= version]
     with monkeypatch.context() as patched:
-        patched.setattr(migration_module, "available_migrations", lambda: before)
-        return list(await apply_migrations(conn, app_role=APP_ROLE))
+        patched.setattr(migration_module, "available_schema_migrations", lambda: before)
+        return list(await apply_schema_migrations(conn, app_role=APP_ROLE))

@@ -12,7 +12,7 @@ import pytest
 
 from tests.storage.migration_support import APP_ROLE, connect, migrate_through, migrate_up_to
 from tests.support import SharedDatabase
-from tokensvc.storage.postgres import apply_migrations
+from tokensvc.storage.postgres import apply_schema_migrations
 
 UNIT_8 = "[" + ",".join(["0.35355339"] * 8) + "]"
 BUCKETS = [f"v1.bucket{b:03d}" for b in range(40)]
@@ -179,7 +179,7 @@ async def test_a_write_open_when_migration_0013_starts_is_copied_not_lost(
             UNIT_8,
         )
         migrating = owner.get_server_pid()
-        migration = asyncio.create_task(apply_migrations(owner, app_role=APP_ROLE))
+        migration = asyncio.create_task(apply_schema_migrations(owner, app_role=APP_ROLE))
         for _ in range(400):  # until the migration waits for the writer's lock
             await asyncio.sleep(0.05)
             waiting = await watcher.fetchval(

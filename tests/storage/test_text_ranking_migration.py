@@ -7,7 +7,7 @@ import pytest
 
 from tests.storage.migration_support import connect, migrate_up_to
 from tests.support import SharedDatabase
-from tokensvc.storage.postgres import apply_migrations
+from tokensvc.storage.postgres import apply_schema_migrations
 
 VECTOR = "[" + ",".join(["0.0625"] * 256) + "]"  # 256 x 0.0625^2 = 1: a unit vector
 ROWS = 50
@@ -62,7 +62,7 @@ async def test_migration_0009_keeps_every_row_and_makes_it_searchable_stemmed(
                 == 0
             )
 
-        applied = await apply_migrations(conn, app_role="tokensvc_app")
+        applied = await apply_schema_migrations(conn, app_role="tokensvc_app")
         assert applied[0].version == 9  # and every later migration
 
         async with conn.transaction():

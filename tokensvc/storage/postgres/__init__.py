@@ -15,16 +15,16 @@ from tokensvc.storage.postgres.embedded import (
 from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
 from tokensvc.storage.postgres.logins import PostgresLogins
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
-from tokensvc.storage.postgres.migrations import (
-    SchemaMigrationError,
-    apply_migrations,
-    available_migrations,
-    schema_version,
-)
 from tokensvc.storage.postgres.monitoring import PostgresHealth, PostgresStatistics
 from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
 from tokensvc.storage.postgres.revocations import PostgresRevocationStore
 from tokensvc.storage.postgres.rotations import PostgresRotationJournal
+from tokensvc.storage.postgres.schema_migrations import (
+    SchemaMigrationError,
+    apply_schema_migrations,
+    available_schema_migrations,
+    schema_version,
+)
 from tokensvc.storage.postgres.vector_indexes import PostgresVectorIndexes
 
 __all__ = [
@@ -47,8 +47,8 @@ __all__ = [
     "PostgresStatistics",
     "PostgresVectorIndexes",
     "SchemaMigrationError",
-    "apply_migrations",
-    "available_migrations",
+    "apply_schema_migrations",
+    "available_schema_migrations",
     "citus_version",
     "connect_once",
     "ensure_roles",

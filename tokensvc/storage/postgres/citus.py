@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from tokensvc.storage.postgres.migrations import SchemaMigrationError
+from tokensvc.storage.postgres.schema_migrations import SchemaMigrationError
 
 __all__ = ["PLACEMENTS", "SHARD_COUNT", "Placement", "citus_version", "distribute"]
 

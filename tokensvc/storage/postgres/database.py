@@ -21,10 +21,10 @@ from pgvector.asyncpg import register_vector
 from tokensvc.settings import SettingsError
 from tokensvc.storage.postgres.citus import citus_version, distribute
 from tokensvc.storage.postgres.embedded import EmbeddedPostgres
-from tokensvc.storage.postgres.migrations import (
+from tokensvc.storage.postgres.schema_migrations import (
     LOCK_ID,
-    apply_migrations,
-    available_migrations,
+    apply_schema_migrations,
+    available_schema_migrations,
     schema_version,
 )
 from tokensvc.storage.postgres.tenant import DistributedConnection
@@ -270,7 +270,7 @@ class Database:
         """(the schema version the database is at, the version this tokensvc's migrations reach)."""
         async with self.pool.acquire() as conn:
             have = await schema_version(conn)  # type: ignore[arg-type]
-        return have, len(available_migrations())
+        return have, len(available_schema_migrations())
 
     async def migrate(self, app_role: str, runner_role: str = "tokensvc_runner") -> list[str]:
         """Apply pending migrations as the schema owner; returns the names applied."""
@@ -281,7 +281,7 @@ class Database:
         try:
             applied = [
                 f"{m.version:04d}_{m.name}"
-                for m in await apply_migrations(conn, app_role=app_role, runner_role=runner_role)
+                for m in await apply_schema_migrations(conn, app_role=app_role, runner_role=runner_role)
             ]
             if await citus_version(conn) is not None:
                 applied += [f"citus: distributed {table}" for table in await distribute(conn, LOCK_ID)]

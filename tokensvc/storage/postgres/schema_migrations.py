@@ -1,4 +1,4 @@
-"""SQL migrations: numbered files applied in order, once, under an advisory lock.
+"""Schema migrations: numbered SQL files applied in order, once, under an advisory lock.
 
 All pending files run in one transaction that first takes a transaction-scoped advisory lock, so
 concurrent `tokensvc migrate` runs (two replicas starting together) serialise and the second
@@ -21,10 +21,10 @@ __all__ = [
     "LOCK_ID",
     "MINIMUM_PGVECTOR",
     "MINIMUM_POSTGRES",
-    "Migration",
+    "SchemaMigration",
     "SchemaMigrationError",
-    "apply_migrations",
-    "available_migrations",
+    "apply_schema_migrations",
+    "available_schema_migrations",
     "schema_version",
 ]
 
@@ -41,7 +41,7 @@ class SchemaMigrationError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Migration:
+class SchemaMigration:
     version: int
     name: str
     sql: str
@@ -51,13 +51,13 @@ class Migration:
         return hashlib.sha256(self.sql.encode("utf-8")).hexdigest()
 
 
-def available_migrations() -> list[Migration]:
+def available_schema_migrations() -> list[SchemaMigration]:
     """The migration files shipped in the package, in version order."""
     found = []
     for entry in resources.files("tokensvc.storage.postgres").joinpath("migrations").iterdir():
         match = _FILE_NAME.fullmatch(entry.name)
         if match:
-            found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
+            found.append(SchemaMigration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
     found.sort(key=lambda migration: migration.version)
     versions = [migration.version for migration in found]
     if versions != list(range(1, len(found) + 1)):
@@ -76,9 +76,9 @@ CREATE TABLE IF NOT EXISTS tokensvc.schema_migrations (
 """
 
 
-async def apply_migrations(
+async def apply_schema_migrations(
     conn: asyncpg.Connection, *, app_role: str, runner_role: str = "tokensvc_runner"
-) -> list[Migration]:
+) -> list[SchemaMigration]:
     """Apply every pending migration; returns those applied (empty when up to date).
 
     `{app_role}` in a file is the serving group role, `{runner_role}` the re-embedding runner's
@@ -86,8 +86,8 @@ async def apply_migrations(
     for what, role in (("app", app_role), ("runner", runner_role)):
         if not is_sql_identifier(role):
             raise SchemaMigrationError(f"{what} role {role!r} is not a plain SQL identifier")
-    migrations = available_migrations()
-    applied: list[Migration] = []
+    migrations = available_schema_migrations()
+    applied: list[SchemaMigration] = []
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock($1)", LOCK_ID)
         await _check_pgvector(conn)
