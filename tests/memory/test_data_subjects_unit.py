@@ -68,7 +68,7 @@ async def test_an_erasure_works_in_batches_leaves_others_and_audits_no_user_id()
     assert len(erasure.key_prefixes) == 6
     assert all(p.startswith("mem:ns/agent-") and p.endswith(":") for p in erasure.key_prefixes)
     assert (await requests.erase("ns", USER, actor="spiffe://cp")).receipt.memories == 0
-    others = [row.content for bucket in memories._rows.values() for row in bucket.values()]
+    others = [row.content for bucket in memories.tables.rows.values() for row in bucket.values()]
     assert sorted(others) == ["agent-a other", "agent-b other", "agent-c other"]
     assert await requests.receipt(erasure.receipt.id) == erasure.receipt
     events = await audit.page(before_id=None, kinds=[], since=None, until=None, limit=100)

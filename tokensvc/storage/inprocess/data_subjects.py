@@ -28,16 +28,16 @@ class InProcessDataSubjectStore:
     ) -> list[tuple[str, str]]:
         spaces = sorted(
             key
-            for key in self._memories._spaces
+            for key in self._memories.tables.spaces
             if (namespace is None or key[0] == namespace) and (after is None or key > after)
         )
         return spaces[:limit]
 
     async def erase(self, tenant: Tenant, *, limit: int) -> int:
-        async with self._memories._lock:
+        async with self._memories.tables.lock:
             erased = 0
             for bucket in tenant.buckets:
-                rows = self._memories._rows.get(bucket, {})
+                rows = self._memories.tables.rows.get(bucket, {})
                 for memory_id in list(rows)[: limit - erased]:
                     del rows[memory_id]
                     erased += 1
@@ -48,9 +48,9 @@ class InProcessDataSubjectStore:
     async def export(
         self, tenant: Tenant, *, after: tuple[str, datetime, str] | None, limit: int
     ) -> list[ExportedMemory]:
-        now = self._memories._clock.now()
+        now = self._memories.tables.clock.now()
         rows = sorted(
-            (row for bucket in tenant.buckets for row in self._memories._rows.get(bucket, {}).values()),
+            (row for bucket in tenant.buckets for row in self._memories.tables.rows.get(bucket, {}).values()),
             key=lambda row: (row.bucket, row.created_at, row.id),
         )
         found = [
@@ -61,7 +61,7 @@ class InProcessDataSubjectStore:
         return found[:limit]
 
     async def record_receipt(self, receipt: DataSubjectReceipt) -> DataSubjectReceipt:
-        stored = replace(receipt, id=str(uuid.UUID(receipt.id)), created_at=self._memories._clock.now())
+        stored = replace(receipt, id=str(uuid.UUID(receipt.id)), created_at=self._memories.tables.clock.now())
         self._receipts[stored.id] = stored
         return stored
 

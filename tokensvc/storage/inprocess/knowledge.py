@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,7 @@ from tokensvc.storage.records import (
     Tenant,
 )
 
-__all__ = ["InProcessKnowledgeStore"]
+__all__ = ["DocumentVersion", "InProcessKnowledgeStore", "KnowledgeTables", "stored_chunk"]
 
 _DocKey = tuple[str, str, str]  # namespace, kb_ref, ref
 
@@ -53,7 +53,7 @@ class _Chunk:
 
 
 @dataclass(frozen=True)
-class _Version:
+class DocumentVersion:
     """A document's current version with its chunks by generation: replaced whole, never edited
     in place. `migrated_chunk_count` is set when the next generation's chunks of this version
     are written (PostgreSQL's `migrated_version` equal to `version`)."""
@@ -80,24 +80,32 @@ async def _round_trip() -> None:
     await asyncio.sleep(0)
 
 
+@dataclass
+class KnowledgeTables:
+    """The knowledge bases' tables, shared by every in-process store that reads or writes them
+    (this module's, the re-embedding store) under one lock, as PostgreSQL's tables are."""
+
+    clock: StoreClock
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    bases: dict[tuple[str, str], BaseRow] = field(default_factory=dict)
+    documents: dict[_DocKey, DocumentVersion] = field(default_factory=dict)
+    # Kept by the re-embedding store: each base's backfilling migration (id, target, chunking),
+    # and who is told when a base is deleted (its migrations end, as PostgreSQL's function does).
+    migrating: dict[tuple[str, str], tuple[str, EmbedderSpec, ChunkingSpec]] = field(default_factory=dict)
+    base_deleted: list[Callable[[str, str], None]] = field(default_factory=list)
+
+
 class InProcessKnowledgeStore:
     """`KnowledgeStore` over dictionaries; `clock` is the wall clock."""
 
     def __init__(self, clock: Clock | None = None):
-        self._clock = StoreClock(clock)
-        self._lock = asyncio.Lock()
-        self._bases: dict[tuple[str, str], BaseRow] = {}
-        self._documents: dict[_DocKey, _Version] = {}
-        # Kept by the re-embedding store: each base's backfilling migration (id, target, chunking),
-        # and what ends a base's migrations when the base is deleted.
-        self._migrating: dict[tuple[str, str], tuple[str, EmbedderSpec, ChunkingSpec]] = {}
-        self._end_migrations: Callable[[str, str], None] = lambda namespace, ref: None
+        self.tables = KnowledgeTables(StoreClock(clock))
 
     def _count(self, namespace: str, ref: str) -> int:
-        return sum(1 for ns, kb, _ in self._documents if (ns, kb) == (namespace, ref))
+        return sum(1 for ns, kb, _ in self.tables.documents if (ns, kb) == (namespace, ref))
 
     def _base(self, tenant: Tenant, ref: str, *, counted: bool = True) -> BaseRow | None:
-        base = self._bases.get((tenant.namespace, ref))
+        base = self.tables.bases.get((tenant.namespace, ref))
         if base is None or not _visible(tenant, tenant.namespace, ref):
             return None
         return replace(base, document_count=self._count(tenant.namespace, ref) if counted else 0)
@@ -106,13 +114,13 @@ class InProcessKnowledgeStore:
 
     async def create_base(self, tenant: Tenant, base: BaseRow) -> tuple[BaseRow, bool]:
         _check_writable(tenant, base.namespace, base.ref)
-        async with self._lock:
+        async with self.tables.lock:
             stored = self._base(tenant, base.ref)
             if stored is not None:
                 return stored, False
             await _round_trip()
-            created = replace(base, created_at=self._clock.now(), document_count=0)
-            self._bases[(base.namespace, base.ref)] = created
+            created = replace(base, created_at=self.tables.clock.now(), document_count=0)
+            self.tables.bases[(base.namespace, base.ref)] = created
             return created, True
 
     async def get_bases(self, tenant: Tenant, refs: Sequence[str]) -> list[BaseRow]:
@@ -120,27 +128,28 @@ class InProcessKnowledgeStore:
         return [base for base in found if base is not None]
 
     async def list_bases(self, tenant: Tenant, *, after: str | None, limit: int) -> list[BaseRow]:
-        refs = sorted(ref for ns, ref in self._bases if ns == tenant.namespace and ref > (after or ""))
+        refs = sorted(ref for ns, ref in self.tables.bases if ns == tenant.namespace and ref > (after or ""))
         found = (self._base(tenant, ref) for ref in refs)
         return [base for base in found if base is not None][:limit]
 
     async def delete_base(self, tenant: Tenant, ref: str) -> int | None:
-        async with self._lock:
+        async with self.tables.lock:
             base = self._base(tenant, ref)
             if base is None:
                 return None
-            del self._bases[(tenant.namespace, ref)]
-            for key in [k for k in self._documents if k[:2] == (tenant.namespace, ref)]:
-                del self._documents[key]
-            self._end_migrations(tenant.namespace, ref)
+            del self.tables.bases[(tenant.namespace, ref)]
+            for key in [k for k in self.tables.documents if k[:2] == (tenant.namespace, ref)]:
+                del self.tables.documents[key]
+            for listener in self.tables.base_deleted:
+                listener(tenant.namespace, ref)
             return base.document_count
 
     # --- documents --------------------------------------------------------------------------
 
-    def _current(self, tenant: Tenant, kb_ref: str, ref: str) -> _Version | None:
+    def _current(self, tenant: Tenant, kb_ref: str, ref: str) -> DocumentVersion | None:
         if not _visible(tenant, tenant.namespace, kb_ref):
             return None
-        return self._documents.get((tenant.namespace, kb_ref, ref))
+        return self.tables.documents.get((tenant.namespace, kb_ref, ref))
 
     async def document_state(
         self, tenant: Tenant, kb_ref: str, doc_ref: str
@@ -148,7 +157,7 @@ class InProcessKnowledgeStore:
         """The base comes without its document count (0), as PostgreSQL's snapshot reads it."""
         base = self._base(tenant, kb_ref, counted=False)
         current = None if base is None else self._current(tenant, kb_ref, doc_ref)
-        migrating = self._migrating.get((tenant.namespace, kb_ref))
+        migrating = self.tables.migrating.get((tenant.namespace, kb_ref))
         if base is not None and migrating is not None:
             base = replace(
                 base, migration_id=migrating[0], migrating_to=migrating[1], migrating_chunking=migrating[2]
@@ -163,7 +172,7 @@ class InProcessKnowledgeStore:
         documents = sorted(
             (
                 version.document
-                for (ns, kb, ref), version in self._documents.items()
+                for (ns, kb, ref), version in self.tables.documents.items()
                 if (ns, kb) == (tenant.namespace, kb_ref) and ref > (after or "")
             ),
             key=lambda document: document.ref,
@@ -190,16 +199,16 @@ class InProcessKnowledgeStore:
         """Serialised with every other writer (the contract asks: writers of the same document)."""
         _check_writable(tenant, tenant.namespace, kb_ref)
         key = (tenant.namespace, kb_ref, ref)
-        async with self._lock:
-            stored = self._documents.get(key)
+        async with self.tables.lock:
+            stored = self.tables.documents.get(key)
             await _round_trip()
             if stored is not None and stored.document.content_sha256 == content_sha256:
                 document = replace(stored.document, metadata=dict(metadata))
-                self._documents[key] = replace(stored, document=document)
+                self.tables.documents[key] = replace(stored, document=document)
                 return _copy(document), False
             if chunks is None:
                 return None  # the content changed meanwhile: the caller chunks the new one
-            base = self._bases.get((tenant.namespace, kb_ref))
+            base = self.tables.bases.get((tenant.namespace, kb_ref))
             if base is None:
                 raise LookupError("no such knowledge base")  # PostgreSQL: a foreign-key violation
             if base.generation != generation:
@@ -215,25 +224,25 @@ class InProcessKnowledgeStore:
                 chunk_count=len(chunks),
                 metadata=dict(metadata),
                 # The document's creation: its first version's (an update keeps it).
-                created_at=self._clock.now() if stored is None else stored.document.created_at,
+                created_at=self.tables.clock.now() if stored is None else stored.document.created_at,
             )
-            written = {generation: tuple(_chunk(document, c) for c in chunks)}
-            migrating = self._migrating.get((tenant.namespace, kb_ref))
+            written = {generation: tuple(stored_chunk(document, c) for c in chunks)}
+            migrating = self.tables.migrating.get((tenant.namespace, kb_ref))
             dual = next_chunks is not None and migrating is not None and migrating[0] == migration_id
             if dual:
                 assert next_chunks is not None
-                written[generation + 1] = tuple(_chunk(document, c) for c in next_chunks)
-            self._documents[key] = _Version(
+                written[generation + 1] = tuple(stored_chunk(document, c) for c in next_chunks)
+            self.tables.documents[key] = DocumentVersion(
                 document, written, text, len(next_chunks) if dual and next_chunks is not None else None
             )
             return _copy(document), True
 
     async def delete_document(self, tenant: Tenant, kb_ref: str, ref: str) -> int | None:
-        async with self._lock:
+        async with self.tables.lock:
             current = self._current(tenant, kb_ref, ref)
             if current is None:
                 return None
-            del self._documents[(tenant.namespace, kb_ref, ref)]
+            del self.tables.documents[(tenant.namespace, kb_ref, ref)]
             return current.document.chunk_count
 
     # --- search -----------------------------------------------------------------------------
@@ -268,7 +277,7 @@ class InProcessKnowledgeStore:
         }
         versions = [
             (version, version.chunks.get(generation_of[kb], ()))
-            for (ns, kb, _), version in self._documents.items()
+            for (ns, kb, _), version in self.tables.documents.items()
             if ns == tenant.namespace and kb in generation_of
         ]
         if row_count is None:
@@ -278,7 +287,7 @@ class InProcessKnowledgeStore:
         return SearchOutcome(query.row_count, candidates(list(_indexed(wanted)), query))
 
 
-def _chunk(document: DocumentRow, chunk: ChunkRow) -> _Chunk:
+def stored_chunk(document: DocumentRow, chunk: ChunkRow) -> _Chunk:
     embedding = np.array(chunk.embedding, dtype=np.float32)
     embedding.setflags(write=False)
     passage = PassageRow(
@@ -299,7 +308,7 @@ def _copy(document: DocumentRow) -> DocumentRow:
 
 
 def _indexed(
-    versions: Iterable[tuple[_Version, tuple[_Chunk, ...]]],
+    versions: Iterable[tuple[DocumentVersion, tuple[_Chunk, ...]]],
 ) -> Iterable[Searchable[PassageRow]]:
     # A chunk's neighbours are the chunks before and after it in the same document version.
     for version, chunks in versions:

@@ -18,7 +18,7 @@ import asyncio
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -41,13 +41,20 @@ from tokensvc.storage.records import (
     Tenant,
 )
 
-__all__ = ["InProcessMemoryStatistics", "InProcessMemoryStore"]
+__all__ = [
+    "InProcessMemoryStatistics",
+    "InProcessMemoryStore",
+    "MemoryRow",
+    "MemoryTables",
+    "stored_vector",
+    "with_vector",
+]
 
 _SWEEP_LIMITS = range(1, 10_001)  # what PostgreSQL's sweep function accepts
 
 
 @dataclass(frozen=True)
-class _Row:
+class MemoryRow:
     bucket: str
     namespace: str  # the space that wrote the row (what `InProcessMemoryStatistics` counts by)
     agent: str
@@ -86,7 +93,7 @@ def _uuid(value: str) -> str:
     return str(uuid.UUID(value))
 
 
-def _vector(embedding: np.ndarray) -> np.ndarray:
+def stored_vector(embedding: np.ndarray) -> np.ndarray:
     """A private float32 copy (pgvector stores single precision)."""
     stored = np.array(embedding, dtype=np.float32)
     stored.setflags(write=False)
@@ -97,7 +104,7 @@ def _slot(tenant: Tenant) -> int:
     return (tenant.generation or 0) % 2
 
 
-def _with_vector(
+def with_vector(
     slots: tuple[np.ndarray | None, np.ndarray | None], slot: int, vector: np.ndarray | None
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
     return (vector, slots[1]) if slot == 0 else (slots[0], vector)
@@ -108,25 +115,36 @@ async def _round_trip() -> None:
     await asyncio.sleep(0)
 
 
+@dataclass
+class MemoryTables:
+    """The memories' tables, as PostgreSQL's are: what every in-process store that reads or writes
+    memories shares (this module's stores, the re-embedding and data-subject stores), under one
+    lock; the stores' methods hold the semantics."""
+
+    clock: StoreClock
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    rows: dict[str, dict[str, MemoryRow]] = field(
+        default_factory=dict
+    )  # bucket -> id -> row, in insertion order
+    spaces: dict[tuple[str, str], MemorySpace] = field(default_factory=dict)
+    # Backfilling migrations' targets by space (kept by InProcessEmbeddingMigrationStore).
+    migrating: dict[tuple[str, str], tuple[str, EmbedderSpec]] = field(default_factory=dict)
+
+
 class InProcessMemoryStore:
     """`MemoryStore` over dictionaries; `clock` is the wall clock (tests may move it forward)."""
 
     def __init__(self, clock: Clock | None = None):
-        self._clock = StoreClock(clock)
-        self._lock = asyncio.Lock()
-        self._rows: dict[str, dict[str, _Row]] = {}  # bucket -> id -> row, in insertion order
-        self._spaces: dict[tuple[str, str], MemorySpace] = {}
-        # Backfilling migrations' targets by space (kept by InProcessEmbeddingMigrationStore).
-        self._migrating: dict[tuple[str, str], tuple[str, EmbedderSpec]] = {}
+        self.tables = MemoryTables(StoreClock(clock))
 
-    def _bucket(self, tenant: Tenant, bucket: str) -> dict[str, _Row]:
+    def _bucket(self, tenant: Tenant, bucket: str) -> dict[str, MemoryRow]:
         """The bucket's rows, or nothing when the tenant did not declare it (row-level security)."""
-        return self._rows.get(bucket, {}) if bucket in tenant.buckets else {}
+        return self.tables.rows.get(bucket, {}) if bucket in tenant.buckets else {}
 
-    def _writable(self, tenant: Tenant, bucket: str) -> dict[str, _Row]:
+    def _writable(self, tenant: Tenant, bucket: str) -> dict[str, MemoryRow]:
         if bucket not in tenant.buckets:
             raise PermissionError("the bucket is outside the tenant's declared buckets")
-        return self._rows.setdefault(bucket, {})
+        return self.tables.rows.setdefault(bucket, {})
 
     def _guard(self, tenant: Tenant) -> bool:
         """PostgreSQL's generation guard, for a row about to be written: refuse a generation that
@@ -134,52 +152,52 @@ class InProcessMemoryStore:
         if tenant.generation is None:
             return True
         key = (tenant.namespace, tenant.agent)
-        space = self._spaces.get(key)
+        space = self.tables.spaces.get(key)
         if space is None or space.generation != tenant.generation:
             raise StaleMemorySpace()
-        migrating = self._migrating.get(key)
+        migrating = self.tables.migrating.get(key)
         return migrating is not None and migrating[0] == tenant.dual_write
 
     # --- memory spaces ----------------------------------------------------------------------
 
     async def get_space(self, tenant: Tenant) -> MemorySpace | None:
         key = (tenant.namespace, tenant.agent)
-        space = self._spaces.get(key)
+        space = self.tables.spaces.get(key)
         if space is None:
             return None
-        migrating = self._migrating.get(key)
+        migrating = self.tables.migrating.get(key)
         if migrating is None:
             return space
         return replace(space, migration_id=migrating[0], migrating_to=migrating[1])
 
     async def pin_space(self, tenant: Tenant, space: MemorySpace) -> MemorySpace:
         """Pin `space` unless one is pinned; every dimension can be searched (exactly) here."""
-        return self._spaces.setdefault((tenant.namespace, tenant.agent), space)
+        return self.tables.spaces.setdefault((tenant.namespace, tenant.agent), space)
 
     # --- writes -----------------------------------------------------------------------------
 
     async def move_buckets(self, tenant: Tenant, target: str, sources: Sequence[str]) -> int:
-        async with self._lock:
-            now = self._clock.now()
+        async with self.tables.lock:
+            now = self.tables.clock.now()
             buckets = [b for b in (target, *sources) if b in tenant.buckets]
             if target not in buckets:
                 return 0
             # Expired rows are dead: an expired target row must not make a live source row a
             # duplicate, and expired source rows do not move.
             for bucket in buckets:
-                table = self._rows.get(bucket, {})
+                table = self.tables.rows.get(bucket, {})
                 for row in [r for r in table.values() if not r.live(now)]:
                     del table[row.id]
-            into = self._rows.setdefault(target, {})
+            into = self.tables.rows.setdefault(target, {})
             moved = 0
             for source in dict.fromkeys(buckets[1:]):
                 if source == target:
                     continue
                 shas = {row.sha for row in into.values()}
                 keys = {row.key for row in into.values() if row.key is not None}
-                leaving = list(self._rows.get(source, {}).values())
+                leaving = list(self.tables.rows.get(source, {}).values())
                 await _round_trip()
-                self._rows.pop(source, None)
+                self.tables.rows.pop(source, None)
                 for row in leaving:
                     if row.sha in shas or (row.key is not None and row.key in keys):
                         continue
@@ -190,7 +208,7 @@ class InProcessMemoryStore:
     async def find_existing(
         self, tenant: Tenant, bucket: str, hashes: Sequence[bytes], keys: Sequence[str]
     ) -> list[StoredRef]:
-        now = self._clock.now()
+        now = self.tables.clock.now()
         wanted_hashes, wanted_keys = set(hashes), set(keys)
         return [
             row.ref(inserted=False)
@@ -206,9 +224,9 @@ class InProcessMemoryStore:
         (its key belongs to other content) fails the whole batch with `AlreadyExists`."""
         if len({int(row.embedding.shape[0]) for row in rows}) > 1:
             raise ValueError("every row of an insert has the dimension of the first")
-        async with self._lock:
+        async with self.tables.lock:
             table = self._writable(tenant, bucket)
-            now = self._clock.now()
+            now = self.tables.clock.now()
             live = [row for row in table.values() if row.live(now)]
             ids = {row.id for row in live}
             shas = {row.sha for row in live}
@@ -245,8 +263,8 @@ class InProcessMemoryStore:
             refs = []
             keep_other = self._guard(tenant) if fresh else False
             for new in fresh:
-                at = self._clock.now()
-                row = _Row(
+                at = self.tables.clock.now()
+                row = MemoryRow(
                     bucket=bucket,
                     namespace=tenant.namespace,
                     agent=tenant.agent,
@@ -255,16 +273,16 @@ class InProcessMemoryStore:
                     sha=new.content_sha256,
                     metadata=dict(new.metadata),
                     key=new.idempotency_key or None,
-                    slots=_with_vector(
-                        _with_vector(
+                    slots=with_vector(
+                        with_vector(
                             (None, None),
                             1 - _slot(tenant),
                             None
                             if new.next_embedding is None or not keep_other
-                            else _vector(new.next_embedding),
+                            else stored_vector(new.next_embedding),
                         ),
                         _slot(tenant),
-                        _vector(new.embedding),
+                        stored_vector(new.embedding),
                     ),
                     terms=terms_of(new.content),
                     created_at=at,
@@ -286,14 +304,14 @@ class InProcessMemoryStore:
         ttl_seconds: int | None,
         embedder: str,
     ) -> MemoryRecord | None:
-        async with self._lock:
-            now = self._clock.now()
+        async with self.tables.lock:
+            now = self.tables.clock.now()
             table = self._bucket(tenant, bucket)
             row = table.get(_uuid(memory_id))
             if row is None or not row.live(now):
                 return None
             self._guard(tenant)
-            changes: dict[str, Any] = {"updated_at": self._clock.now()}
+            changes: dict[str, Any] = {"updated_at": self.tables.clock.now()}
             if content is not None:
                 text, sha, vector = content
                 if any(
@@ -305,10 +323,10 @@ class InProcessMemoryStore:
                     "sha": sha,
                     # The other slot held a vector of the old content (PostgreSQL's guard clears
                     # it for a tenant's write of new content).
-                    "slots": _with_vector(
+                    "slots": with_vector(
                         row.slots if tenant.generation is None or text == row.content else (None, None),
                         _slot(tenant),
-                        _vector(vector),
+                        stored_vector(vector),
                     ),
                     "terms": terms_of(text),
                 }
@@ -322,8 +340,8 @@ class InProcessMemoryStore:
             return updated.record(embedder)
 
     async def delete(self, tenant: Tenant, bucket: str, ids: Sequence[str]) -> int:
-        async with self._lock:
-            now = self._clock.now()
+        async with self.tables.lock:
+            now = self.tables.clock.now()
             table = self._bucket(tenant, bucket)
             doomed = {_uuid(i) for i in ids} & {row.id for row in table.values() if row.live(now)}
             for memory_id in doomed:
@@ -332,20 +350,20 @@ class InProcessMemoryStore:
 
     async def delete_all(self, tenant: Tenant, bucket: str) -> int:
         """Every row of the bucket goes, expired ones too; the live ones are counted."""
-        async with self._lock:
-            now = self._clock.now()
+        async with self.tables.lock:
+            now = self.tables.clock.now()
             live = sum(row.live(now) for row in self._bucket(tenant, bucket).values())
             if bucket in tenant.buckets:
-                self._rows.pop(bucket, None)
+                self.tables.rows.pop(bucket, None)
             return live
 
     async def sweep_expired(self, limit: int = 1000) -> int:
         if limit not in _SWEEP_LIMITS:
             raise ValueError("sweep limit must be between 1 and 10000")
-        async with self._lock:
-            now = self._clock.now()
+        async with self.tables.lock:
+            now = self.tables.clock.now()
             deleted = 0
-            for table in self._rows.values():
+            for table in self.tables.rows.values():
                 for row in [r for r in table.values() if not r.live(now)][: limit - deleted]:
                     del table[row.id]
                     deleted += 1
@@ -355,7 +373,7 @@ class InProcessMemoryStore:
 
     async def get(self, tenant: Tenant, bucket: str, memory_id: str, embedder: str) -> MemoryRecord | None:
         row = self._bucket(tenant, bucket).get(_uuid(memory_id))
-        return row.record(embedder) if row is not None and row.live(self._clock.now()) else None
+        return row.record(embedder) if row is not None and row.live(self.tables.clock.now()) else None
 
     async def list_page(
         self,
@@ -374,8 +392,8 @@ class InProcessMemoryStore:
         rows.sort(key=lambda row: (row.created_at, row.id), reverse=True)
         return [row.record(embedder) for row in rows[:limit]]
 
-    def _searchable(self, tenant: Tenant, bucket: str, filter_: Filter | None) -> list[_Row]:
-        now = self._clock.now()
+    def _searchable(self, tenant: Tenant, bucket: str, filter_: Filter | None) -> list[MemoryRow]:
+        now = self.tables.clock.now()
         return [
             row
             for row in self._bucket(tenant, bucket).values()
@@ -403,7 +421,7 @@ class InProcessMemoryStore:
         return SearchOutcome(query.row_count, found)
 
 
-def _indexed(rows: Iterable[_Row], embedder: str, slot: int) -> Iterable[Searchable[MemoryRecord]]:
+def _indexed(rows: Iterable[MemoryRow], embedder: str, slot: int) -> Iterable[Searchable[MemoryRecord]]:
     # A memory's neighbours are the bucket's memories created just before and after it.
     for row in rows:
         vector = row.slots[slot]
@@ -428,10 +446,10 @@ class InProcessMemoryStatistics:
     def __init__(self, store: InProcessMemoryStore):
         self._store = store
 
-    def _live(self) -> Iterator[_Row]:
-        store = self._store  # the same module: its rows are ours to count
-        now = store._clock.now()
-        for table in store._rows.values():
+    def _live(self) -> Iterator[MemoryRow]:
+        store = self._store
+        now = store.tables.clock.now()
+        for table in store.tables.rows.values():
             yield from (row for row in table.values() if row.live(now))
 
     async def rows_by_pepper_version(self) -> dict[int, int]:

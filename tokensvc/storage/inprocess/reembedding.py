@@ -1,5 +1,7 @@
 """Re-embedding migrations in process memory (the contract:
-`tokensvc.storage.ports.EmbeddingMigrationStore`), over the rows of one `InProcessMemoryStore`.
+`tokensvc.storage.ports.EmbeddingMigrationStore`), over the tables of one `InProcessMemoryStore`
+and one `InProcessKnowledgeStore` (`MemoryTables`, `KnowledgeTables`: shared state, as PostgreSQL's
+tables are shared by its stores; no store's private names).
 
 The same semantics as `tokensvc.storage.postgres.reembedding`, checked by the conformance suite:
 one active migration per space, leases with expiry, batches in (bucket, id) order after a
@@ -17,9 +19,9 @@ from datetime import datetime, timedelta
 
 import numpy as np
 
-from tokensvc.storage.inprocess.knowledge import InProcessKnowledgeStore, _chunk, _Version
+from tokensvc.storage.inprocess.knowledge import DocumentVersion, InProcessKnowledgeStore, stored_chunk
 from tokensvc.storage.inprocess.ledgers import InProcessAuditStore
-from tokensvc.storage.inprocess.memories import InProcessMemoryStore, _Row, _vector, _with_vector
+from tokensvc.storage.inprocess.memories import InProcessMemoryStore, MemoryRow, stored_vector, with_vector
 from tokensvc.storage.records import (
     ChunkRow,
     EmbeddingMigration,
@@ -41,21 +43,21 @@ class InProcessEmbeddingMigrationStore:
     ):
         self._memories = memories
         self._knowledge = knowledge or InProcessKnowledgeStore()
-        self._knowledge._end_migrations = self._base_deleted
+        self._knowledge.tables.base_deleted.append(self._base_deleted)
         self._audit = audit or InProcessAuditStore()  # where the cutover's audit event goes
         self._migrations: dict[str, EmbeddingMigration] = {}
         self._leases: dict[str, datetime] = {}
 
     def _now(self) -> datetime:
-        return self._memories._clock.now()
+        return self._memories.tables.clock.now()
 
-    def _space_rows(self, migration: EmbeddingMigration) -> Iterator[_Row]:
-        for table in self._memories._rows.values():
+    def _space_rows(self, migration: EmbeddingMigration) -> Iterator[MemoryRow]:
+        for table in self._memories.tables.rows.values():
             for row in table.values():
                 if (row.namespace, row.agent) == (migration.namespace, migration.agent):
                     yield row
 
-    def _ordered(self, migration: EmbeddingMigration) -> list[_Row]:
+    def _ordered(self, migration: EmbeddingMigration) -> list[MemoryRow]:
         rows = sorted(self._space_rows(migration), key=lambda row: (row.bucket, row.id))
         if migration.cursor is None:
             return rows
@@ -78,16 +80,16 @@ class InProcessEmbeddingMigrationStore:
             assert saved.target_chunking is not None
             base = (saved.namespace, saved.kb_ref)
             if saved.state is MigrationState.BACKFILLING:
-                self._knowledge._migrating[base] = (saved.id, saved.target, saved.target_chunking)
-            elif self._knowledge._migrating.get(base, ("",))[0] == saved.id:
-                del self._knowledge._migrating[base]
+                self._knowledge.tables.migrating[base] = (saved.id, saved.target, saved.target_chunking)
+            elif self._knowledge.tables.migrating.get(base, ("",))[0] == saved.id:
+                del self._knowledge.tables.migrating[base]
             return saved
         assert saved.agent is not None
         key = (saved.namespace, saved.agent)
         if saved.state is MigrationState.BACKFILLING:
-            self._memories._migrating[key] = (saved.id, saved.target)
-        elif self._memories._migrating.get(key, ("",))[0] == saved.id:
-            del self._memories._migrating[key]
+            self._memories.tables.migrating[key] = (saved.id, saved.target)
+        elif self._memories.tables.migrating.get(key, ("",))[0] == saved.id:
+            del self._memories.tables.migrating[key]
         return saved
 
     def _base_deleted(self, namespace: str, kb_ref: str) -> None:
@@ -108,8 +110,8 @@ class InProcessEmbeddingMigrationStore:
     async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
         if migration.kb_ref is not None:
             return await self._create_for_base(migration)
-        async with self._memories._lock:
-            space = self._memories._spaces.get((migration.namespace, migration.agent or ""))
+        async with self._memories.tables.lock:
+            space = self._memories.tables.spaces.get((migration.namespace, migration.agent or ""))
             if space is None or space.generation != migration.from_generation:
                 return None
             if any(
@@ -132,16 +134,16 @@ class InProcessEmbeddingMigrationStore:
             return self._save(created)
 
     async def _create_for_base(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
-        async with self._memories._lock, self._knowledge._lock:
+        async with self._memories.tables.lock, self._knowledge.tables.lock:
             key = (migration.namespace, migration.kb_ref)
-            base = self._knowledge._bases.get((migration.namespace, migration.kb_ref or ""))
+            base = self._knowledge.tables.bases.get((migration.namespace, migration.kb_ref or ""))
             if base is None or base.generation != migration.from_generation:
                 return None
             if any((m.namespace, m.kb_ref) == key and m.state.active for m in self._migrations.values()):
                 return None
             documents = self._base_documents(migration)
             for doc_key, version in documents:
-                self._knowledge._documents[doc_key] = replace(version, migrated_chunk_count=None)
+                self._knowledge.tables.documents[doc_key] = replace(version, migrated_chunk_count=None)
             return self._save(
                 replace(
                     migration,
@@ -158,12 +160,14 @@ class InProcessEmbeddingMigrationStore:
                 )
             )
 
-    def _base_documents(self, migration: EmbeddingMigration) -> list[tuple[tuple[str, str, str], _Version]]:
+    def _base_documents(
+        self, migration: EmbeddingMigration
+    ) -> list[tuple[tuple[str, str, str], DocumentVersion]]:
         """The base's documents in ref order (code points: PostgreSQL's C collation)."""
         return sorted(
             (
                 (key, version)
-                for key, version in self._knowledge._documents.items()
+                for key, version in self._knowledge.tables.documents.items()
                 if key[:2] == (migration.namespace, migration.kb_ref)
             ),
             key=lambda item: item[0][2],
@@ -186,7 +190,7 @@ class InProcessEmbeddingMigrationStore:
     async def transition(
         self, migration_id: str, *, expect: Sequence[MigrationState], state: MigrationState, reason: str = ""
     ) -> EmbeddingMigration | None:
-        async with self._memories._lock:
+        async with self._memories.tables.lock:
             stored = self._migrations.get(str(uuid.UUID(migration_id)))
             if stored is None or stored.state not in expect:
                 return None
@@ -214,7 +218,7 @@ class InProcessEmbeddingMigrationStore:
         retire_after_seconds: float,
         busy: Collection[str] = (),
     ) -> EmbeddingMigration | None:
-        async with self._memories._lock:
+        async with self._memories.tables.lock:
             now = self._now()
             for migration in sorted(self._migrations.values(), key=lambda m: (m.created_at, m.id)):
                 if not migration.state.runnable or migration.id in busy:
@@ -237,7 +241,7 @@ class InProcessEmbeddingMigrationStore:
         now = self._now()
         lengths = [
             len(row.content)
-            for table in self._memories._rows.values()
+            for table in self._memories.tables.rows.values()
             for row in table.values()
             if (row.namespace, row.agent) == (namespace, agent) and row.live(now)
         ]
@@ -266,18 +270,18 @@ class InProcessEmbeddingMigrationStore:
         *,
         lease_seconds: float,
     ) -> EmbeddingMigration | None:
-        async with self._memories._lock:
+        async with self._memories.tables.lock:
             stored = self._held(migration, runner)
             if stored is None or stored.state is not MigrationState.BACKFILLING:
                 return None
             written = 0
             for pending, vector in rows:
-                table = self._memories._rows.get(pending.bucket, {})
+                table = self._memories.tables.rows.get(pending.bucket, {})
                 row = table.get(pending.id)
                 if row is None or row.sha != pending.content_sha256:
                     continue
                 table[row.id] = replace(
-                    row, slots=_with_vector(row.slots, stored.target_slot, _vector(vector))
+                    row, slots=with_vector(row.slots, stored.target_slot, stored_vector(vector))
                 )
                 written += 1
             self._leases[stored.id] = self._now() + timedelta(seconds=lease_seconds)
@@ -294,7 +298,7 @@ class InProcessEmbeddingMigrationStore:
             )
 
     async def renew(self, migration: EmbeddingMigration, runner: str, *, lease_seconds: float) -> bool:
-        async with self._memories._lock:
+        async with self._memories.tables.lock:
             stored = self._migrations.get(migration.id)
             if stored is None or stored.lease_owner != runner or not stored.state.runnable:
                 return False
@@ -302,7 +306,7 @@ class InProcessEmbeddingMigrationStore:
             return True
 
     async def rewind(self, migration: EmbeddingMigration, runner: str) -> bool:
-        async with self._memories._lock:
+        async with self._memories.tables.lock:
             stored = self._held(migration, runner)
             if stored is None:
                 return False
@@ -312,12 +316,12 @@ class InProcessEmbeddingMigrationStore:
     async def cut_over(self, migration: EmbeddingMigration, runner: str) -> bool:
         if migration.kb_ref is not None:
             return await self._cut_over_base(migration, runner)
-        async with self._memories._lock:
+        async with self._memories.tables.lock:
             stored = self._held(migration, runner)
             if stored is None or stored.state is not MigrationState.BACKFILLING:
                 return False
             key = (stored.namespace, stored.agent or "")
-            space = self._memories._spaces[key]
+            space = self._memories.tables.spaces[key]
             if space.generation != stored.from_generation:
                 raise RuntimeError("the memory space moved on without this migration")
             now = self._now()
@@ -325,7 +329,7 @@ class InProcessEmbeddingMigrationStore:
                 vector = row.slots[stored.target_slot]
                 if row.live(now) and (vector is None or vector.shape[0] != stored.target.dimension):
                     return False
-            self._memories._spaces[key] = replace(
+            self._memories.tables.spaces[key] = replace(
                 space, embedder=stored.target, generation=stored.from_generation + 1
             )
             self._save(replace(stored, state=MigrationState.RETIRING, cut_over_at=now, cursor=None))
@@ -341,14 +345,14 @@ class InProcessEmbeddingMigrationStore:
             return True
 
     async def _cut_over_base(self, migration: EmbeddingMigration, runner: str) -> bool:
-        async with self._memories._lock, self._knowledge._lock:
+        async with self._memories.tables.lock, self._knowledge.tables.lock:
             stored = self._held(migration, runner)
             if stored is None or stored.state is not MigrationState.BACKFILLING:
                 return False
             assert stored.kb_ref is not None
             assert stored.target_chunking is not None
             key = (stored.namespace, stored.kb_ref)
-            base = self._knowledge._bases.get(key)
+            base = self._knowledge.tables.bases.get(key)
             if base is None:
                 self._base_deleted(*key)
                 return False
@@ -358,7 +362,7 @@ class InProcessEmbeddingMigrationStore:
             if any(version.migrated_chunk_count is None for _, version in documents):
                 return False
             target, chunking = stored.target, stored.target_chunking
-            self._knowledge._bases[key] = replace(
+            self._knowledge.tables.bases[key] = replace(
                 base,
                 embedder=target.name,
                 model=target.model,
@@ -372,7 +376,7 @@ class InProcessEmbeddingMigrationStore:
             for doc_key, version in documents:
                 assert version.migrated_chunk_count is not None
                 document = replace(version.document, chunk_count=version.migrated_chunk_count)
-                self._knowledge._documents[doc_key] = replace(version, document=document)
+                self._knowledge.tables.documents[doc_key] = replace(version, document=document)
             self._save(
                 replace(stored, state=MigrationState.RETIRING, cut_over_at=self._now(), document_cursor=None)
             )
@@ -391,7 +395,7 @@ class InProcessEmbeddingMigrationStore:
     async def _clear_base(
         self, migration: EmbeddingMigration, runner: str, *, limit: int, lease_seconds: float
     ) -> tuple[int, EmbeddingMigration] | None:
-        async with self._memories._lock, self._knowledge._lock:
+        async with self._memories.tables.lock, self._knowledge.tables.lock:
             stored = self._held(migration, runner)
             if stored is None or stored.state is not migration.state:
                 return None
@@ -403,7 +407,7 @@ class InProcessEmbeddingMigrationStore:
                 if not chunks:
                     continue
                 kept = {g: c for g, c in version.chunks.items() if g != gone}
-                self._knowledge._documents[doc_key] = replace(version, chunks=kept)
+                self._knowledge.tables.documents[doc_key] = replace(version, chunks=kept)
                 cleared += len(chunks)
                 documents += 1
                 if documents == limit:
@@ -449,14 +453,14 @@ class InProcessEmbeddingMigrationStore:
         *,
         lease_seconds: float,
     ) -> EmbeddingMigration | None:
-        async with self._memories._lock, self._knowledge._lock:
+        async with self._memories.tables.lock, self._knowledge.tables.lock:
             stored = self._held(migration, runner)
             if stored is None or stored.state is not MigrationState.BACKFILLING or stored.kb_ref is None:
                 return None
             written = 0
             for pending, chunks in documents:
                 key = (stored.namespace, stored.kb_ref, pending.ref)
-                version = self._knowledge._documents.get(key)
+                version = self._knowledge.tables.documents.get(key)
                 if (
                     version is None
                     or version.document.version != pending.version
@@ -465,8 +469,10 @@ class InProcessEmbeddingMigrationStore:
                 ):
                     continue
                 generations = dict(version.chunks)
-                generations[stored.from_generation + 1] = tuple(_chunk(version.document, c) for c in chunks)
-                self._knowledge._documents[key] = replace(
+                generations[stored.from_generation + 1] = tuple(
+                    stored_chunk(version.document, c) for c in chunks
+                )
+                self._knowledge.tables.documents[key] = replace(
                     version, chunks=generations, migrated_chunk_count=len(chunks)
                 )
                 written += 1
@@ -484,9 +490,11 @@ class InProcessEmbeddingMigrationStore:
             )
 
     async def base_size(self, namespace: str, kb_ref: str) -> tuple[int, int, int, int]:
-        base = self._knowledge._bases.get((namespace, kb_ref))
+        base = self._knowledge.tables.bases.get((namespace, kb_ref))
         generation = 0 if base is None else base.generation
-        versions = [v for key, v in self._knowledge._documents.items() if key[:2] == (namespace, kb_ref)]
+        versions = [
+            v for key, v in self._knowledge.tables.documents.items() if key[:2] == (namespace, kb_ref)
+        ]
         lengths = [len(c.passage.text) for v in versions for c in v.chunks.get(generation, ())]
         average = round(sum(lengths) / len(lengths)) if lengths else 0
         return len(versions), len(lengths), average, sum(1 for v in versions if v.text is None)
@@ -496,7 +504,7 @@ class InProcessEmbeddingMigrationStore:
     ) -> tuple[int, EmbeddingMigration] | None:
         if migration.kb_ref is not None:
             return await self._clear_base(migration, runner, limit=limit, lease_seconds=lease_seconds)
-        async with self._memories._lock:
+        async with self._memories.tables.lock:
             stored = self._held(migration, runner)
             if stored is None or stored.state is not migration.state:
                 return None
@@ -504,8 +512,8 @@ class InProcessEmbeddingMigrationStore:
             slot = stored.from_generation % 2 if retiring else stored.target_slot
             batch = [row for row in self._ordered(migration) if row.slots[slot] is not None][:limit]
             for row in batch:
-                self._memories._rows[row.bucket][row.id] = replace(
-                    row, slots=_with_vector(row.slots, slot, None)
+                self._memories.tables.rows[row.bucket][row.id] = replace(
+                    row, slots=with_vector(row.slots, slot, None)
                 )
             cursor = (batch[-1].bucket, batch[-1].id) if batch else stored.cursor
             self._leases[stored.id] = self._now() + timedelta(seconds=lease_seconds)
@@ -514,7 +522,7 @@ class InProcessEmbeddingMigrationStore:
     async def record_failure(
         self, migration: EmbeddingMigration, runner: str, reason: str, *, pause_after: int
     ) -> EmbeddingMigration | None:
-        async with self._memories._lock:
+        async with self._memories.tables.lock:
             stored = self._held(migration, runner)
             if stored is None:
                 return None
