@@ -357,6 +357,34 @@ def test_no_modules_import_each_other_round_a_circle() -> None:
     )
 
 
+def private_imports(source: str, module: str) -> list[str]:
+    """`from tokensvc.x import _name` in `source`: a name another module keeps to itself."""
+    return [
+        f"{module}:{node.lineno}: {node.module}.{alias.name}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tokensvc")
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+
+
+def test_the_private_import_finder_sees_a_private_name() -> None:
+    found = private_imports("from tokensvc.storage.inprocess.memories import MemoryRow, _slot\n", "m")
+    assert found == ["m:1: tokensvc.storage.inprocess.memories._slot"]
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    bad = [
+        offence
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not within(module_name(path), GENERATED)
+        for offence in private_imports(path.read_text(encoding="utf-8"), module_name(path))
+    ]
+    assert not bad, "private names used across modules (make them public, or share a record):\n" + "\n".join(
+        bad
+    )
+
+
 def test_every_allowed_exception_is_still_needed() -> None:
     stale = [
         (module, target)
