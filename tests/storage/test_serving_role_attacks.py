@@ -9,6 +9,7 @@ would see them.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,7 +23,10 @@ from pgvector import Vector
 
 from tests.storage.test_memory_rls import new_bucket
 from tests.storage.test_reembedding_races import one_memory
-from tests.support import SharedDatabase, connect_as, superuser
+from tests.support import SharedDatabase, connect_as, service_settings, superuser
+from tokensvc.app import locate_database
+from tokensvc.auth.devpki import DevPaths
+from tokensvc.credentials import FileCredentialSource
 from tokensvc.storage.postgres import tenant
 from tokensvc.storage.postgres.citus import citus_version
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
@@ -739,3 +743,32 @@ async def test_no_session_of_the_serving_role_reads_the_buckets_another_one_decl
         assert {(row["success"], row["result"]) for row in on_workers} == {(True, "off")}
     with pytest.raises(asyncpg.InsufficientPrivilegeError):
         await serving.execute("SET track_activities = on")
+
+
+async def test_a_serving_login_with_track_activities_on_is_reported_at_start(
+    database: SharedDatabase, dev: DevPaths, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A database provisioned without the setting (docs/operations.md, "Database roles") still
+    serves, and says at start what to run."""
+    login = FileCredentialSource(database.app_credential_dir).read().username
+    async with superuser(database) as admin:
+        await admin.execute(f"ALTER ROLE {login} SET track_activities = on")
+    try:
+        for setting, warned in (("on", True), ("off", False)):
+            async with superuser(database) as admin:
+                await admin.execute(f"ALTER ROLE {login} SET track_activities = {setting}")
+            caplog.clear()
+            located = await locate_database(service_settings(database, dev, tmp_path / setting))
+            try:
+                with caplog.at_level(logging.WARNING, logger="tokensvc.storage.postgres.database"):
+                    await located.open_pool()
+            finally:
+                await located.close()
+            reported = [r.getMessage() for r in caplog.records if "track_activities" in r.getMessage()]
+            assert bool(reported) is warned, reported
+            if warned:
+                assert login in reported[0]
+                assert "ALTER ROLE" in reported[0]
+    finally:
+        async with superuser(database) as admin:
+            await admin.execute(f"ALTER ROLE {login} SET track_activities = off")
