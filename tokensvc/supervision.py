@@ -157,7 +157,7 @@ async def read_database_gauges(
         migrations=tuple(
             ActiveMigration(
                 id=m.id,
-                kind="knowledge_base" if m.kb_ref is not None else "memory_space",
+                kind=m.kind,
                 state=m.state.value,
                 rows_done=m.rows_done,
                 rows_total=m.rows_total,

@@ -40,7 +40,7 @@ from tokensvc.observability import METRICS
 from tokensvc.storage.postgres.monitoring import PostgresStatistics
 from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
 from tokensvc.storage.postgres.rotations import PostgresRotationJournal
-from tokensvc.storage.records import EmbedderSpec, EmbeddingMigration, MigrationState
+from tokensvc.storage.records import EmbedderSpec, MemorySpaceMigration, MigrationState
 from tokensvc.supervision import read_database_gauges
 from tokensvc.v1 import memory_pb2
 
@@ -142,7 +142,7 @@ async def drive_traffic(service: Service, launchers: Launchers) -> str:
     pool = service.database.pool
     migrations = PostgresEmbeddingMigrationStore(pool)
     created = await migrations.create(
-        EmbeddingMigration(
+        MemorySpaceMigration(
             id=str(uuid.uuid4()),
             namespace="default",
             agent=caller.agent,

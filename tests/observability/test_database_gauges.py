@@ -19,12 +19,12 @@ from tokensvc.memory.service import LongTermMemory
 from tokensvc.storage.inprocess.credentials import InProcessCredentialJournal
 from tokensvc.storage.inprocess.memories import InProcessMemoryStatistics, InProcessMemoryStore
 from tokensvc.storage.inprocess.reembedding import InProcessEmbeddingMigrationStore
-from tokensvc.storage.records import EmbeddingMigration, MigrationState, Tenant
+from tokensvc.storage.records import MemorySpaceMigration, MigrationState, Tenant
 from tokensvc.supervision import read_database_gauges, sweep_forever
 
 
-def planned(agent: str) -> EmbeddingMigration:
-    return EmbeddingMigration(
+def planned(agent: str) -> MemorySpaceMigration:
+    return MemorySpaceMigration(
         id=str(uuid.uuid4()),
         namespace=NAMESPACE,
         agent=agent,

@@ -34,7 +34,7 @@ from tokensvc.storage.records import (
     ChunkingSpec,
     ChunkRow,
     EmbedderSpec,
-    EmbeddingMigration,
+    KnowledgeBaseMigration,
     MigrationState,
     Tenant,
 )
@@ -87,7 +87,7 @@ async def upload(
 
 async def migrating_base(
     pool: asyncpg.Pool, runner_pool: asyncpg.Pool
-) -> tuple[str, EmbeddingMigration, PostgresKnowledgeStore]:
+) -> tuple[str, KnowledgeBaseMigration, PostgresKnowledgeStore]:
     """A base of one document whose migration the runner "racer" has claimed."""
     store = PostgresKnowledgeStore(pool)
     migrations = PostgresEmbeddingMigrationStore(pool, runner_pool=runner_pool)
@@ -96,10 +96,9 @@ async def migrating_base(
     await store.create_base(Tenant(ns, knowledge_bases=("*",)), base)
     await upload(store, ns, "doc", "version one")
     created = await migrations.create(
-        EmbeddingMigration(
+        KnowledgeBaseMigration(
             id=str(uuid.uuid4()),
             namespace=ns,
-            agent=None,
             kb_ref="kb",
             from_generation=0,
             source=EmbedderSpec("hash", "hash-v1", 8, True),
@@ -123,7 +122,7 @@ async def migrating_base(
 
 
 async def runner_writes_open(
-    runner_pool: asyncpg.Pool, conn: asyncpg.Connection, migration: EmbeddingMigration
+    runner_pool: asyncpg.Pool, conn: asyncpg.Connection, migration: KnowledgeBaseMigration
 ) -> None:
     """The runner's batch for `doc` on `conn` (a connection of the runner's pool, as
     store_documents runs it), its transaction open."""
@@ -293,7 +292,7 @@ async def test_a_chunk_for_a_generation_that_is_gone_is_refused(
     assert await generations(pool, ns) == [(0, 1, "version one", ""), (1, 1, "version one", "")]
 
 
-async def cut_over(conn: PoolConnectionProxy[asyncpg.Record], migration: EmbeddingMigration) -> None:
+async def cut_over(conn: PoolConnectionProxy[asyncpg.Record], migration: KnowledgeBaseMigration) -> None:
     """The cutover as the runner runs it, in a transaction of its own."""
     await begin(conn, base_settings(migration.namespace))
     assert await conn.fetchval("SELECT cut_over_knowledge_base($1, 'racer')", migration.id)

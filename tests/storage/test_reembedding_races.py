@@ -27,8 +27,8 @@ from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStor
 from tokensvc.storage.postgres.tenant import declare_settings, is_distributed
 from tokensvc.storage.records import (
     EmbedderSpec,
-    EmbeddingMigration,
     MemorySpace,
+    MemorySpaceMigration,
     MigrationState,
     NewMemory,
     Tenant,
@@ -54,7 +54,7 @@ def space(tenant: Tenant) -> dict[str, str]:
 
 async def ready_to_cut_over(
     pool: asyncpg.Pool, runner_pool: asyncpg.Pool
-) -> tuple[Tenant, EmbeddingMigration, PostgresEmbeddingMigrationStore]:
+) -> tuple[Tenant, MemorySpaceMigration, PostgresEmbeddingMigrationStore]:
     """A space of one memory, fully backfilled, its runner holding the lease."""
     memories = PostgresMemoryStore(pool)
     migrations = PostgresEmbeddingMigrationStore(pool, runner_pool=runner_pool)
@@ -63,7 +63,7 @@ async def ready_to_cut_over(
     await memories.pin_space(Tenant(NAMESPACE, agent), SPACE)
     await memories.insert(tenant, tenant.buckets[0], [one_memory("before the migration")])
     created = await migrations.create(
-        EmbeddingMigration(
+        MemorySpaceMigration(
             id=str(uuid.uuid4()),
             namespace=NAMESPACE,
             agent=agent,

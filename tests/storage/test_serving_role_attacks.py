@@ -31,7 +31,7 @@ from tokensvc.storage.postgres import tenant
 from tokensvc.storage.postgres.citus import citus_version
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
 from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
-from tokensvc.storage.records import EmbedderSpec, EmbeddingMigration, MemorySpace, MigrationState, Tenant
+from tokensvc.storage.records import EmbedderSpec, MemorySpace, MemorySpaceMigration, MigrationState, Tenant
 
 NAMESPACE = "attacks"
 SPACE = MemorySpace(EmbedderSpec("hash", "hash-v1", 8, True), "simple")
@@ -167,7 +167,7 @@ async def make_victim(pool: asyncpg.Pool, *, migrating: bool = False) -> Victim:
     migration = None
     if migrating:
         created = await PostgresEmbeddingMigrationStore(pool).create(
-            EmbeddingMigration(
+            MemorySpaceMigration(
                 id=str(uuid.uuid4()),
                 namespace=NAMESPACE,
                 agent=agent,

@@ -41,12 +41,20 @@ from tokensvc.reembedding.operations import (
     MigrationProgress,
 )
 from tokensvc.reembedding.runner import MigrationRunner, RunnerSettings
-from tokensvc.storage.records import ChunkingSpec, EmbeddingMigration, MigrationState
+from tokensvc.storage.records import (
+    ChunkingSpec,
+    EmbeddingMigration,
+    KnowledgeBaseMigration,
+    MemorySpaceMigration,
+    MigrationState,
+)
 
 __all__ = [
     "ChunkingSpec",
     "EmbeddingMigration",
     "EmbeddingMigrations",
+    "KnowledgeBaseMigration",
+    "MemorySpaceMigration",
     "MigrationConflict",
     "MigrationEstimate",
     "MigrationProgress",

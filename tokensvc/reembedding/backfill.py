@@ -19,7 +19,7 @@ from tokensvc.embedders import Demand, ScheduledEmbedder, WorkClass
 from tokensvc.errors import EmbedderUnavailable
 from tokensvc.observability.metrics import observe_embedding
 from tokensvc.retrieval import unit_vector
-from tokensvc.storage.records import EmbeddingMigration
+from tokensvc.storage.records import EmbeddingMigration, KnowledgeBaseMigration, MemorySpaceMigration
 
 __all__ = ["Backfill", "Pipeline", "batch_size_of", "bulk_demand", "embed_texts"]
 
@@ -27,6 +27,8 @@ _tracer = trace.get_tracer("tokensvc.reembedding")
 _DEFAULT_BATCH = 64
 _Item = TypeVar("_Item")
 _Vectors = TypeVar("_Vectors")
+_Migration = TypeVar("_Migration", MemorySpaceMigration, KnowledgeBaseMigration)
+_Migration_contra = TypeVar("_Migration_contra", bound=EmbeddingMigration, contravariant=True)
 
 
 class Pipeline(Protocol):
@@ -34,12 +36,12 @@ class Pipeline(Protocol):
 
     async def pipeline(
         self,
-        migration: EmbeddingMigration,
+        migration: _Migration,
         *,
-        read: Callable[[EmbeddingMigration], Awaitable[list[_Item] | None]],
-        ahead_of: Callable[[EmbeddingMigration, list[_Item]], EmbeddingMigration],
+        read: Callable[[_Migration], Awaitable[list[_Item] | None]],
+        ahead_of: Callable[[_Migration, list[_Item]], _Migration],
         embed: Callable[[list[_Item]], Coroutine[Any, Any, _Vectors]],
-        store: Callable[[EmbeddingMigration, list[_Item], _Vectors], Awaitable[EmbeddingMigration | None]],
+        store: Callable[[_Migration, list[_Item], _Vectors], Awaitable[_Migration | None]],
         unreadable: str = "",
     ) -> None:
         """Read a batch after the cursor, embed it, write it, until the pass ends (then pass again
@@ -48,7 +50,7 @@ class Pipeline(Protocol):
         ...
 
 
-class Backfill(Protocol):
+class Backfill(Protocol[_Migration_contra]):
     """One kind's backfill (a memory space's, a knowledge base's)."""
 
     # What its rows are called in the audit trail ("memories", "documents").
@@ -57,7 +59,7 @@ class Backfill(Protocol):
     clear_limit: int
 
     async def backfill(
-        self, migration: EmbeddingMigration, embedder: ScheduledEmbedder, size: int, pipeline: Pipeline
+        self, migration: _Migration_contra, embedder: ScheduledEmbedder, size: int, pipeline: Pipeline
     ) -> None:
         """Run the migration's backfill through `pipeline`, embedding with the (checked) target
         `embedder` in batches of `size` texts."""

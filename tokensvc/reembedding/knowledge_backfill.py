@@ -15,7 +15,7 @@ from tokensvc.knowledge.chunking import ChunkingStrategy, chunk_document
 from tokensvc.observability.metrics import METRICS
 from tokensvc.reembedding.backfill import Pipeline, bulk_demand, embed_texts
 from tokensvc.storage.ports import KnowledgeBackfillStore
-from tokensvc.storage.records import ChunkRow, EmbeddingMigration, PendingDocument, StoredChunk
+from tokensvc.storage.records import ChunkRow, KnowledgeBaseMigration, PendingDocument, StoredChunk
 
 __all__ = ["KnowledgeBackfill"]
 
@@ -39,7 +39,7 @@ class KnowledgeBackfill:
         self._lease_seconds = lease_seconds
 
     async def backfill(
-        self, migration: EmbeddingMigration, embedder: ScheduledEmbedder, size: int, pipeline: Pipeline
+        self, migration: KnowledgeBaseMigration, embedder: ScheduledEmbedder, size: int, pipeline: Pipeline
     ) -> None:
         demand = bulk_demand(migration)
 
@@ -47,8 +47,8 @@ class KnowledgeBackfill:
             return await _embed_spans(embedder, batch, size, demand)
 
         async def store(
-            at: EmbeddingMigration, batch: _Batch, vectors: list[np.ndarray]
-        ) -> EmbeddingMigration | None:
+            at: KnowledgeBaseMigration, batch: _Batch, vectors: list[np.ndarray]
+        ) -> KnowledgeBaseMigration | None:
             stored = await self._store.store_documents(
                 at,
                 self._runner_id,
@@ -68,7 +68,7 @@ class KnowledgeBackfill:
             unreadable="a document has no stored text to re-chunk; upload it again",
         )
 
-    async def _documents_after(self, migration: EmbeddingMigration) -> _Batch | None:
+    async def _documents_after(self, migration: KnowledgeBaseMigration) -> _Batch | None:
         """The next pending documents with their chunks under the target chunking; None when one
         cannot be re-chunked (no stored text: refused at the start, so only a replica that keeps
         no texts could have written it)."""
@@ -88,13 +88,12 @@ async def _embed_spans(
     return vectors
 
 
-async def _chunks_of(migration: EmbeddingMigration, document: PendingDocument) -> tuple[StoredChunk, ...]:
+async def _chunks_of(migration: KnowledgeBaseMigration, document: PendingDocument) -> tuple[StoredChunk, ...]:
     """The document's chunks under the target chunking: cut again from its stored text when the
     migration changes the chunking (in a thread: chunking a large text takes a while), else the
     chunks it has."""
     if not migration.rechunks:
         return document.chunks
-    assert migration.target_chunking is not None
     target = migration.target_chunking
     if document.text is None:
         # Refused at the start; a document from a replica that keeps no texts would be this.

@@ -11,7 +11,7 @@ from tokensvc.embedders import ScheduledEmbedder
 from tokensvc.observability.metrics import METRICS
 from tokensvc.reembedding.backfill import Pipeline, bulk_demand, embed_texts
 from tokensvc.storage.ports import MemoryBackfillStore
-from tokensvc.storage.records import EmbeddingMigration, PendingMemory
+from tokensvc.storage.records import MemorySpaceMigration, PendingMemory
 
 __all__ = ["MemoryBackfill"]
 
@@ -34,7 +34,7 @@ class MemoryBackfill:
         self._lease_seconds = lease_seconds
 
     async def backfill(
-        self, migration: EmbeddingMigration, embedder: ScheduledEmbedder, size: int, pipeline: Pipeline
+        self, migration: MemorySpaceMigration, embedder: ScheduledEmbedder, size: int, pipeline: Pipeline
     ) -> None:
         read = _ReadAhead(self._store, batch=size, rows=max(size, _MEMORY_READ)).read
         demand = bulk_demand(migration)
@@ -43,8 +43,8 @@ class MemoryBackfill:
             return await embed_texts(embedder, [p.content for p in batch], demand)
 
         async def store(
-            at: EmbeddingMigration, batch: list[PendingMemory], vectors: np.ndarray
-        ) -> EmbeddingMigration | None:
+            at: MemorySpaceMigration, batch: list[PendingMemory], vectors: np.ndarray
+        ) -> MemorySpaceMigration | None:
             rows = list(zip(batch, vectors, strict=True))
             stored = await self._store.store_vectors(
                 at, self._runner_id, rows, lease_seconds=self._lease_seconds
@@ -76,7 +76,7 @@ class _ReadAhead:
         self._held: list[PendingMemory] = []
         self._held_after: tuple[str, str] | None = None  # the cursor `_held` continues
 
-    async def read(self, at: EmbeddingMigration) -> list[PendingMemory]:
+    async def read(self, at: MemorySpaceMigration) -> list[PendingMemory]:
         if at.cursor is None or at.cursor != self._held_after or not self._held:
             self._held = await self._store.pending(at, limit=self._rows)
         batch, self._held = self._held[: self._batch], self._held[self._batch :]

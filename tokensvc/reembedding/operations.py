@@ -27,6 +27,8 @@ from tokensvc.storage.records import (
     ALL_KNOWLEDGE_BASES,
     ChunkingSpec,
     EmbeddingMigration,
+    KnowledgeBaseMigration,
+    MemorySpaceMigration,
     MigrationState,
     Tenant,
 )
@@ -120,7 +122,7 @@ class EmbeddingMigrations:
         if space is None:
             raise NotFound(f"no memory space {namespace}/{agent}: nothing has been remembered there")
         embedder = self._configured(embedder_name)
-        planned = EmbeddingMigration(
+        planned = MemorySpaceMigration(
             id=str(uuid.uuid4()),
             namespace=namespace,
             agent=agent,
@@ -178,10 +180,9 @@ class EmbeddingMigrations:
                 "kept document texts, so they cannot be re-chunked: upload them again, or migrate "
                 "without a new chunking"
             )
-        planned = EmbeddingMigration(
+        planned = KnowledgeBaseMigration(
             id=str(uuid.uuid4()),
             namespace=namespace,
-            agent=None,
             kb_ref=kb_ref,
             from_generation=base.generation,
             source=source,
@@ -223,7 +224,7 @@ class EmbeddingMigrations:
             raise _conflict(described)
         self._wake()
         chunking = ""
-        if created.rechunks and created.target_chunking is not None:
+        if isinstance(created, KnowledgeBaseMigration) and created.rechunks:
             target = created.target_chunking
             chunking = f", re-chunked {target.kind} ({target.size}/{target.overlap})"
         await announce(

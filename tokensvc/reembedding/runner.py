@@ -12,7 +12,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from opentelemetry import trace
@@ -26,7 +26,12 @@ from tokensvc.reembedding.events import announce
 from tokensvc.reembedding.knowledge_backfill import KnowledgeBackfill
 from tokensvc.reembedding.memory_backfill import MemoryBackfill
 from tokensvc.storage.ports import MigrationRunnerStore
-from tokensvc.storage.records import EmbeddingMigration, MigrationState
+from tokensvc.storage.records import (
+    EmbeddingMigration,
+    KnowledgeBaseMigration,
+    MemorySpaceMigration,
+    MigrationState,
+)
 
 __all__ = ["MigrationRunner", "RunnerSettings"]
 
@@ -35,6 +40,7 @@ _tracer = trace.get_tracer("tokensvc.reembedding")
 _Item = TypeVar("_Item")
 _Result = TypeVar("_Result")
 _Vectors = TypeVar("_Vectors")
+_Migration = TypeVar("_Migration", MemorySpaceMigration, KnowledgeBaseMigration)
 
 
 @dataclass(frozen=True)
@@ -148,9 +154,15 @@ class MigrationRunner:
             self._driving.add(migration.id)
         return migration
 
-    def _backfill_of(self, migration: EmbeddingMigration) -> Backfill:
-        """The backfill of the migration's kind: a knowledge base's or a memory space's."""
-        return self._knowledge_backfill if migration.kb_ref is not None else self._memory_backfill
+    def _backfill_of(
+        self, migration: EmbeddingMigration
+    ) -> Backfill[MemorySpaceMigration] | Backfill[KnowledgeBaseMigration]:
+        """The backfill of the migration's kind: a memory space's or a knowledge base's."""
+        match migration:
+            case MemorySpaceMigration():
+                return self._memory_backfill
+            case KnowledgeBaseMigration():
+                return self._knowledge_backfill
 
     async def _drive(self, migration: EmbeddingMigration) -> bool:
         """Drive a claimed migration until it finishes, waits or is lost; True when it did not
@@ -191,7 +203,11 @@ class MigrationRunner:
         if embedder is None:
             return
         size = self._settings.batch_size or batch_size_of(embedder)
-        await self._backfill_of(migration).backfill(migration, embedder, size, self)
+        match migration:
+            case MemorySpaceMigration():
+                await self._memory_backfill.backfill(migration, embedder, size, self)
+            case KnowledgeBaseMigration():
+                await self._knowledge_backfill.backfill(migration, embedder, size, self)
 
     async def _target_embedder(self, migration: EmbeddingMigration) -> ScheduledEmbedder | None:
         """The configured target embedder; None (the migration paused) when it differs."""
@@ -207,12 +223,12 @@ class MigrationRunner:
 
     async def pipeline(
         self,
-        migration: EmbeddingMigration,
+        migration: _Migration,
         *,
-        read: Callable[[EmbeddingMigration], Awaitable[list[_Item] | None]],
-        ahead_of: Callable[[EmbeddingMigration, list[_Item]], EmbeddingMigration],
+        read: Callable[[_Migration], Awaitable[list[_Item] | None]],
+        ahead_of: Callable[[_Migration, list[_Item]], _Migration],
         embed: Callable[[list[_Item]], Coroutine[Any, Any, _Vectors]],
-        store: Callable[[EmbeddingMigration, list[_Item], _Vectors], Awaitable[EmbeddingMigration | None]],
+        store: Callable[[_Migration, list[_Item], _Vectors], Awaitable[_Migration | None]],
         unreadable: str = "",
     ) -> None:
         """Both backfills (`tokensvc.reembedding.backfill.Pipeline`): read a batch after the
@@ -240,10 +256,8 @@ class MigrationRunner:
                     vectors = await embedding
                 except Exception as exc:
                     embedding = None
-                    failed = await self._embedder_failed(migration, exc)
-                    if failed is None:
+                    if not await self._embedder_failed(migration, exc):
                         return
-                    migration = failed
                     continue  # the same batch again
                 ahead = await read(ahead_of(migration, batch))
                 embedding = asyncio.create_task(embed(ahead)) if ahead else None
@@ -255,18 +269,14 @@ class MigrationRunner:
             if embedding is not None:
                 embedding.cancel()
 
-    async def _end_of_pass(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
+    async def _end_of_pass(self, migration: _Migration) -> _Migration | None:
         """Nothing left after the cursor: pass again from the start (memories written behind the
         cursor), or cut over. None: stop here (cut over, or the lease is lost)."""
         # A long pass may have outlived the lease with nobody taking it: extend it before acting.
         if not await self._store.renew(migration, self.runner_id, lease_seconds=self._settings.lease_seconds):
             return None
         if not migration.at_start:
-            return (
-                replace(migration, cursor=None, document_cursor=None)
-                if await self._store.rewind(migration, self.runner_id)
-                else None
-            )
+            return migration.rewound() if await self._store.rewind(migration, self.runner_id) else None
         if await self._cut_over(migration):
             return None  # the old slot is emptied once `retire_seconds` have passed
         current = await self._store.get(migration.id)
@@ -318,26 +328,25 @@ class MigrationRunner:
             detail=f"{finished.rows_done} {backfill.rows} re-embedded",
         )
 
-    async def _embedder_failed(
-        self, migration: EmbeddingMigration, exc: Exception
-    ) -> EmbeddingMigration | None:
-        """Count the failure; back off and return the migration to retry, None when it paused."""
+    async def _embedder_failed(self, migration: EmbeddingMigration, exc: Exception) -> bool:
+        """Count the failure; back off and answer True to retry, False when it paused (or the
+        lease is lost)."""
         reason = f"the target embedder failed: {exc.message if isinstance(exc, TokensvcError) else type(exc).__name__}"
         METRICS.migration_events.labels("embedder_failure").inc()
         failed = await self._store.record_failure(
             migration, self.runner_id, reason, pause_after=self._settings.pause_after
         )
         if failed is None:
-            return None
+            return False
         if failed.state is MigrationState.PAUSED:
             await self._paused(failed, reason)
-            return None
+            return False
         wait = min(
             self._settings.backoff_seconds * 2 ** (failed.failures - 1), self._settings.max_backoff_seconds
         )
         _log.warning("migration %s: %s; retrying in %.1f s", migration.id, reason, wait)
         await asyncio.sleep(wait)
-        return failed
+        return True
 
     async def _pause(self, migration: EmbeddingMigration, reason: str) -> None:
         paused = await self._store.transition(

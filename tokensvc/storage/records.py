@@ -10,9 +10,9 @@ import enum
 import hashlib
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, ClassVar, Generic, Literal, Self, TypeAlias, TypeVar
 
 import numpy as np
 
@@ -33,10 +33,13 @@ __all__ = [
     "DocumentRow",
     "EmbedderSpec",
     "EmbeddingMigration",
+    "EmbeddingMigrationBase",
     "ExportedMemory",
+    "KnowledgeBaseMigration",
     "KnowledgePins",
     "MemoryRecord",
     "MemorySpace",
+    "MemorySpaceMigration",
     "MigrationState",
     "NewMemory",
     "PassageRow",
@@ -210,15 +213,17 @@ class ChunkingSpec:
     overlap: int
 
 
-@dataclass(frozen=True)
-class EmbeddingMigration:
-    """One memory space's (namespace, agent) or one knowledge base's (namespace, kb_ref) move
-    from its pinned embedder (`source`) to `target`; a knowledge base's from its chunking
-    (`source_chunking`) to `target_chunking` too, the same strategy when only the embedder changes."""
+@dataclass(frozen=True, kw_only=True)
+class EmbeddingMigrationBase:
+    """What every re-embedding migration has, whatever it moves: its subject's move from the
+    pinned embedder (`source`) to `target`, where it is and who holds its lease. A migration is one
+    of two kinds (`EmbeddingMigration`), each with its own subject and its own backfill cursor."""
+
+    # What the monitoring calls the kind ("memory_space", "knowledge_base").
+    kind: ClassVar[str]
 
     id: str
     namespace: str
-    agent: str | None
     from_generation: int
     source: EmbedderSpec
     target: EmbedderSpec
@@ -233,34 +238,81 @@ class EmbeddingMigration:
     updated_at: datetime | None = None
     cut_over_at: datetime | None = None
     finished_at: datetime | None = None
+
+    @property
+    def paused(self) -> bool:
+        """Waits for an operator (a persistent embedder failure paused it)."""
+        return self.state is MigrationState.PAUSED
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemorySpaceMigration(EmbeddingMigrationBase):
+    """One memory space's (namespace, agent) move to another embedder, through the vector slot
+    the space does not read."""
+
+    kind: ClassVar[str] = "memory_space"
+
+    agent: str
     # Where the backfill has got to, in (bucket, id) order (None: from the start).
     cursor: tuple[str, str] | None = None
-    kb_ref: str | None = None
-    source_chunking: ChunkingSpec | None = None
-    target_chunking: ChunkingSpec | None = None
-    # A knowledge base's backfill: the last document done, in ref order (None: from the start).
-    document_cursor: str | None = None
 
     @property
     def subject(self) -> str:
         """What it migrates, as audit targets name it."""
-        if self.kb_ref is not None:
-            return f"knowledge_base:{self.namespace}/{self.kb_ref}"
         return f"space:{self.namespace}/{self.agent}"
 
     @property
     def at_start(self) -> bool:
-        """The backfill's cursor is at the start (of the space or the knowledge base)."""
-        return self.cursor is None and self.document_cursor is None
+        """The backfill's cursor is at the start of the space."""
+        return self.cursor is None
 
-    @property
-    def rechunks(self) -> bool:
-        return self.target_chunking is not None and self.target_chunking != self.source_chunking
+    def rewound(self) -> Self:
+        """The migration with its cursor back at the start (the pass that catches rows written
+        behind it)."""
+        return replace(self, cursor=None)
 
     @property
     def target_slot(self) -> int:
         """The vector slot the migration fills (the one the space does not read yet)."""
         return (self.from_generation + 1) % 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class KnowledgeBaseMigration(EmbeddingMigrationBase):
+    """One knowledge base's (namespace, kb_ref) move to another embedder and from its chunking
+    (`source_chunking`) to `target_chunking`, the same strategy when only the embedder changes,
+    through the base's next chunk generation."""
+
+    kind: ClassVar[str] = "knowledge_base"
+
+    kb_ref: str
+    source_chunking: ChunkingSpec
+    target_chunking: ChunkingSpec
+    # The last document done, in ref order (None: from the start).
+    document_cursor: str | None = None
+
+    @property
+    def subject(self) -> str:
+        """What it migrates, as audit targets name it."""
+        return f"knowledge_base:{self.namespace}/{self.kb_ref}"
+
+    @property
+    def at_start(self) -> bool:
+        """The backfill's cursor is at the start of the base."""
+        return self.document_cursor is None
+
+    def rewound(self) -> Self:
+        """The migration with its cursor back at the start."""
+        return replace(self, document_cursor=None)
+
+    @property
+    def rechunks(self) -> bool:
+        """The documents are cut again (the chunking changes), not only embedded again."""
+        return self.target_chunking != self.source_chunking
+
+
+# A re-embedding migration, of one kind or the other: code dispatches on the type.
+EmbeddingMigration: TypeAlias = MemorySpaceMigration | KnowledgeBaseMigration
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,8 @@ import numpy as np
 from tokensvc.storage.records import (
     ChunkRow,
     EmbeddingMigration,
+    KnowledgeBaseMigration,
+    MemorySpaceMigration,
     MigrationState,
     PendingDocument,
     PendingMemory,
@@ -63,8 +65,8 @@ class MigrationOperationsStore(MigrationStateStore, Protocol):
 
     async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
         """Record `migration` (state BACKFILLING, no lease), after making sure the target
-        dimension can be indexed. None (nothing recorded) when the space (base) already has an
-        active migration (`MigrationState.active`) or its generation is no longer
+        dimension can be indexed; returned as stored, of its own kind. None (nothing recorded)
+        when the space (base) already has an active migration (`MigrationState.active`) or its generation is no longer
         `migration.from_generation`. A knowledge base's documents start with no next-generation
         chunks written (`pending_documents` lists them all). A space's `rows_total` is kept as
         given, the caller's `space_size` (a count over every bucket: on Citus every shard, so a
@@ -90,7 +92,7 @@ class MemoryBackfillStore(Protocol):
     """A memory space's backfill: the runner's batches over every bucket of the space
     (`MemoryStore`'s rows)."""
 
-    async def pending(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingMemory]:
+    async def pending(self, migration: MemorySpaceMigration, *, limit: int) -> list[PendingMemory]:
         """Up to `limit` live memories of the space without a vector in the target slot, in
         (bucket, id) order strictly after `migration.cursor` (from the start when None); for the
         runner holding the BACKFILLING migration's lease (`migration.lease_owner`) only: nothing
@@ -98,12 +100,12 @@ class MemoryBackfillStore(Protocol):
 
     async def store_vectors(
         self,
-        migration: EmbeddingMigration,
+        migration: MemorySpaceMigration,
         runner: str,
         rows: Sequence[tuple[PendingMemory, np.ndarray]],
         *,
         lease_seconds: float,
-    ) -> EmbeddingMigration | None:
+    ) -> MemorySpaceMigration | None:
         """In one transaction: write each vector to its memory's target slot unless the memory
         is gone or its content changed since it was read; move the cursor to the last row;
         count the rows written in `rows_done` (and `rows_total` when more were written than
@@ -115,7 +117,9 @@ class KnowledgeBackfillStore(Protocol):
     """A knowledge base's backfill: the runner's batches over the base's documents
     (`KnowledgeStore`'s rows)."""
 
-    async def pending_documents(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingDocument]:
+    async def pending_documents(
+        self, migration: KnowledgeBaseMigration, *, limit: int
+    ) -> list[PendingDocument]:
         """A knowledge base's backfill: up to `limit` documents whose current version has no
         next-generation chunks, in ref order strictly after `migration.document_cursor`, each with
         its stored text and, when the migration keeps the chunking, its current chunks; for the
@@ -123,12 +127,12 @@ class KnowledgeBackfillStore(Protocol):
 
     async def store_documents(
         self,
-        migration: EmbeddingMigration,
+        migration: KnowledgeBaseMigration,
         runner: str,
         documents: Sequence[tuple[PendingDocument, Sequence[ChunkRow]]],
         *,
         lease_seconds: float,
-    ) -> EmbeddingMigration | None:
+    ) -> KnowledgeBaseMigration | None:
         """In one transaction: each document's next-generation chunks (written whole, unless the
         document has a newer version or is gone); the cursor moved to the last document; the
         documents written counted in `rows_done`; failures reset; the lease renewed. None (nothing

@@ -26,7 +26,7 @@ from tests.storage.conformance.support import (
     vector_query,
 )
 from tokensvc.storage.ports import EmbeddingMigrationStore, MemoryStore, StaleMemorySpace
-from tokensvc.storage.records import EmbedderSpec, EmbeddingMigration, MigrationState, PendingMemory, Tenant
+from tokensvc.storage.records import EmbedderSpec, MemorySpaceMigration, MigrationState, PendingMemory, Tenant
 
 TARGET = EmbedderSpec("target", "target-model", 4, True)
 LEASE = 30.0
@@ -53,8 +53,8 @@ async def space_with(memories: MemoryStore, buckets: int, per_bucket: int) -> tu
     return agent, tenants
 
 
-def planned(agent: str, generation: int = 0, rows_total: int = 0) -> EmbeddingMigration:
-    return EmbeddingMigration(
+def planned(agent: str, generation: int = 0, rows_total: int = 0) -> MemorySpaceMigration:
+    return MemorySpaceMigration(
         id=str(uuid.uuid4()),
         namespace=NAMESPACE,
         agent=agent,
@@ -69,7 +69,7 @@ def planned(agent: str, generation: int = 0, rows_total: int = 0) -> EmbeddingMi
 
 async def claim(
     store: EmbeddingMigrationStore, runner: str, migration_id: str, *, lease_seconds: float = LEASE
-) -> EmbeddingMigration:
+) -> MemorySpaceMigration:
     """Claim until this migration is the one claimed (other tests' migrations share PostgreSQL)."""
     for _ in range(200):
         claimed = await store.claim(
@@ -84,8 +84,8 @@ async def claim(
 
 
 async def backfill(
-    store: EmbeddingMigrationStore, migration: EmbeddingMigration, runner: str
-) -> EmbeddingMigration:
+    store: EmbeddingMigrationStore, migration: MemorySpaceMigration, runner: str
+) -> MemorySpaceMigration:
     while batch := await store.pending(migration, limit=3):
         stored = await store.store_vectors(
             migration, runner, [(p, embedded(p)) for p in batch], lease_seconds=LEASE

@@ -35,7 +35,7 @@ from tokensvc.storage.records import (
     ChunkingSpec,
     ChunkRow,
     EmbedderSpec,
-    EmbeddingMigration,
+    KnowledgeBaseMigration,
     MigrationState,
     PendingDocument,
 )
@@ -45,11 +45,10 @@ FIXED = ChunkingSpec("fixed", 64, 0)
 SMALLER = ChunkingSpec("fixed", 32, 0)
 
 
-def planned(namespace: str, kb_ref: str, *, chunking: ChunkingSpec = FIXED) -> EmbeddingMigration:
-    return EmbeddingMigration(
+def planned(namespace: str, kb_ref: str, *, chunking: ChunkingSpec = FIXED) -> KnowledgeBaseMigration:
+    return KnowledgeBaseMigration(
         id=str(uuid.uuid4()),
         namespace=namespace,
-        agent=None,
         kb_ref=kb_ref,
         from_generation=0,
         source=SOURCE,
@@ -135,8 +134,8 @@ def embedded(documents: Sequence[PendingDocument]) -> list[tuple[PendingDocument
 
 
 async def backfill(
-    store: EmbeddingMigrationStore, migration: EmbeddingMigration, runner: str
-) -> EmbeddingMigration:
+    store: EmbeddingMigrationStore, migration: KnowledgeBaseMigration, runner: str
+) -> KnowledgeBaseMigration:
     while documents := await store.pending_documents(migration, limit=2):
         stored = await store.store_documents(migration, runner, embedded(documents), lease_seconds=LEASE)
         assert stored is not None
@@ -151,7 +150,8 @@ async def test_a_base_migration_writes_the_next_generation_and_the_cutover_switc
     ns, _ = await base_with(knowledge, documents=3)
     created = await migrations.create(planned(ns, "kb"))
     assert created is not None
-    assert (created.kb_ref, created.agent, created.rows_total, created.rows_done) == ("kb", None, 3, 0)
+    assert isinstance(created, KnowledgeBaseMigration)  # a base's, not a space's
+    assert (created.kb_ref, created.rows_total, created.rows_done) == ("kb", 3, 0)
     runner = "runner-kb-a"
     migration = await claim(migrations, runner, created.id)
     first = await migrations.pending_documents(migration, limit=2)
@@ -260,7 +260,7 @@ async def test_uploads_during_the_backfill_write_both_generations_only_for_the_b
     }
 
 
-def replace_cursor(migration: EmbeddingMigration) -> EmbeddingMigration:
+def replace_cursor(migration: KnowledgeBaseMigration) -> KnowledgeBaseMigration:
     """The migration with its cursor back at the start (what a rewind does)."""
     return replace(migration, document_cursor=None)
 

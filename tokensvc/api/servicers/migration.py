@@ -19,6 +19,8 @@ from tokensvc.names import is_dns_label, is_kb_ref
 from tokensvc.reembedding import (
     ChunkingSpec,
     EmbeddingMigrations,
+    KnowledgeBaseMigration,
+    MemorySpaceMigration,
     MigrationEstimate,
     MigrationProgress,
     MigrationState,
@@ -58,18 +60,20 @@ def _migration(progress: MigrationProgress) -> migration_pb2.EmbeddingMigration:
         eta_seconds=progress.eta_seconds or 0.0,
         created_by=m.created_by,
     )
-    if m.kb_ref is not None:
-        message.knowledge_base.CopyFrom(migration_pb2.KnowledgeBaseRef(namespace=m.namespace, ref=m.kb_ref))
-        for name in ("source_chunking", "target_chunking"):
-            chunking = getattr(m, name)
-            if chunking is not None:
-                getattr(message, name).CopyFrom(
+    match m:
+        case KnowledgeBaseMigration():
+            message.knowledge_base.CopyFrom(
+                migration_pb2.KnowledgeBaseRef(namespace=m.namespace, ref=m.kb_ref)
+            )
+            for chunking, field in (
+                (m.source_chunking, "source_chunking"),
+                (m.target_chunking, "target_chunking"),
+            ):
+                getattr(message, field).CopyFrom(
                     encode_chunking(chunking.kind, chunking.size, chunking.overlap)
                 )
-    else:
-        message.memory_space.CopyFrom(
-            migration_pb2.MemorySpaceRef(namespace=m.namespace, agent=m.agent or "")
-        )
+        case MemorySpaceMigration():
+            message.memory_space.CopyFrom(migration_pb2.MemorySpaceRef(namespace=m.namespace, agent=m.agent))
     for name in ("created_at", "updated_at", "cut_over_at", "finished_at"):
         value = getattr(m, name)
         if value is not None:

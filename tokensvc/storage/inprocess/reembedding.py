@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
+from typing import TypeVar
 
 import numpy as np
 
@@ -25,6 +26,8 @@ from tokensvc.storage.inprocess.memories import InProcessMemoryStore, MemoryRow,
 from tokensvc.storage.records import (
     ChunkRow,
     EmbeddingMigration,
+    KnowledgeBaseMigration,
+    MemorySpaceMigration,
     MigrationState,
     PendingDocument,
     PendingMemory,
@@ -32,6 +35,8 @@ from tokensvc.storage.records import (
 )
 
 __all__ = ["InProcessEmbeddingMigrationStore"]
+
+_M = TypeVar("_M", bound=EmbeddingMigration)
 
 
 class InProcessEmbeddingMigrationStore:
@@ -51,51 +56,55 @@ class InProcessEmbeddingMigrationStore:
     def _now(self) -> datetime:
         return self._memories.tables.clock.now()
 
-    def _space_rows(self, migration: EmbeddingMigration) -> Iterator[MemoryRow]:
+    def _space_rows(self, migration: MemorySpaceMigration) -> Iterator[MemoryRow]:
         for table in self._memories.tables.rows.values():
             for row in table.values():
                 if (row.namespace, row.agent) == (migration.namespace, migration.agent):
                     yield row
 
-    def _ordered(self, migration: EmbeddingMigration) -> list[MemoryRow]:
+    def _ordered(self, migration: MemorySpaceMigration) -> list[MemoryRow]:
         rows = sorted(self._space_rows(migration), key=lambda row: (row.bucket, row.id))
         if migration.cursor is None:
             return rows
         return [row for row in rows if (row.bucket, row.id) > migration.cursor]
 
-    def _held(self, migration: EmbeddingMigration, runner: str) -> EmbeddingMigration | None:
+    def _held(self, migration: _M, runner: str) -> _M | None:
+        """The stored migration, of `migration`'s kind, when `runner` holds its unexpired lease."""
         stored = self._migrations.get(migration.id)
         if (
-            stored is None
+            not isinstance(stored, type(migration))
             or stored.lease_owner != runner
             or self._leases.get(stored.id, self._now()) < self._now()
         ):
             return None
         return stored
 
-    def _save(self, migration: EmbeddingMigration) -> EmbeddingMigration:
+    def _save(self, migration: _M) -> _M:
         saved = replace(migration, updated_at=self._now())
         self._migrations[saved.id] = saved
-        if saved.kb_ref is not None:
-            assert saved.target_chunking is not None
-            base = (saved.namespace, saved.kb_ref)
-            if saved.state is MigrationState.BACKFILLING:
-                self._knowledge.tables.migrating[base] = (saved.id, saved.target, saved.target_chunking)
-            elif self._knowledge.tables.migrating.get(base, ("",))[0] == saved.id:
-                del self._knowledge.tables.migrating[base]
-            return saved
-        assert saved.agent is not None
-        key = (saved.namespace, saved.agent)
-        if saved.state is MigrationState.BACKFILLING:
-            self._memories.tables.migrating[key] = (saved.id, saved.target)
-        elif self._memories.tables.migrating.get(key, ("",))[0] == saved.id:
-            del self._memories.tables.migrating[key]
+        match saved:
+            case KnowledgeBaseMigration():
+                base = (saved.namespace, saved.kb_ref)
+                if saved.state is MigrationState.BACKFILLING:
+                    self._knowledge.tables.migrating[base] = (saved.id, saved.target, saved.target_chunking)
+                elif self._knowledge.tables.migrating.get(base, ("",))[0] == saved.id:
+                    del self._knowledge.tables.migrating[base]
+            case MemorySpaceMigration():
+                key = (saved.namespace, saved.agent)
+                if saved.state is MigrationState.BACKFILLING:
+                    self._memories.tables.migrating[key] = (saved.id, saved.target)
+                elif self._memories.tables.migrating.get(key, ("",))[0] == saved.id:
+                    del self._memories.tables.migrating[key]
         return saved
 
     def _base_deleted(self, namespace: str, kb_ref: str) -> None:
         """The knowledge base is gone, and its unfinished migration with it."""
         for migration in list(self._migrations.values()):
-            if (migration.namespace, migration.kb_ref) == (namespace, kb_ref) and migration.state.active:
+            if (
+                isinstance(migration, KnowledgeBaseMigration)
+                and (migration.namespace, migration.kb_ref) == (namespace, kb_ref)
+                and migration.state.active
+            ):
                 self._leases.pop(migration.id, None)
                 self._save(
                     replace(
@@ -108,16 +117,22 @@ class InProcessEmbeddingMigrationStore:
                 )
 
     async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
-        if migration.kb_ref is not None:
-            return await self._create_for_base(migration)
+        match migration:
+            case MemorySpaceMigration():
+                return await self._create_for_space(migration)
+            case KnowledgeBaseMigration():
+                return await self._create_for_base(migration)
+
+    def _unfinished(self, migration: EmbeddingMigration) -> bool:
+        """Another migration of the same subject is active."""
+        return any(m.subject == migration.subject and m.state.active for m in self._migrations.values())
+
+    async def _create_for_space(self, migration: MemorySpaceMigration) -> EmbeddingMigration | None:
         async with self._memories.tables.lock:
-            space = self._memories.tables.spaces.get((migration.namespace, migration.agent or ""))
+            space = self._memories.tables.spaces.get((migration.namespace, migration.agent))
             if space is None or space.generation != migration.from_generation:
                 return None
-            if any(
-                (m.namespace, m.agent) == (migration.namespace, migration.agent) and m.state.active
-                for m in self._migrations.values()
-            ):
+            if self._unfinished(migration):
                 return None
             now = self._now()
             created = replace(
@@ -133,13 +148,12 @@ class InProcessEmbeddingMigrationStore:
             )
             return self._save(created)
 
-    async def _create_for_base(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
+    async def _create_for_base(self, migration: KnowledgeBaseMigration) -> EmbeddingMigration | None:
         async with self._memories.tables.lock, self._knowledge.tables.lock:
-            key = (migration.namespace, migration.kb_ref)
-            base = self._knowledge.tables.bases.get((migration.namespace, migration.kb_ref or ""))
+            base = self._knowledge.tables.bases.get((migration.namespace, migration.kb_ref))
             if base is None or base.generation != migration.from_generation:
                 return None
-            if any((m.namespace, m.kb_ref) == key and m.state.active for m in self._migrations.values()):
+            if self._unfinished(migration):
                 return None
             documents = self._base_documents(migration)
             for doc_key, version in documents:
@@ -155,13 +169,12 @@ class InProcessEmbeddingMigrationStore:
                     lease_owner=None,
                     reason="",
                     created_at=self._now(),
-                    cursor=None,
                     document_cursor=None,
                 )
             )
 
     def _base_documents(
-        self, migration: EmbeddingMigration
+        self, migration: KnowledgeBaseMigration
     ) -> list[tuple[tuple[str, str, str], DocumentVersion]]:
         """The base's documents in ref order (code points: PostgreSQL's C collation)."""
         return sorted(
@@ -196,18 +209,16 @@ class InProcessEmbeddingMigrationStore:
                 return None
             finished = state in (MigrationState.SUCCEEDED, MigrationState.CANCELLED)
             self._leases.pop(stored.id, None)
-            return self._save(
-                replace(
-                    stored,
-                    state=state,
-                    reason=reason,
-                    failures=0,
-                    lease_owner=None,
-                    finished_at=self._now() if finished else None,
-                    cursor=None if state is MigrationState.CANCELLING else stored.cursor,
-                    document_cursor=None if state is MigrationState.CANCELLING else stored.document_cursor,
-                )
+            moved = replace(
+                stored,
+                state=state,
+                reason=reason,
+                failures=0,
+                lease_owner=None,
+                finished_at=self._now() if finished else None,
             )
+            # A cancel empties the target slot from the start.
+            return self._save(moved.rewound() if state is MigrationState.CANCELLING else moved)
 
     async def claim(
         self,
@@ -247,7 +258,7 @@ class InProcessEmbeddingMigrationStore:
         ]
         return len(lengths), round(sum(lengths) / len(lengths)) if lengths else 0
 
-    async def pending(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingMemory]:
+    async def pending(self, migration: MemorySpaceMigration, *, limit: int) -> list[PendingMemory]:
         held = self._held(migration, migration.lease_owner or "")
         if held is None or held.state is not MigrationState.BACKFILLING:
             return []
@@ -264,12 +275,12 @@ class InProcessEmbeddingMigrationStore:
 
     async def store_vectors(
         self,
-        migration: EmbeddingMigration,
+        migration: MemorySpaceMigration,
         runner: str,
         rows: Sequence[tuple[PendingMemory, np.ndarray]],
         *,
         lease_seconds: float,
-    ) -> EmbeddingMigration | None:
+    ) -> MemorySpaceMigration | None:
         async with self._memories.tables.lock:
             stored = self._held(migration, runner)
             if stored is None or stored.state is not MigrationState.BACKFILLING:
@@ -310,17 +321,22 @@ class InProcessEmbeddingMigrationStore:
             stored = self._held(migration, runner)
             if stored is None:
                 return False
-            self._save(replace(stored, cursor=None, document_cursor=None))
+            self._save(stored.rewound())
             return True
 
     async def cut_over(self, migration: EmbeddingMigration, runner: str) -> bool:
-        if migration.kb_ref is not None:
-            return await self._cut_over_base(migration, runner)
+        match migration:
+            case MemorySpaceMigration():
+                return await self._cut_over_space(migration, runner)
+            case KnowledgeBaseMigration():
+                return await self._cut_over_base(migration, runner)
+
+    async def _cut_over_space(self, migration: MemorySpaceMigration, runner: str) -> bool:
         async with self._memories.tables.lock:
             stored = self._held(migration, runner)
             if stored is None or stored.state is not MigrationState.BACKFILLING:
                 return False
-            key = (stored.namespace, stored.agent or "")
+            key = (stored.namespace, stored.agent)
             space = self._memories.tables.spaces[key]
             if space.generation != stored.from_generation:
                 raise RuntimeError("the memory space moved on without this migration")
@@ -344,13 +360,11 @@ class InProcessEmbeddingMigrationStore:
             )
             return True
 
-    async def _cut_over_base(self, migration: EmbeddingMigration, runner: str) -> bool:
+    async def _cut_over_base(self, migration: KnowledgeBaseMigration, runner: str) -> bool:
         async with self._memories.tables.lock, self._knowledge.tables.lock:
             stored = self._held(migration, runner)
             if stored is None or stored.state is not MigrationState.BACKFILLING:
                 return False
-            assert stored.kb_ref is not None
-            assert stored.target_chunking is not None
             key = (stored.namespace, stored.kb_ref)
             base = self._knowledge.tables.bases.get(key)
             if base is None:
@@ -393,7 +407,7 @@ class InProcessEmbeddingMigrationStore:
             return True
 
     async def _clear_base(
-        self, migration: EmbeddingMigration, runner: str, *, limit: int, lease_seconds: float
+        self, migration: KnowledgeBaseMigration, runner: str, *, limit: int, lease_seconds: float
     ) -> tuple[int, EmbeddingMigration] | None:
         async with self._memories.tables.lock, self._knowledge.tables.lock:
             stored = self._held(migration, runner)
@@ -415,9 +429,11 @@ class InProcessEmbeddingMigrationStore:
             self._leases[stored.id] = self._now() + timedelta(seconds=lease_seconds)
             return cleared, self._save(stored)
 
-    async def pending_documents(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingDocument]:
+    async def pending_documents(
+        self, migration: KnowledgeBaseMigration, *, limit: int
+    ) -> list[PendingDocument]:
         held = self._held(migration, migration.lease_owner or "")
-        if held is None or held.state is not MigrationState.BACKFILLING or held.kb_ref is None:
+        if held is None or held.state is not MigrationState.BACKFILLING:
             return []
         out = []
         for (_, _, ref), version in self._base_documents(held):
@@ -447,15 +463,15 @@ class InProcessEmbeddingMigrationStore:
 
     async def store_documents(
         self,
-        migration: EmbeddingMigration,
+        migration: KnowledgeBaseMigration,
         runner: str,
         documents: Sequence[tuple[PendingDocument, Sequence[ChunkRow]]],
         *,
         lease_seconds: float,
-    ) -> EmbeddingMigration | None:
+    ) -> KnowledgeBaseMigration | None:
         async with self._memories.tables.lock, self._knowledge.tables.lock:
             stored = self._held(migration, runner)
-            if stored is None or stored.state is not MigrationState.BACKFILLING or stored.kb_ref is None:
+            if stored is None or stored.state is not MigrationState.BACKFILLING:
                 return None
             written = 0
             for pending, chunks in documents:
@@ -502,8 +518,15 @@ class InProcessEmbeddingMigrationStore:
     async def clear_slot(
         self, migration: EmbeddingMigration, runner: str, *, limit: int, lease_seconds: float
     ) -> tuple[int, EmbeddingMigration] | None:
-        if migration.kb_ref is not None:
-            return await self._clear_base(migration, runner, limit=limit, lease_seconds=lease_seconds)
+        match migration:
+            case MemorySpaceMigration():
+                return await self._clear_space(migration, runner, limit=limit, lease_seconds=lease_seconds)
+            case KnowledgeBaseMigration():
+                return await self._clear_base(migration, runner, limit=limit, lease_seconds=lease_seconds)
+
+    async def _clear_space(
+        self, migration: MemorySpaceMigration, runner: str, *, limit: int, lease_seconds: float
+    ) -> tuple[int, EmbeddingMigration] | None:
         async with self._memories.tables.lock:
             stored = self._held(migration, runner)
             if stored is None or stored.state is not migration.state:

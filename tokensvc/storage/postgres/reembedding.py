@@ -32,6 +32,8 @@ from tokensvc.storage.records import (
     ChunkRow,
     EmbedderSpec,
     EmbeddingMigration,
+    KnowledgeBaseMigration,
+    MemorySpaceMigration,
     MigrationState,
     PendingDocument,
     PendingMemory,
@@ -56,29 +58,40 @@ _SERVED = (
 _RUNNER_STATES = frozenset({MigrationState.SUCCEEDED, MigrationState.CANCELLED, MigrationState.PAUSED})
 
 
-def _migration(row: asyncpg.Record) -> EmbeddingMigration:
+def _common(row: asyncpg.Record) -> dict[str, Any]:
+    """The fields both kinds of migration have, from a migration row."""
+    return {
+        "id": str(row["id"]),
+        "namespace": row["namespace"],
+        "from_generation": row["from_generation"],
+        # The source's normalisation is not kept: every stored vector is unit length anyway.
+        "source": EmbedderSpec(row["from_embedder"], row["from_model"], row["from_dimension"], True),
+        "target": EmbedderSpec(
+            row["to_embedder"], row["to_model"], row["to_dimension"], row["to_normalized"]
+        ),
+        "state": MigrationState(row["state"]),
+        "created_by": row["created_by"],
+        "reason": row["reason"],
+        "rows_total": row["rows_total"],
+        "rows_done": row["rows_done"],
+        "failures": row["failures"],
+        "lease_owner": row["lease_owner"],
+        "created_at": row["created_at"],
+        "updated_at": row["updated_at"],
+        "cut_over_at": row["cut_over_at"],
+        "finished_at": row["finished_at"],
+    }
+
+
+def _space_migration(row: asyncpg.Record) -> MemorySpaceMigration:
     bucket = row.get("cursor_bucket")
     cursor = None if bucket is None else (bucket, str(row["cursor_id"]))
-    return EmbeddingMigration(
-        id=str(row["id"]),
-        namespace=row["namespace"],
-        agent=row["agent"],
-        from_generation=row["from_generation"],
-        # The source's normalisation is not kept: every stored vector is unit length anyway.
-        source=EmbedderSpec(row["from_embedder"], row["from_model"], row["from_dimension"], True),
-        target=EmbedderSpec(row["to_embedder"], row["to_model"], row["to_dimension"], row["to_normalized"]),
-        state=MigrationState(row["state"]),
-        created_by=row["created_by"],
-        reason=row["reason"],
-        rows_total=row["rows_total"],
-        rows_done=row["rows_done"],
-        failures=row["failures"],
-        lease_owner=row["lease_owner"],
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-        cut_over_at=row["cut_over_at"],
-        finished_at=row["finished_at"],
-        cursor=cursor,
+    return MemorySpaceMigration(**_common(row), agent=row["agent"], cursor=cursor)
+
+
+def _base_migration(row: asyncpg.Record) -> KnowledgeBaseMigration:
+    return KnowledgeBaseMigration(
+        **_common(row),
         kb_ref=row["kb_ref"],
         source_chunking=_chunking(row, "from"),
         target_chunking=_chunking(row, "to"),
@@ -86,15 +99,13 @@ def _migration(row: asyncpg.Record) -> EmbeddingMigration:
     )
 
 
-def _chunking(row: asyncpg.Record, side: str) -> ChunkingSpec | None:
-    if row[f"{side}_chunking"] is None:
-        return None
+def _migration(row: asyncpg.Record) -> EmbeddingMigration:
+    """The row as its kind's record: a knowledge base's when it names one, else a space's."""
+    return _space_migration(row) if row["kb_ref"] is None else _base_migration(row)
+
+
+def _chunking(row: asyncpg.Record, side: str) -> ChunkingSpec:
     return ChunkingSpec(row[f"{side}_chunking"], row[f"{side}_chunk_size"], row[f"{side}_chunk_overlap"])
-
-
-def _space(migration: EmbeddingMigration) -> Tenant:
-    """The space's own rows of memory_spaces (its pin), no bucket."""
-    return Tenant(migration.namespace, migration.agent or "")
 
 
 def _subject(namespace: str, agent: str | None, kb_ref: str | None) -> Tenant:
@@ -107,7 +118,11 @@ def _subject(namespace: str, agent: str | None, kb_ref: str | None) -> Tenant:
 
 
 def _of(migration: EmbeddingMigration) -> Tenant:
-    return _subject(migration.namespace, migration.agent, migration.kb_ref)
+    match migration:
+        case MemorySpaceMigration():
+            return Tenant(migration.namespace, migration.agent)
+        case KnowledgeBaseMigration():
+            return Tenant(migration.namespace, knowledge_bases=(migration.kb_ref,))
 
 
 # Raised by tokensvc.leased_migration (0014): the runner does not hold the migration's lease.
@@ -131,8 +146,9 @@ async def _progress(
     cursor: tuple[str, str] | None = None,
     document: str | None = None,
     lease_seconds: float,
-) -> EmbeddingMigration | None:
-    """Record a held batch's progress (migration_progress, 0018); None when the lease is gone."""
+) -> asyncpg.Record | None:
+    """Record a held batch's progress (migration_progress, 0018): the migration's row, None when
+    the lease is gone."""
     row = await conn.fetchrow(
         "SELECT * FROM migration_progress($1, $2, $3, $4, $5::uuid, $6, $7)",
         migration.id,
@@ -143,10 +159,10 @@ async def _progress(
         document,
         lease_seconds,
     )
-    return None if row is None else _migration(row)
+    return row
 
 
-def _cursor(migration: EmbeddingMigration) -> tuple[str | None, str | None]:
+def _cursor(migration: MemorySpaceMigration) -> tuple[str | None, str | None]:
     return (None, None) if migration.cursor is None else migration.cursor
 
 
@@ -163,11 +179,16 @@ class PostgresEmbeddingMigrationStore:
         self._distributed = distributed
 
     async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
-        if migration.kb_ref is not None:
-            return await self._create_for_base(migration)
+        match migration:
+            case MemorySpaceMigration():
+                return await self._create_for_space(migration)
+            case KnowledgeBaseMigration():
+                return await self._create_for_base(migration)
+
+    async def _create_for_space(self, migration: MemorySpaceMigration) -> EmbeddingMigration | None:
         target = migration.target
         # The source is the space's pin as the database has it (the function reads it).
-        async with tenant_transaction(self._pool, _space(migration)) as conn:
+        async with tenant_transaction(self._pool, _of(migration)) as conn:
             row = await conn.fetchrow(
                 "SELECT * FROM start_memory_migration($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
                 migration.id,
@@ -200,13 +221,9 @@ class PostgresEmbeddingMigrationStore:
             released = await conn.fetchrow("SELECT * FROM release_started_migration($1)", row["id"])
         return _migration(released if released is not None else row)
 
-    async def _create_for_base(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
-        assert migration.kb_ref is not None
-        assert migration.source_chunking is not None
-        assert migration.target_chunking is not None
+    async def _create_for_base(self, migration: KnowledgeBaseMigration) -> EmbeddingMigration | None:
         target, after = migration.target, migration.target_chunking
-        base = Tenant(migration.namespace, knowledge_bases=(migration.kb_ref,))
-        async with tenant_transaction(self._pool, base) as conn:
+        async with tenant_transaction(self._pool, _of(migration)) as conn:
             # The base row FOR SHARE: no cutover or deletion races the check of its generation.
             # Each read is a statement of its own: Citus cannot read a distributed table inside
             # an INSERT into a reference table.
@@ -328,7 +345,7 @@ class PostgresEmbeddingMigrationStore:
             )
         return None if row is None or row["id"] is None else _migration(row)
 
-    async def pending(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingMemory]:
+    async def pending(self, migration: MemorySpaceMigration, *, limit: int) -> list[PendingMemory]:
         try:
             async with tenant_transaction(self._runner, _of(migration)) as conn:
                 rows = await conn.fetch(
@@ -352,12 +369,12 @@ class PostgresEmbeddingMigrationStore:
 
     async def store_vectors(
         self,
-        migration: EmbeddingMigration,
+        migration: MemorySpaceMigration,
         runner: str,
         rows: Sequence[tuple[PendingMemory, np.ndarray]],
         *,
         lease_seconds: float,
-    ) -> EmbeddingMigration | None:
+    ) -> MemorySpaceMigration | None:
         last = rows[-1][0] if rows else None
         async with tenant_transaction(self._runner, _of(migration)) as conn:
             if not await _hold(conn, migration.id, runner):
@@ -371,7 +388,7 @@ class PostgresEmbeddingMigrationStore:
                 [pending.content_sha256 for pending, _ in rows],
                 [Vector(v) for _, v in rows],
             )
-            return await _progress(
+            row = await _progress(
                 conn,
                 migration,
                 runner,
@@ -379,6 +396,7 @@ class PostgresEmbeddingMigrationStore:
                 cursor=None if last is None else (last.bucket, last.id),
                 lease_seconds=lease_seconds,
             )
+        return None if row is None else _space_migration(row)
 
     async def renew(self, migration: EmbeddingMigration, runner: str, *, lease_seconds: float) -> bool:
         async with self._runner.acquire() as conn:
@@ -391,7 +409,11 @@ class PostgresEmbeddingMigrationStore:
             return bool(await conn.fetchval("SELECT rewind_migration($1, $2)", migration.id, runner))
 
     async def cut_over(self, migration: EmbeddingMigration, runner: str) -> bool:
-        function = "cut_over_memory_space" if migration.kb_ref is None else "cut_over_knowledge_base"
+        match migration:
+            case MemorySpaceMigration():
+                function = "cut_over_memory_space"
+            case KnowledgeBaseMigration():
+                function = "cut_over_knowledge_base"
         async with tenant_transaction(self._runner, _of(migration)) as conn:
             done = await conn.fetchval(f"SELECT {function}($1, $2)", migration.id, runner)
         return bool(done)
@@ -401,12 +423,15 @@ class PostgresEmbeddingMigrationStore:
     ) -> tuple[int, EmbeddingMigration] | None:
         try:
             async with tenant_transaction(self._runner, _of(migration)) as conn:
-                if migration.kb_ref is None:
-                    # Locks the space row and the migration row itself, after its batch (0020).
-                    function = "migration_clear"
-                else:
-                    await conn.execute("SELECT lock_migration_subject($1, false)", migration.id)  # lock order
-                    function = "kb_migration_clear"
+                match migration:
+                    case MemorySpaceMigration():
+                        # Locks the space row and the migration row itself, after its batch (0020).
+                        function = "migration_clear"
+                    case KnowledgeBaseMigration():
+                        await conn.execute(
+                            "SELECT lock_migration_subject($1, false)", migration.id
+                        )  # lock order
+                        function = "kb_migration_clear"
                 cleared = await conn.fetchval(
                     f"SELECT {function}($1, $2, $3, $4)", migration.id, runner, limit, lease_seconds
                 )
@@ -418,7 +443,9 @@ class PostgresEmbeddingMigrationStore:
         assert row is not None
         return int(cleared), _migration(row)
 
-    async def pending_documents(self, migration: EmbeddingMigration, *, limit: int) -> list[PendingDocument]:
+    async def pending_documents(
+        self, migration: KnowledgeBaseMigration, *, limit: int
+    ) -> list[PendingDocument]:
         try:
             async with tenant_transaction(self._runner, _of(migration)) as conn:
                 documents = await conn.fetch(
@@ -459,12 +486,12 @@ class PostgresEmbeddingMigrationStore:
 
     async def store_documents(
         self,
-        migration: EmbeddingMigration,
+        migration: KnowledgeBaseMigration,
         runner: str,
         documents: Sequence[tuple[PendingDocument, Sequence[ChunkRow]]],
         *,
         lease_seconds: float,
-    ) -> EmbeddingMigration | None:
+    ) -> KnowledgeBaseMigration | None:
         positions = [position for position, (_, chunks) in enumerate(documents, 1) for _ in chunks]
         chunks = [chunk for _, rows in documents for chunk in rows]
         async with tenant_transaction(self._runner, _of(migration)) as conn:
@@ -481,7 +508,7 @@ class PostgresEmbeddingMigrationStore:
                 positions,
                 *chunk_columns(chunks),
             )
-            return await _progress(
+            row = await _progress(
                 conn,
                 migration,
                 runner,
@@ -489,6 +516,7 @@ class PostgresEmbeddingMigrationStore:
                 document=documents[-1][0].ref if documents else None,
                 lease_seconds=lease_seconds,
             )
+        return None if row is None else _base_migration(row)
 
     async def base_size(self, namespace: str, kb_ref: str) -> tuple[int, int, int, int]:
         async with tenant_transaction(self._pool, Tenant(namespace, knowledge_bases=(kb_ref,))) as conn:
