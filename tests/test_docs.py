@@ -1,4 +1,4 @@
-"""The README stays true to the code: every setting and every command is documented."""
+"""The README stays true to the code: every setting, command, proto and package is documented."""
 
 from __future__ import annotations
 
@@ -29,6 +29,13 @@ def test_the_readme_layout_names_every_proto_file() -> None:
     listed = {name.strip() for name in line.split(":", 1)[1].split(",")}
     shipped = {path.stem for path in (ROOT / "protos" / "tokensvc" / "v1").glob("*.proto")}
     assert listed == shipped, f"README layout lists {sorted(listed)}, protos/ has {sorted(shipped)}"
+
+
+def test_the_readme_layout_names_every_package() -> None:
+    lines = README.splitlines()
+    packages = sorted(path.parent.name for path in (ROOT / "tokensvc").glob("*/__init__.py"))
+    missing = [name for name in packages if not any(line.startswith(f"  {name}/ ") for line in lines)]
+    assert not missing, f"add these packages to the README's layout map: {missing}"
 
 
 def test_every_knowledge_base_question_quotes_its_document_exactly_once() -> None:

@@ -3,8 +3,8 @@
 Every module under `tokensvc/` (the generated `tokensvc/v1` aside) is parsed with `ast`; every
 import counts, including those inside functions. The layers, bottom to top:
 
-    shared -> storage ports -> storage implementations -> retrieval / embedders -> domain -> api
-    -> app (composition root) -> cli
+    shared -> storage ports -> storage implementations -> retrieval / embedders -> jobs -> domain
+    -> api -> app (composition root) -> cli
 
 A module may import its own layer and the layers below it, never one above. Storage
 implementations (PostgreSQL, in-process) implement the ports they sit on: only the composition
@@ -13,6 +13,8 @@ no transport (gRPC, protobuf, the generated stubs) below the API, the database d
 `tokensvc/storage/postgres`, the API reaching storage only through domain re-exports, the
 dev PKI only in the CLI, and re-embedding (`tokensvc/reembedding`) above memory and knowledge
 within the domain: it re-chunks with `tokensvc.knowledge.chunking`, neither of them imports it.
+The job runner (`tokensvc.jobs`) sits below the domain: it runs every kind of background job and
+knows none of them.
 
 An exception is an entry in `ALLOWED` with a one-line reason; an entry that no longer matches an
 import fails too, so the list only shrinks.
@@ -50,6 +52,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("storage ports", ("tokensvc.storage",)),
     ("storage implementations", ("tokensvc.storage.postgres", "tokensvc.storage.inprocess")),
     ("retrieval / embedders", ("tokensvc.retrieval", "tokensvc.embedders")),
+    # The one runner of background work (claims, leases, backoff); each kind of job is domain.
+    ("jobs", ("tokensvc.jobs",)),
     (
         "domain",
         (
@@ -71,7 +75,14 @@ RANK = {name: rank for rank, (name, _) in enumerate(LAYERS)}
 
 STORAGE = "tokensvc.storage"
 IMPLEMENTATIONS = ("tokensvc.storage.postgres", "tokensvc.storage.inprocess")
-DOMAIN_AND_BELOW = ("domain", "retrieval / embedders", "storage ports", "storage implementations", "shared")
+DOMAIN_AND_BELOW = (
+    "domain",
+    "jobs",
+    "retrieval / embedders",
+    "storage ports",
+    "storage implementations",
+    "shared",
+)
 TRANSPORT = (
     "grpc",
     "grpc_health",
@@ -199,6 +210,7 @@ def test_storage_imports_nothing_of_the_domain_api_or_composition_root() -> None
         "memory",
         "knowledge",
         "reembedding",
+        "jobs",
         "api",
         "credentials",
         "admin",
@@ -217,11 +229,13 @@ def test_the_domain_imports_no_transport_and_no_database_driver() -> None:
     bad = [
         imp
         for imp in IMPORTS
-        if layer_of(imp.module) in ("domain", "retrieval / embedders") and within(imp.target, *forbidden)
+        if layer_of(imp.module) in ("domain", "jobs", "retrieval / embedders")
+        and within(imp.target, *forbidden)
     ]
     assert not bad, offences(
         bad,
-        "domain, retrieval and embedders: no grpc/protobuf/tokensvc.v1, no asyncpg, no storage implementation",
+        "domain, jobs, retrieval and embedders: no grpc/protobuf/tokensvc.v1, no asyncpg, "
+        "no storage implementation",
     )
 
 
@@ -392,3 +406,11 @@ def test_every_allowed_exception_is_still_needed() -> None:
         if not any(imp.module == module and within(imp.target, target) for imp in IMPORTS)
     ]
     assert not stale, f"these ALLOWED entries match no import any more; remove them: {stale}"
+
+
+def test_the_job_runner_reaching_up_to_a_kind_of_job_is_an_import_up_the_layers() -> None:
+    found = imports_of("from tokensvc.reembedding import MigrationRunner\n", "tokensvc.jobs.runner")
+    up = [
+        imp for imp in found if RANK[layer_of(imp.target) or "shared"] > RANK[layer_of(imp.module) or "cli"]
+    ]
+    assert {imp.target for imp in up} == {"tokensvc.reembedding"}

@@ -2,10 +2,12 @@
 optionally to another chunking strategy too) while it serves (issue 16).
 
 `EmbeddingMigrations` (`operations`) is what operators call (start, dry run, status, list,
-cancel, resume); `MigrationRunner` (`runner`) is the background worker every replica runs. The
-state lives in PostgreSQL (`EmbeddingMigrationStore`); one runner at a time holds a migration's
-lease, renewed with every batch, and another replica takes it over when the lease expires. The
-state machine:
+cancel, resume); `MigrationRunner` (`runner`) is the background worker every replica runs: one
+kind of job of `tokensvc.jobs`, whose runner claims, leases, backs off and pauses. The state
+lives in PostgreSQL (`EmbeddingMigrationStore`); one runner at a time holds a migration's lease,
+renewed while it works and with every batch, and another replica takes it over when the lease
+expires. A migration is a `MemorySpaceMigration` or a `KnowledgeBaseMigration`. The state
+machine:
 
     BACKFILLING --(every live memory has a target vector: the cutover)--> RETIRING --> SUCCEEDED
     BACKFILLING <--(persistent embedder failure / resume)--> PAUSED

@@ -1,16 +1,16 @@
-"""A backfill, whichever its kind: what the runner asks of one (`Backfill`), the pipeline the
-runner lends it to run its batches through (`Pipeline`), and what both kinds share (the batch
-size, the scheduler's demand, embedding a batch of texts).
+"""A backfill, whichever its kind: what the runner asks of one (`Backfill`, run through the
+`BatchPipeline` lent to it), and what both kinds share (the batch size, the scheduler's demand,
+embedding a batch of texts).
 
-The seam between the runner and the kinds: the runner claims, leases, cuts over, backs off and
-pauses, whatever the migration moves; a memory space's backfill (`memory_backfill`) and a
-knowledge base's (`knowledge_backfill`) say how their batches are read, embedded and written.
+The seam between the pipeline and the kinds: the pipeline (`pipeline.BatchPipeline`, under the
+job runner's lease, backoff and pause) reads ahead, passes again and cuts over, whatever the
+migration moves; a memory space's backfill (`memory_backfill`) and a knowledge base's
+(`knowledge_backfill`) say how their batches are read, embedded and written.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 from opentelemetry import trace
@@ -18,36 +18,15 @@ from opentelemetry import trace
 from tokensvc.embedders import Demand, ScheduledEmbedder, WorkClass
 from tokensvc.errors import EmbedderUnavailable
 from tokensvc.observability.metrics import observe_embedding
+from tokensvc.reembedding.pipeline import BatchPipeline
 from tokensvc.retrieval import unit_vector
-from tokensvc.storage.records import EmbeddingMigration, KnowledgeBaseMigration, MemorySpaceMigration
+from tokensvc.storage.records import EmbeddingMigration
 
-__all__ = ["Backfill", "Pipeline", "batch_size_of", "bulk_demand", "embed_texts"]
+__all__ = ["Backfill", "batch_size_of", "bulk_demand", "embed_texts"]
 
 _tracer = trace.get_tracer("tokensvc.reembedding")
 _DEFAULT_BATCH = 64
-_Item = TypeVar("_Item")
-_Vectors = TypeVar("_Vectors")
-_Migration = TypeVar("_Migration", MemorySpaceMigration, KnowledgeBaseMigration)
 _Migration_contra = TypeVar("_Migration_contra", bound=EmbeddingMigration, contravariant=True)
-
-
-class Pipeline(Protocol):
-    """The runner's batch loop, lent to a backfill for one migration."""
-
-    async def pipeline(
-        self,
-        migration: _Migration,
-        *,
-        read: Callable[[_Migration], Awaitable[list[_Item] | None]],
-        ahead_of: Callable[[_Migration, list[_Item]], _Migration],
-        embed: Callable[[list[_Item]], Coroutine[Any, Any, _Vectors]],
-        store: Callable[[_Migration, list[_Item], _Vectors], Awaitable[_Migration | None]],
-        unreadable: str = "",
-    ) -> None:
-        """Read a batch after the cursor, embed it, write it, until the pass ends (then pass again
-        or cut over), the lease is lost or the migration pauses; `read` answering None pauses it
-        with `unreadable`."""
-        ...
 
 
 class Backfill(Protocol[_Migration_contra]):
@@ -59,7 +38,7 @@ class Backfill(Protocol[_Migration_contra]):
     clear_limit: int
 
     async def backfill(
-        self, migration: _Migration_contra, embedder: ScheduledEmbedder, size: int, pipeline: Pipeline
+        self, migration: _Migration_contra, embedder: ScheduledEmbedder, size: int, pipeline: BatchPipeline
     ) -> None:
         """Run the migration's backfill through `pipeline`, embedding with the (checked) target
         `embedder` in batches of `size` texts."""

@@ -13,7 +13,8 @@ from tokensvc.embedders import Demand, ScheduledEmbedder
 from tokensvc.errors import EmbedderUnavailable
 from tokensvc.knowledge.chunking import ChunkingStrategy, chunk_document
 from tokensvc.observability.metrics import METRICS
-from tokensvc.reembedding.backfill import Pipeline, bulk_demand, embed_texts
+from tokensvc.reembedding.backfill import bulk_demand, embed_texts
+from tokensvc.reembedding.pipeline import BatchPipeline
 from tokensvc.storage.ports import KnowledgeBackfillStore
 from tokensvc.storage.records import ChunkRow, KnowledgeBaseMigration, PendingDocument, StoredChunk
 
@@ -39,7 +40,11 @@ class KnowledgeBackfill:
         self._lease_seconds = lease_seconds
 
     async def backfill(
-        self, migration: KnowledgeBaseMigration, embedder: ScheduledEmbedder, size: int, pipeline: Pipeline
+        self,
+        migration: KnowledgeBaseMigration,
+        embedder: ScheduledEmbedder,
+        size: int,
+        pipeline: BatchPipeline,
     ) -> None:
         demand = bulk_demand(migration)
 

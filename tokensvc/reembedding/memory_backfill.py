@@ -9,7 +9,8 @@ import numpy as np
 
 from tokensvc.embedders import ScheduledEmbedder
 from tokensvc.observability.metrics import METRICS
-from tokensvc.reembedding.backfill import Pipeline, bulk_demand, embed_texts
+from tokensvc.reembedding.backfill import bulk_demand, embed_texts
+from tokensvc.reembedding.pipeline import BatchPipeline
 from tokensvc.storage.ports import MemoryBackfillStore
 from tokensvc.storage.records import MemorySpaceMigration, PendingMemory
 
@@ -34,7 +35,7 @@ class MemoryBackfill:
         self._lease_seconds = lease_seconds
 
     async def backfill(
-        self, migration: MemorySpaceMigration, embedder: ScheduledEmbedder, size: int, pipeline: Pipeline
+        self, migration: MemorySpaceMigration, embedder: ScheduledEmbedder, size: int, pipeline: BatchPipeline
     ) -> None:
         read = _ReadAhead(self._store, batch=size, rows=max(size, _MEMORY_READ)).read
         demand = bulk_demand(migration)

@@ -20,6 +20,7 @@ from tokensvc.embedders import (
     WorkClass,
 )
 from tokensvc.errors import InvalidArgument, NotFound, Reason, TokensvcError
+from tokensvc.jobs import Throughput
 from tokensvc.reembedding.backfill import batch_size_of
 from tokensvc.reembedding.events import announce
 from tokensvc.storage.ports import KnowledgeStore, MemoryStore, MigrationOperationsStore
@@ -85,14 +86,14 @@ class MigrationProgress:
 
 def progress_of(migration: EmbeddingMigration) -> MigrationProgress:
     """Rate over the migration's life so far (created to last progress), ETA from it."""
-    rate = 0.0
-    if migration.created_at is not None and migration.updated_at is not None and migration.rows_done:
-        elapsed = (migration.updated_at - migration.created_at).total_seconds()
-        rate = migration.rows_done / elapsed if elapsed > 0 else 0.0
-    eta = None
-    if migration.state is MigrationState.BACKFILLING and rate > 0:
-        eta = max(0.0, migration.rows_total - migration.rows_done) / rate
-    return MigrationProgress(migration, rate, eta)
+    throughput = Throughput.of(
+        done=migration.rows_done,
+        total=migration.rows_total,
+        started=migration.created_at,
+        last=migration.updated_at,
+        running=migration.state is MigrationState.BACKFILLING,
+    )
+    return MigrationProgress(migration, throughput.per_second, throughput.eta_seconds)
 
 
 class EmbeddingMigrations:
