@@ -210,7 +210,7 @@ class Worker:
     # --- search -----------------------------------------------------------------------------------
 
     def _exact(self, item: SearchItem) -> bool:
-        """tokensvc's routing (LongTermMemory.search): by bucket size, higher with a filter."""
+        """tokensvc's routing (the retrieval engine's RoutedPlan): by bucket size, higher with a filter."""
         return self.tuning.exact(item.size, filtered=FILTERS[item.filter] is not None, dimension=DIM)
 
     def _ef_search(self) -> int:

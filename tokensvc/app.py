@@ -43,8 +43,9 @@ from tokensvc.memory.data_subjects import DataSubjectRequests
 from tokensvc.memory.service import LongTermMemory
 from tokensvc.observability import METRICS, Vitals, configure_tracing, start_metrics_server
 from tokensvc.reembedding import EmbeddingMigrations, MigrationRunner, RunnerSettings
-from tokensvc.retrieval import FusionWeights, SearchTuning
+from tokensvc.retrieval import FusionWeights, RetrievalEngine, SearchTuning
 from tokensvc.settings import Settings, SettingsError
+from tokensvc.storage.caching import CachingKnowledgeStore, CachingMemoryStore
 from tokensvc.storage.ports import ConnectionPool
 from tokensvc.storage.postgres import Database, DatabaseLocation
 from tokensvc.storage.postgres.audit import PostgresAuditStore
@@ -243,13 +244,12 @@ class Service:
         )
         memories = PostgresMemoryStore(pool)
         self.memory = LongTermMemory(
-            memories,
+            # Serving reuses pins and row counts for a while; re-embedding reads the store itself.
+            CachingMemoryStore(memories, pin_seconds=settings.memory_space_cache_seconds),
             self.embedders,
             default_embedder=settings.memory_embedder,
             default_text_config=settings.text_search_config,
-            tuning=tuning,
-            fusion=fusion,
-            space_cache_seconds=settings.memory_space_cache_seconds,
+            engine=RetrievalEngine(tuning, fusion),
         )
         migration_store = PostgresEmbeddingMigrationStore(
             pool, runner_pool=database.runner_pool, distributed=database.citus is not None
@@ -273,7 +273,7 @@ class Service:
         )
         knowledge = PostgresKnowledgeStore(pool)
         self.knowledge = KnowledgeBases(
-            knowledge,
+            CachingKnowledgeStore(knowledge),
             self.embedders,
             audit=self.audit,
             extraction=self.extraction,
@@ -281,8 +281,10 @@ class Service:
             default_text_config=settings.text_search_config,
             # A corpus is searched exactly up to 5x the bucket threshold: chunks are fewer, longer
             # rows than memories and a whole corpus is one search's scope.
-            tuning=dataclasses.replace(tuning, exact_threshold=5 * settings.memory_exact_search_threshold),
-            fusion=fusion,
+            engine=RetrievalEngine(
+                dataclasses.replace(tuning, exact_threshold=5 * settings.memory_exact_search_threshold),
+                fusion,
+            ),
         )
         return Domain(
             capabilities=CapabilityOperations(

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
+from tests.retrieval.engine_support import RecordingEngine
 from tokensvc.audit import AuditKind, AuditLog
 from tokensvc.auth.scope import TenantScope
 from tokensvc.embedders import EmbedderRegistry, EmbedderSpec, HashEmbedder, Vectors
@@ -97,15 +98,26 @@ def extraction() -> Iterator[ExtractionPool]:
 
 
 @pytest.fixture
+def engine() -> RecordingEngine:
+    return RecordingEngine()
+
+
+@pytest.fixture
 def kbs(
     store: InProcessKnowledgeStore,
     embedder: CountingEmbedder,
     audit_store: InProcessAuditStore,
     extraction: ExtractionPool,
+    engine: RecordingEngine,
 ) -> KnowledgeBases:
     registry = EmbedderRegistry({"hash": embedder, "small": CountingEmbedder("small", 64)})
     return KnowledgeBases(
-        store, registry, audit=AuditLog(audit_store), extraction=extraction, default_embedder="hash"
+        store,
+        registry,
+        audit=AuditLog(audit_store),
+        extraction=extraction,
+        default_embedder="hash",
+        engine=engine,
     )
 
 
@@ -365,7 +377,7 @@ async def test_search_returns_cited_passages_bounded_by_top_k_min_score_and_filt
 
 
 async def test_bases_with_different_embedders_are_searched_separately_and_merged_by_score(
-    kbs: KnowledgeBases,
+    kbs: KnowledgeBases, engine: RecordingEngine
 ) -> None:
     await kbs.create(NS, "big", "", "hash", FIXED, actor=ACTOR)
     await kbs.create(NS, "small", "", "small", FIXED, actor=ACTOR)
@@ -384,3 +396,7 @@ async def test_bases_with_different_embedders_are_searched_separately_and_merged
 
     assert {p.kb_ref for p in passages} == {"big", "small"}
     assert [p.score for p in passages] == sorted((p.score for p in passages), reverse=True)
+    # One retrieval per embedder, each through the engine: the passages are what they returned.
+    assert sorted(asked.dimension for asked, _ in engine.searches) == [64, 384]
+    returned = sorted((r.item.kb_ref, r.item.chunk_index, r.score) for _, rs in engine.searches for r in rs)
+    assert sorted((p.kb_ref, p.chunk_index, p.score) for p in passages) == returned

@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 import pytest
 
+from tests.retrieval.engine_support import RecordingEngine
 from tokensvc.auth.scope import TenantScope
 from tokensvc.embedders import EmbedderRegistry, EmbedderSpec, HashEmbedder
 from tokensvc.errors import (
@@ -108,8 +109,13 @@ def hashing() -> EmbedderRegistry:
 
 
 @pytest.fixture
-def ltm(store: InProcessMemoryStore, hashing: EmbedderRegistry) -> LongTermMemory:
-    return LongTermMemory(store, hashing, default_embedder="hash")
+def engine() -> RecordingEngine:
+    return RecordingEngine()
+
+
+@pytest.fixture
+def ltm(store: InProcessMemoryStore, hashing: EmbedderRegistry, engine: RecordingEngine) -> LongTermMemory:
+    return LongTermMemory(store, hashing, default_embedder="hash", engine=engine)
 
 
 @pytest.fixture
@@ -555,3 +561,19 @@ async def test_a_write_that_keeps_conflicting_answers_unavailable_and_writes_not
     assert "retry" in str(caught.value)
     assert store.inserts == 3
     assert await ltm.list_page(scope, page_size=10, cursor=None, filter_=None) == ([], None)
+
+
+async def test_a_search_runs_through_the_retrieval_engine_with_the_spaces_pins(
+    ltm: LongTermMemory, scope: TenantScope, engine: RecordingEngine
+) -> None:
+    await ltm.remember(scope, [item("the cellar key is under the mat")])
+
+    hits = await ltm.search(scope, query("cellar key", top_k=3, filter_=Condition("a", Operator.EQ, 1)))
+    unfiltered = await ltm.search(scope, query("cellar key", top_k=3))
+
+    assert [r for _, r in engine.searches] == [hits, unfiltered]
+    assert [h.item.content for h in unfiltered] == ["the cellar key is under the mat"]
+    (asked, _), (plain, _) = engine.searches
+    assert (asked.text, asked.text_config, asked.dimension, asked.top_k) == ("cellar key", "english", 384, 3)
+    assert asked.vector is not None
+    assert (asked.filtered, plain.filtered) == (True, False)

@@ -29,6 +29,7 @@ from tokensvc.reembedding import (
     MigrationState,
     RunnerSettings,
 )
+from tokensvc.storage.caching import CachingMemoryStore
 from tokensvc.storage.inprocess import (
     InProcessAuditStore,
     InProcessEmbeddingMigrationStore,
@@ -83,7 +84,7 @@ def wired(
     audit = AuditLog(audit_store)
     runner = MigrationRunner(migrations, embedders, audit, settings)
     service = EmbeddingMigrations(migrations, memories, embedders, audit, wake=runner.wake)
-    memory = LongTermMemory(memories, embedders, default_embedder="hash", space_cache_seconds=0.000_001)
+    memory = LongTermMemory(memories, embedders, default_embedder="hash")
     return runner, service, memory
 
 
@@ -104,7 +105,7 @@ def world() -> tuple[
         RunnerSettings(pause_after=2, backoff_seconds=0.001, retire_seconds=0, batch_size=2),
     )
     service = EmbeddingMigrations(migrations, memories, embedders, audit, wake=runner.wake)
-    memory = LongTermMemory(memories, embedders, default_embedder="hash", space_cache_seconds=0.000_001)
+    memory = LongTermMemory(memories, embedders, default_embedder="hash")
     return memory, service, runner, target, audit_store
 
 
@@ -168,7 +169,7 @@ async def test_a_write_with_a_stale_pin_is_embedded_again_for_the_new_model(worl
     user = scope(7)
     await memory.remember(user, items("before the migration"))
     stale = LongTermMemory(
-        memory._store, memory._embedders, default_embedder="hash", space_cache_seconds=3600
+        CachingMemoryStore(memory._store, pin_seconds=3600), memory._embedders, default_embedder="hash"
     )
     await stale.remember(user, items("a replica caches the pin"))  # this replica now holds the old pin
     migration, _ = await service.start("team-a", "helper", "target", dry_run=False, actor="admin")
@@ -239,7 +240,7 @@ async def test_a_batch_slower_than_the_lease_keeps_it_and_the_migration_finishes
         migrations, embedders, audit, RunnerSettings(lease_seconds=lease, retire_seconds=0, batch_size=2)
     )
     service = EmbeddingMigrations(migrations, memories, embedders, audit, wake=runner.wake)
-    memory = LongTermMemory(memories, embedders, default_embedder="hash", space_cache_seconds=0.000_001)
+    memory = LongTermMemory(memories, embedders, default_embedder="hash")
     await memory.remember(scope(1), items(*(f"fact {i}" for i in range(6))))
     migration, _ = await service.start("team-a", "helper", "target", dry_run=False, actor="admin")
     assert migration is not None

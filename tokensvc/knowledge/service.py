@@ -3,7 +3,10 @@
 Rules enforced here: the embedder and chunking strategy are pinned at creation (a different
 choice for an existing ref is FAILED_PRECONDITION); re-uploading identical content is a no-op;
 embedding happens before any write, so an embedder failure stores nothing; a launcher may search
-only knowledge bases in its capability's roster, and a refusal names no other corpus.
+only knowledge bases in its capability's roster, and a refusal names no other corpus. Searches
+run through the retrieval engine (`tokensvc.retrieval.engine`), one per (embedder, text
+configuration) group of the searched bases; what a search remembers between calls (the bases'
+pins, row counts) is a store decorator's (`tokensvc.storage.caching`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from tokensvc.embedders import (
     EmbedderSpec,
     ScheduledEmbedder,
     WorkClass,
-    fair_share,
 )
 from tokensvc.errors import (
     DatabaseUnavailable,
@@ -42,23 +44,19 @@ from tokensvc.memory.metadata import MetadataScalar
 from tokensvc.observability.metrics import observe_embedding
 from tokensvc.retrieval import (
     DEFAULT_TEXT_CONFIG,
-    FusionWeights,
     Ranked,
-    Recent,
-    RowCounts,
+    Retrieval,
+    RetrievalEngine,
     SearchMode,
     SearchTuning,
-    apply_mode,
-    candidate_query,
+    embed_query,
     unit_rows,
-    unit_vector,
     validate_text_config,
 )
 from tokensvc.storage.ports import KnowledgeStore, StaleKnowledgeBases
 from tokensvc.storage.records import (
     ALL_KNOWLEDGE_BASES,
     BaseRow,
-    CandidateQuery,
     ChunkRow,
     DocumentRow,
     KnowledgePins,
@@ -74,6 +72,9 @@ _MAX_SEARCH_REFS = 16
 # A cutover between reading the base and writing the version makes the upload start over; two
 # cutovers in a row of one base cannot happen (the old generation is retired first).
 _UPLOAD_ATTEMPTS = 3
+# A search with remembered pins that no longer hold reads them afresh and runs again; a second
+# refusal needs another base created, deleted or cut over meanwhile.
+_SEARCH_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,7 @@ class KnowledgeBases:
         extraction: ExtractionPool,
         default_embedder: str,
         default_text_config: str = DEFAULT_TEXT_CONFIG,
-        tuning: SearchTuning | None = None,
-        fusion: FusionWeights | None = None,
+        engine: RetrievalEngine | None = None,
     ):
         self._store = store
         self._extraction = extraction
@@ -120,11 +120,7 @@ class KnowledgeBases:
         self._audit = audit
         self._default = default_embedder
         self._default_text_config = default_text_config
-        self._tuning = tuning or SearchTuning(exact_threshold=5000)
-        self._fusion = fusion or FusionWeights()
-        self._sizes = RowCounts(self._tuning.row_count_ttl_seconds)
-        # Bases by (namespace, searched refs), as their last search read them.
-        self._pins: Recent[list[BaseRow]] = Recent(self._tuning.row_count_ttl_seconds)
+        self._engine = engine or RetrievalEngine(SearchTuning(exact_threshold=5000))
 
     # --- management (control plane, admin) --------------------------------------------------
 
@@ -165,7 +161,6 @@ class KnowledgeBases:
             )
             stored, created = await self._store.create_base(_management(namespace), wanted)
             if created:
-                self._pins.clear()
                 await self._audit.record(
                     AuditKind.KNOWLEDGE_BASE_CREATION,
                     actor=actor,
@@ -196,7 +191,6 @@ class KnowledgeBases:
     async def delete(self, namespace: str, ref: str, *, actor: str) -> int:
         with _tracer.start_as_current_span("knowledge.delete", record_exception=False):
             count = await self._store.delete_base(_management(namespace), ref)
-            self._pins.clear()
             if count is None:
                 raise _no_base(namespace, ref)
             await self._audit.record(
@@ -358,24 +352,18 @@ class KnowledgeBases:
             refs = _authorised_refs(scope, refs)
             tenant = Tenant(scope.namespace, scope.agent, knowledge_bases=tuple(refs))
             wanted = (query, top_k, min_score, filter_, mode)
-            # The bases' pins (what to embed the query with) are remembered for a while; the
-            # search's own transaction checks they still hold, so a warm search is one
-            # transaction, and a stale one is re-run with the pins read afresh.
-            key = f"{scope.namespace}/{','.join(refs)}"
-            remembered = self._pins.get(key)
-            ranked: list[Ranked[PassageRow]] | None = None
-            if remembered is not None:
-                pins = KnowledgePins(
-                    tuple(refs), tuple((b.ref, b.created_at, b.generation) for b in remembered)
-                )
+            # The bases' pins (what to embed the query with) may be remembered from an earlier
+            # search; then this search's own transaction checks they still hold, so a warm search
+            # is one transaction, and a stale one is run again with the pins read afresh.
+            for _ in range(_SEARCH_ATTEMPTS):
+                bases, pins = await self._store.bases_for_search(tenant, refs)
                 try:
-                    ranked = await self._search_bases(tenant, remembered, pins, *wanted)
+                    ranked = await self._search_bases(tenant, bases, pins, *wanted)
+                    break
                 except StaleKnowledgeBases:
                     span.set_attribute("tokensvc.search.stale_pins", True)
-            if ranked is None:
-                bases = await self._store.get_bases(tenant, refs)
-                self._pins.put(key, bases)
-                ranked = await self._search_bases(tenant, bases, None, *wanted)
+            else:
+                raise DatabaseUnavailable("the knowledge bases changed while searching; retry")
             passages = [_passage(r) for r in ranked[:top_k]]
             span.set_attribute("tokensvc.result_count", len(passages))
             return passages
@@ -419,46 +407,29 @@ class KnowledgeBases:
     ) -> list[Ranked[PassageRow]]:
         vector = None
         if mode is not SearchMode.TEXT:
-            embedder = self._embedder_for(spec)
-            with _tracer.start_as_current_span("embed", record_exception=False):
-                vector = unit_vector(
-                    await observe_embedding(
-                        spec.name, embedder.embed_query(query, fair_share(tenant.namespace, tenant.agent))
-                    ),
-                    "query_text",
-                )
-        tuning = self._tuning
-        k = top_k if mode is SearchMode.VECTOR else max(top_k, tuning.candidates)
-        text = None if mode is SearchMode.VECTOR else query
-
-        def plan(rows: int) -> CandidateQuery:
-            return candidate_query(
-                vector=vector,
-                text=text,
-                text_config=text_config,
-                k=k,
-                rows=rows,
-                exact=tuning.exact(rows, filtered=filter_ is not None, dimension=spec.dimension),
-                neighbours=mode is SearchMode.HYBRID and self._fusion.neighbour > 0,
-                tuning=tuning,
-            )
-
-        refs = [base.ref for base in bases]
-        key = f"{tenant.namespace}/{','.join(refs)}"
-        cached = self._sizes.get(key)
-        outcome = await self._store.search(
-            tenant,
-            refs,
-            plan,
-            row_count=cached,
-            count_cap=tuning.count_cap,
-            filter_=filter_,
-            generations=[base.generation for base in bases],
-            expect=pins,
+            vector = await embed_query(self._embedder_for(spec), query, tenant.namespace, tenant.agent)
+        retrieval = Retrieval(
+            mode=mode,
+            text=query,
+            vector=vector,
+            top_k=top_k,
+            min_score=min_score,
+            filtered=filter_ is not None,
+            text_config=text_config,
+            dimension=spec.dimension,
         )
-        if cached is None:
-            self._sizes.put(key, outcome.row_count)
-        return apply_mode(mode, outcome.candidates, self._fusion, top_k=top_k, min_score=min_score)
+        return await self._engine.search(
+            retrieval,
+            lambda plan: self._store.search(
+                tenant,
+                [base.ref for base in bases],
+                plan,
+                count_cap=plan.count_cap,
+                filter_=filter_,
+                generations=[base.generation for base in bases],
+                expect=pins,
+            ),
+        )
 
     def _embedder(self, base: BaseRow) -> ScheduledEmbedder:
         return self._embedder_for(_spec(base))

@@ -6,8 +6,10 @@ needed); content is deduplicated per bucket after NFC normalisation and trimming
 happens before any write, so an embedder failure leaves nothing half-written; rows under an older
 pepper version's bucket move to the current bucket on first access. A re-embedding migration
 (`tokensvc.reembedding`) changes a pin explicitly: a write that embedded for the old
-generation is refused by storage (`StaleMemorySpace`) and done again for the new one, and pins are
-cached for `space_cache_seconds` only, so every replica follows a cutover.
+generation is refused by storage (`StaleMemorySpace`) and done again for the new one. Pins and
+bucket row counts are cached, if at all, by a decorator around the store
+(`tokensvc.storage.caching`), for a while only, so every replica follows a cutover; searches run
+through the retrieval engine (`tokensvc.retrieval.engine`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import time
 import unicodedata
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -32,7 +33,6 @@ from tokensvc.embedders import (
     EmbedderSpec,
     ScheduledEmbedder,
     WorkClass,
-    fair_share,
 )
 from tokensvc.errors import (
     AlreadyExists,
@@ -50,25 +50,23 @@ from tokensvc.memory.paging import PageCursor
 from tokensvc.observability.metrics import observe_embedding
 from tokensvc.retrieval import (
     DEFAULT_TEXT_CONFIG,
-    FusionWeights,
     Ranked,
-    RowCounts,
+    Retrieval,
+    RetrievalEngine,
     SearchMode,
     SearchTuning,
-    apply_mode,
-    candidate_query,
+    embed_query,
     unit_vector,
 )
 from tokensvc.storage.filter_language import Filter
 from tokensvc.storage.ports import MemoryStore, StaleMemorySpace
-from tokensvc.storage.records import CandidateQuery, Tenant
+from tokensvc.storage.records import Tenant
 
 __all__ = ["LongTermMemory", "RememberItem", "SearchHit", "SearchMode", "SearchQuery", "SearchTuning"]
 
 _log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("tokensvc.memory")
 T = TypeVar("T")
-_SPACE_CACHE_SIZE = 10_000
 # A write refused because a migration cut over (embedded again for the new pin), or rolled back
 # for a conflict with another transaction, is tried this many times in all.
 _WRITE_ATTEMPTS = 3
@@ -121,23 +119,15 @@ class LongTermMemory:
         *,
         default_embedder: str,
         default_text_config: str = DEFAULT_TEXT_CONFIG,
-        tuning: SearchTuning | None = None,
-        fusion: FusionWeights | None = None,
-        space_cache_seconds: float = 5.0,
+        engine: RetrievalEngine | None = None,
     ):
         self._store = store
         self._embedders = embedders
         self._default = default_embedder
         self._default_text_config = default_text_config
-        self._tuning = tuning or SearchTuning()
-        self._fusion = fusion or FusionWeights()
+        self._engine = engine or RetrievalEngine()
         # Buckets whose older-pepper rows were already moved by this process.
         self._moved: set[str] = set()
-        # Pinned spaces by (namespace, agent), with when to read them again: a pin changes only at
-        # a migration's cutover, whose old vectors stay searchable for longer than this.
-        self._spaces: dict[tuple[str, str], tuple[MemorySpace, float]] = {}
-        self._space_cache_seconds = space_cache_seconds
-        self._sizes = RowCounts(self._tuning.row_count_ttl_seconds)
 
     # --- space and scope --------------------------------------------------------------------
 
@@ -148,22 +138,13 @@ class LongTermMemory:
         if scope.previous_bucket_ids and scope.bucket_id not in self._moved:
             await self._store.move_buckets(tenant, scope.bucket_id, scope.previous_bucket_ids)
             self._moved.add(scope.bucket_id)
-            self._sizes.forget(scope.bucket_id)
         tenant = Tenant(scope.namespace, scope.agent, (scope.bucket_id,))
-        key = (scope.namespace, scope.agent)
-        cached = self._spaces.get(key)
-        pinned = cached[0] if cached is not None and cached[1] > time.monotonic() else None
+        pinned = await self._store.get_space(tenant)
         if pinned is None:
-            pinned = await self._store.get_space(tenant)
-            if pinned is None:
-                if not for_write:
-                    return None
-                wanted = MemorySpace(self._embedders.get(self._default).spec, self._default_text_config)
-                pinned = await self._store.pin_space(tenant, wanted)
-            self._spaces.pop(key, None)
-            if len(self._spaces) >= _SPACE_CACHE_SIZE:
-                self._spaces.pop(next(iter(self._spaces)))
-            self._spaces[key] = (pinned, time.monotonic() + self._space_cache_seconds)
+            if not for_write:
+                return None
+            wanted = MemorySpace(self._embedders.get(self._default).spec, self._default_text_config)
+            pinned = await self._store.pin_space(tenant, wanted)
         spec = pinned.embedder
         tenant = Tenant(
             scope.namespace,
@@ -181,11 +162,12 @@ class LongTermMemory:
             pinned.migrating_to,
         )
 
-    async def _fresh(self, scope: TenantScope, attempt: Callable[[], Awaitable[T]]) -> T:
-        """Run a write; when a migration's cutover made its pin stale, read the pin again and redo
-        it, and when the database rolled it back for a conflict, redo it after a pause. On Citus a
-        write's share lock on its space row is a lock on the whole replicated table, so a cutover
-        or a first write of another space can deadlock with it: the cluster cancels one of them."""
+    async def _fresh(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        """Run a write; when a migration's cutover made its pin stale, redo it (a caching store
+        forgets a pin its store refused, so the pin is read again), and when the database rolled it
+        back for a conflict, redo it after a pause. On Citus a write's share lock on its space row is
+        a lock on the whole replicated table, so a cutover or a first write of another space can
+        deadlock with it: the cluster cancels one of them."""
         failure: DatabaseUnavailable = DatabaseUnavailable(
             "the memory space changed embedder while writing; retry"
         )
@@ -193,10 +175,9 @@ class LongTermMemory:
             try:
                 return await attempt()
             except StaleMemorySpace:
-                self._spaces.pop((scope.namespace, scope.agent), None)
+                continue  # embedded for a generation that is gone: read the pin and embed again
             except ConcurrentChange as exc:
                 failure = exc
-                self._spaces.pop((scope.namespace, scope.agent), None)
                 if number < _WRITE_ATTEMPTS:
                     await asyncio.sleep(_CONFLICT_PAUSE_S * number)
         raise failure
@@ -225,7 +206,7 @@ class LongTermMemory:
 
     async def remember(self, scope: TenantScope, items: Sequence[RememberItem]) -> list[tuple[str, bool]]:
         """An (id, deduplicated) per item, in order; all-or-nothing."""
-        return await self._fresh(scope, lambda: self._remember(scope, items))
+        return await self._fresh(lambda: self._remember(scope, items))
 
     async def _remember(self, scope: TenantScope, items: Sequence[RememberItem]) -> list[tuple[str, bool]]:
         with _tracer.start_as_current_span("memory.remember", record_exception=False) as span:
@@ -284,7 +265,6 @@ class LongTermMemory:
                     for n, (i, vector) in enumerate(zip(pending, vectors, strict=True))
                 ]
                 stored = await self._store.insert(space.tenant, space.bucket, rows)
-                self._sizes.grew(space.bucket, sum(ref.inserted for ref in stored))
                 stored_by_hash = {ref.content_sha256: ref for ref in stored}
                 for index, digest in enumerate(hashes):
                     if resolved[index] is None:
@@ -333,7 +313,6 @@ class LongTermMemory:
         ttl_seconds: int | None,
     ) -> MemoryRecord:
         return await self._fresh(
-            scope,
             lambda: self._update(
                 scope,
                 memory_id,
@@ -406,7 +385,6 @@ class LongTermMemory:
             if space is None:
                 return 0
             count = await self._store.delete(space.tenant, space.bucket, ids)
-            self._sizes.grew(space.bucket, -count)
             span.set_attribute("tokensvc.memory.forgotten", count)
             return count
 
@@ -416,7 +394,6 @@ class LongTermMemory:
             space = await self._space(scope, for_write=False)
             tenant = Tenant(scope.namespace, scope.agent, (scope.bucket_id,))
             count = await self._store.delete_all(tenant, scope.bucket_id) if space is not None else 0
-            self._sizes.forget(scope.bucket_id)
             span.set_attribute("tokensvc.memory.forgotten", count)
             return count
 
@@ -465,39 +442,27 @@ class LongTermMemory:
             space = await self._space(scope, for_write=False)
             if space is None:
                 return []
-            tuning = self._tuning
             vector = None if query.mode is SearchMode.TEXT else await self._query_vector(space, query)
-            k = query.top_k if query.mode is SearchMode.VECTOR else max(query.top_k, tuning.candidates)
-            text = None if query.mode is SearchMode.VECTOR else query.text
-
-            def plan(rows: int) -> CandidateQuery:
-                exact = tuning.exact(rows, filtered=query.filter is not None, dimension=space.spec.dimension)
-                span.set_attribute("tokensvc.search.exact", exact)
-                return candidate_query(
-                    vector=vector,
-                    text=text,
-                    text_config=space.text_config,
-                    k=k,
-                    rows=rows,
-                    exact=exact,
-                    neighbours=query.mode is SearchMode.HYBRID and self._fusion.neighbour > 0,
-                    tuning=tuning,
-                )
-
-            cached = self._sizes.get(space.bucket)
-            outcome = await self._store.search(
-                space.tenant,
-                space.bucket,
-                plan,
-                row_count=cached,
-                count_cap=tuning.count_cap,
-                filter_=query.filter,
-                embedder=space.spec.name,
+            retrieval = Retrieval(
+                mode=query.mode,
+                text=query.text,
+                vector=vector,
+                top_k=query.top_k,
+                min_score=query.min_score,
+                filtered=query.filter is not None,
+                text_config=space.text_config,
+                dimension=space.spec.dimension,
             )
-            if cached is None:
-                self._sizes.put(space.bucket, outcome.row_count)
-            hits = apply_mode(
-                query.mode, outcome.candidates, self._fusion, top_k=query.top_k, min_score=query.min_score
+            hits = await self._engine.search(
+                retrieval,
+                lambda plan: self._store.search(
+                    space.tenant,
+                    space.bucket,
+                    plan,
+                    count_cap=plan.count_cap,
+                    filter_=query.filter,
+                    embedder=space.spec.name,
+                ),
             )
             span.set_attribute("tokensvc.result_count", len(hits))
             return hits
@@ -510,16 +475,9 @@ class LongTermMemory:
                 )
             return unit_vector(query.vector, "query_vector")
         assert query.text is not None
-        embedder = self._require_embedder(space)
-        with _tracer.start_as_current_span("embed", record_exception=False) as span:
-            span.set_attribute("tokensvc.embed.count", 1)
-            return unit_vector(
-                await observe_embedding(
-                    embedder.spec.name,
-                    embedder.embed_query(query.text, fair_share(space.tenant.namespace, space.tenant.agent)),
-                ),
-                "query_text",
-            )
+        return await embed_query(
+            self._require_embedder(space), query.text, space.tenant.namespace, space.tenant.agent
+        )
 
     async def sweep_expired(self) -> int:
         total = 0

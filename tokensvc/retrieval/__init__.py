@@ -1,16 +1,20 @@
 """The one retrieval engine memories and knowledge bases share.
 
+- `engine`: a search from its query to its results: the routed plan the store calls with the
+  searched rows' count, then fusion (`RetrievalEngine`), and the query's embedding;
 - `vectors`: unit-length normalisation of every stored and query vector (float64 maths);
-- `routing`: exact scan or HNSW by bucket/corpus size, the HNSW scan settings, row counts;
+- `routing`: exact scan or HNSW by bucket/corpus size, the HNSW scan settings;
 - `text`: the text ranker's rules (OR over stemmed terms, BM25, pinned text-search configs);
 - `planning`: the `CandidateQuery` a search hands the store;
 - `fusion`: score fusion of the vector and text rankings with neighbour context, tie-breaks.
 
-The SQL that fetches candidates with both scores is `tokensvc.storage.postgres.ranking`.
+The SQL that fetches candidates with both scores is `tokensvc.storage.postgres.ranking`; the
+caches of row counts and pins are store decorators (`tokensvc.storage.caching`).
 """
 
 from __future__ import annotations
 
+from tokensvc.retrieval.engine import Fetch, Retrieval, RetrievalEngine, RoutedPlan, embed_query
 from tokensvc.retrieval.fusion import (
     Candidate,
     FusionWeights,
@@ -22,7 +26,7 @@ from tokensvc.retrieval.fusion import (
     rank_by_vector,
 )
 from tokensvc.retrieval.planning import candidate_query
-from tokensvc.retrieval.routing import HNSW_MAX_DIMENSION, Recent, RowCounts, SearchTuning
+from tokensvc.retrieval.routing import HNSW_MAX_DIMENSION, SearchTuning
 from tokensvc.retrieval.text import (
     BM25_B,
     BM25_K1,
@@ -41,14 +45,17 @@ __all__ = [
     "HNSW_MAX_DIMENSION",
     "TEXT_CONFIGS",
     "Candidate",
+    "Fetch",
     "FusionWeights",
     "Ranked",
-    "Recent",
-    "RowCounts",
+    "Retrieval",
+    "RetrievalEngine",
+    "RoutedPlan",
     "SearchMode",
     "SearchTuning",
     "apply_mode",
     "candidate_query",
+    "embed_query",
     "fuse",
     "or_query",
     "query_words",

@@ -8,13 +8,9 @@ k rows. An approximate search that comes back short is re-run exactly in the sam
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
-__all__ = ["HNSW_MAX_DIMENSION", "Recent", "RowCounts", "SearchTuning"]
-
-T = TypeVar("T")
+__all__ = ["HNSW_MAX_DIMENSION", "SearchTuning"]
 
 HNSW_MAX_DIMENSION = 2000  # HNSW on `vector` indexes at most 2,000 dimensions
 
@@ -32,8 +28,6 @@ class SearchTuning:
     # filter makes an approximate scan visit 1/selectivity more tuples per hit, while the exact
     # scan computes distances for matching rows only.
     filtered_exact_factor: int = 4
-    # How long a bucket's row count (which routes searches and sizes BM25's idf) is reused.
-    row_count_ttl_seconds: float = 30.0
 
     @property
     def count_cap(self) -> int:
@@ -50,43 +44,3 @@ class SearchTuning:
     def ef_search_for(self, k: int) -> int:
         """The approximate scan's candidate list for k candidates (at least 2 k)."""
         return max(self.ef_search, 2 * k)
-
-
-class Recent(Generic[T]):
-    """Values kept for `ttl` seconds (at most `capacity`, the oldest dropped first)."""
-
-    def __init__(self, ttl: float, capacity: int = 100_000):
-        self._ttl = ttl
-        self._capacity = capacity
-        self._entries: dict[str, tuple[T, float]] = {}
-
-    def get(self, key: str) -> T | None:
-        entry = self._entries.get(key)
-        if entry is None or entry[1] <= time.monotonic():
-            return None
-        return entry[0]
-
-    def put(self, key: str, value: T) -> None:
-        if len(self._entries) >= self._capacity:
-            self._entries.pop(next(iter(self._entries)))
-        self._entries[key] = (value, time.monotonic() + self._ttl)
-
-    def forget(self, key: str) -> None:
-        self._entries.pop(key, None)
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-
-class RowCounts(Recent[int]):
-    """Row counts of buckets or corpora (capped), reused for a while: they route searches and weigh
-    BM25 terms, never decide results.
-
-    A stale count costs speed, never completeness: a grown bucket searched exactly is still exact,
-    and a shrunk one searched by HNSW falls back to an exact scan when the approximate one is short.
-    Writes made by this process adjust the count at once; other replicas' after the TTL.
-    """
-
-    def grew(self, key: str, rows: int) -> None:
-        if (entry := self._entries.get(key)) is not None:
-            self._entries[key] = (max(0, entry[0] + rows), entry[1])

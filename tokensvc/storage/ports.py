@@ -177,18 +177,20 @@ class MemoryStore(Protocol):
         bucket: str,
         plan: SearchPlan,
         *,
-        row_count: int | None,
+        row_count: int | None = None,
         count_cap: int,
         filter_: Filter | None,
         embedder: str,
     ) -> SearchOutcome[MemoryRecord]:
         """One search in one transaction. `row_count` is the bucket's size when the caller knows
-        it; else the store counts the bucket's rows up to `count_cap` first, in the same
-        transaction (every row of the bucket: the filter is not applied, and expired rows not
-        swept yet are counted; the count routes the search and sizes BM25's N, it never selects).
-        `plan(row_count)` says what to rank (`CandidateQuery`). Returns the candidates (see
-        `CandidateQuery`) over the live rows matching the filter; a memory's neighbours are the
-        live, matching memories of the bucket created just before and after it."""
+        it (a caching decorator's, `tokensvc.storage.caching`); else the store counts the
+        bucket's rows up to `count_cap` first, in the same transaction (every row of the bucket:
+        the filter is not applied, and expired rows not swept yet are counted; the count routes
+        the search and sizes BM25's N, it never selects). `plan(row_count)` says what to rank
+        (`CandidateQuery`; the retrieval engine's `RoutedPlan`). Returns the candidates (see
+        `CandidateQuery`) over the live rows matching the filter, and the count the plan was
+        given; a memory's neighbours are the live, matching memories of the bucket created just
+        before and after it."""
 
 
 class DataSubjectStore(Protocol):
@@ -234,6 +236,13 @@ class KnowledgeStore(Protocol):
 
     async def get_bases(self, tenant: Tenant, refs: Sequence[str]) -> list[BaseRow]:
         """The bases with these refs (with document counts), ordered by ref."""
+
+    async def bases_for_search(
+        self, tenant: Tenant, refs: Sequence[str]
+    ) -> tuple[list[BaseRow], KnowledgePins | None]:
+        """The bases a search of `refs` plans with (as `get_bases`), and the pins its `search` must
+        `expect`: None when they were read just now. A store reads them; a caching decorator may
+        answer with what an earlier search read, and the pins that search's transaction checks."""
 
     async def list_bases(self, tenant: Tenant, *, after: str | None, limit: int) -> list[BaseRow]:
         """Up to `limit` bases with refs after `after`, ordered by ref."""
@@ -293,7 +302,7 @@ class KnowledgeStore(Protocol):
         kb_refs: Sequence[str],
         plan: SearchPlan,
         *,
-        row_count: int | None,
+        row_count: int | None = None,
         count_cap: int,
         filter_: Filter | None,
         generations: Sequence[int],

@@ -68,6 +68,21 @@ async def test_get_bases_returns_the_requested_bases_in_ref_order_with_document_
     assert [(b.ref, b.document_count) for b in bases] == [("alpha", 0), ("zeta", 2)]
 
 
+async def test_bases_for_search_are_the_visible_bases_read_now_with_nothing_to_check(
+    knowledge: KnowledgeStore,
+) -> None:
+    ns = new_namespace()
+    for ref in ("zeta", "alpha", "hidden"):
+        await create_base(knowledge, ns, ref)
+    tenant = launcher(ns, "zeta", "alpha", "missing")
+
+    bases, expect = await knowledge.bases_for_search(tenant, ["zeta", "alpha", "missing"])
+
+    assert bases == await knowledge.get_bases(tenant, ["zeta", "alpha", "missing"])
+    assert [b.ref for b in bases] == ["alpha", "zeta"]
+    assert expect is None  # a store reads them in its own transaction: the search checks nothing
+
+
 async def test_list_bases_pages_in_ref_order_after_the_cursor(knowledge: KnowledgeStore) -> None:
     ns = new_namespace()
     refs = ["b-two", "a-one", "d-four", "c-three", "e-five"]

@@ -127,6 +127,11 @@ class InProcessKnowledgeStore:
         found = (self._base(tenant, ref) for ref in sorted(set(refs)))
         return [base for base in found if base is not None]
 
+    async def bases_for_search(
+        self, tenant: Tenant, refs: Sequence[str]
+    ) -> tuple[list[BaseRow], KnowledgePins | None]:
+        return await self.get_bases(tenant, refs), None  # read now: nothing for the search to check
+
     async def list_bases(self, tenant: Tenant, *, after: str | None, limit: int) -> list[BaseRow]:
         refs = sorted(ref for ns, ref in self.tables.bases if ns == tenant.namespace and ref > (after or ""))
         found = (self._base(tenant, ref) for ref in refs)
@@ -253,7 +258,7 @@ class InProcessKnowledgeStore:
         kb_refs: Sequence[str],
         plan: SearchPlan,
         *,
-        row_count: int | None,
+        row_count: int | None = None,
         count_cap: int,
         filter_: Filter | None,
         generations: Sequence[int],

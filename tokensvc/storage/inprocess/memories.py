@@ -406,7 +406,7 @@ class InProcessMemoryStore:
         bucket: str,
         plan: SearchPlan,
         *,
-        row_count: int | None,
+        row_count: int | None = None,
         count_cap: int,
         filter_: Filter | None,
         embedder: str,

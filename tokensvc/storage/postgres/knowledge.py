@@ -184,6 +184,11 @@ class PostgresKnowledgeStore:
             )
         return [_base(row) for row in rows]
 
+    async def bases_for_search(
+        self, tenant: Tenant, refs: Sequence[str]
+    ) -> tuple[list[BaseRow], KnowledgePins | None]:
+        return await self.get_bases(tenant, refs), None  # read now: nothing for the search to check
+
     async def list_bases(self, tenant: Tenant, *, after: str | None, limit: int) -> list[BaseRow]:
         async with tenant_transaction(self._pool, tenant) as conn:
             rows = await conn.fetch(
@@ -382,7 +387,7 @@ class PostgresKnowledgeStore:
         kb_refs: Sequence[str],
         plan: SearchPlan,
         *,
-        row_count: int | None,
+        row_count: int | None = None,
         count_cap: int,
         filter_: Filter | None,
         generations: Sequence[int],

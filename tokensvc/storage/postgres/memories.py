@@ -467,7 +467,7 @@ class PostgresMemoryStore:
         bucket: str,
         plan: SearchPlan,
         *,
-        row_count: int | None,
+        row_count: int | None = None,
         count_cap: int,
         filter_: Filter | None,
         embedder: str,
