@@ -178,6 +178,10 @@ async def apply_schema_migrations(
 
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock($1)", LOCK_ID)
+        # Every file names its objects with their schema. Without tokensvc on the path, Citus
+        # (which deparses a function's argument types relative to it before sending the function
+        # to the workers) sends `tokensvc.embedding_migrations`, not a name the workers cannot find.
+        await conn.execute("SELECT set_config('search_path', 'public', true)")
         await _check_pgvector(conn)
         await conn.execute(with_roles(_BOOKKEEPING))
         migrated = await _apply_numbered(conn, with_roles)
@@ -237,6 +241,11 @@ async def _apply_functions(
         if row["name"] in current:
             earlier.setdefault(row["name"], set()).add(current[row["name"]])
         current[row["name"]] = row["checksum"]
+    # Citus asks for this opt-in before a trigger is created on a distributed table (a family
+    # file's trigger, created anew after a numbered migration dropped it).
+    await conn.execute(
+        "SELECT set_config('citus.enable_unsafe_triggers', 'on', true) FROM pg_extension WHERE extname = 'citus'"
+    )
     applied = []
     for family in available_schema_functions():
         if current.get(family.name) == family.checksum and not everything:

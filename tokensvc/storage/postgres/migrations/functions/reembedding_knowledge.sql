@@ -23,8 +23,17 @@ BEGIN
 END $$;
 REVOKE ALL ON FUNCTION tokensvc.chunks_generation_guard() FROM PUBLIC, {app_role}, {runner_role};
 
-CREATE OR REPLACE TRIGGER chunks_generation_guard BEFORE INSERT ON tokensvc.chunks
-    FOR EACH ROW EXECUTE FUNCTION tokensvc.chunks_generation_guard();
+-- Created when missing, never replaced: on Citus a trigger's DDL on a placed table goes to the
+-- workers only from inside a DO block. To change it, a numbered migration drops it (in a DO block)
+-- and this file, applied after, creates it anew (docs/development.md).
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_trigger WHERE tgrelid = 'tokensvc.chunks'::regclass
+                   AND tgname = 'chunks_generation_guard') THEN
+        CREATE TRIGGER chunks_generation_guard BEFORE INSERT ON tokensvc.chunks
+            FOR EACH ROW EXECUTE FUNCTION tokensvc.chunks_generation_guard();
+    END IF;
+END $$;
 
 -- Up to `lim` (1..1000) documents of the base whose current version has no next-generation
 -- chunks yet, in ref order after `after_ref` (NULL: the start), with their stored text.

@@ -57,8 +57,17 @@ BEGIN
 END $$;
 REVOKE ALL ON FUNCTION tokensvc.memories_generation_guard() FROM PUBLIC, {app_role}, {runner_role};
 
-CREATE OR REPLACE TRIGGER memories_generation_guard BEFORE INSERT OR UPDATE ON tokensvc.memories
-    FOR EACH ROW EXECUTE FUNCTION tokensvc.memories_generation_guard();
+-- Created when missing, never replaced: on Citus a trigger's DDL on a placed table goes to the
+-- workers only from inside a DO block. To change it, a numbered migration drops it (in a DO block)
+-- and this file, applied after, creates it anew (docs/development.md).
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_trigger WHERE tgrelid = 'tokensvc.memories'::regclass
+                   AND tgname = 'memories_generation_guard') THEN
+        CREATE TRIGGER memories_generation_guard BEFORE INSERT OR UPDATE ON tokensvc.memories
+            FOR EACH ROW EXECUTE FUNCTION tokensvc.memories_generation_guard();
+    END IF;
+END $$;
 
 -- The next batch of a space's backfill, for a transaction that declared that space only: the
 -- bucket ids it returns go to the runner of that space's migration, in that migration's

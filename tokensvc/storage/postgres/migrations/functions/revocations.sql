@@ -15,5 +15,14 @@ BEGIN
     RETURN NULL;
 END $$;
 
-CREATE OR REPLACE TRIGGER capability_revocations_announce AFTER INSERT ON tokensvc.capability_revocations
-    FOR EACH ROW EXECUTE FUNCTION tokensvc.announce_revocation();
+-- Created when missing, never replaced: on Citus a trigger's DDL on a placed table goes to the
+-- workers only from inside a DO block. To change it, a numbered migration drops it (in a DO block)
+-- and this file, applied after, creates it anew (docs/development.md).
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_trigger WHERE tgrelid = 'tokensvc.capability_revocations'::regclass
+                   AND tgname = 'capability_revocations_announce') THEN
+        CREATE TRIGGER capability_revocations_announce AFTER INSERT ON tokensvc.capability_revocations
+            FOR EACH ROW EXECUTE FUNCTION tokensvc.announce_revocation();
+    END IF;
+END $$;
