@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import asyncpg
 import pytest
@@ -16,7 +17,7 @@ from tests.support import service_settings, superuser
 from tokensvc.app import locate_database
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.retrieval import candidate_query
-from tokensvc.storage.postgres import PLACEMENTS
+from tokensvc.storage.postgres import PLACEMENTS, schema_migrations
 from tokensvc.storage.postgres.memories import PostgresMemoryStore, search_statement
 from tokensvc.storage.postgres.tenant import tenant_transaction
 from tokensvc.storage.records import Tenant
@@ -27,8 +28,14 @@ COORDINATOR_TABLES = {
     "capability_revocations",
     "credential_rotations",
     "data_subject_receipts",
+    "schema_functions",
     "schema_migrations",
 }
+# Each function's definition, by signature: compared between the coordinator and the workers.
+FUNCTION_DEFINITIONS = (
+    "SELECT coalesce(json_object_agg(p.oid::regprocedure::text, md5(pg_get_functiondef(p.oid))), '{}') "
+    "FROM pg_proc p WHERE p.pronamespace = 'tokensvc'::regnamespace"
+)
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +96,43 @@ async def test_a_second_migrate_changes_nothing(
 ) -> None:
     db = await locate_database(service_settings(database, dev, tmp_path_factory.mktemp("again")))  # type: ignore[arg-type]
     assert await db.migrate("tokensvc_app") == []
+
+
+async def test_changed_function_files_apply_on_a_placed_schema_and_reach_the_workers(
+    database: object, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A function file changed after the tables were placed is applied through the coordinator
+    (CREATE OR REPLACE of functions and of triggers on distributed tables), and every worker
+    holding a function ends with the coordinator's definition."""
+    shipped = schema_migrations.available_schema_functions()
+    changed = [replace(family, sql=family.sql + "\n-- changed\n") for family in shipped]
+    monkeypatch.setattr(schema_migrations, "available_schema_functions", lambda: changed)
+    db = await locate_database(service_settings(database, dev, tmp_path_factory.mktemp("functions")))  # type: ignore[arg-type]
+    try:
+        assert await db.migrate("tokensvc_app") == [family.label for family in changed]
+    finally:
+        # Back to the shipped files, recorded again, for the tests that follow.
+        monkeypatch.setattr(schema_migrations, "available_schema_functions", lambda: shipped)
+        async with superuser(database) as conn:  # type: ignore[arg-type]
+            await conn.execute("DELETE FROM tokensvc.schema_functions")
+        await db.migrate("tokensvc_app")
+    async with superuser(database) as conn:  # type: ignore[arg-type]
+        # The workers' commands run on the default path: names print qualified on both sides.
+        await conn.execute("SET search_path = public")
+        coordinator = json.loads(await conn.fetchval(FUNCTION_DEFINITIONS))
+        workers = [
+            json.loads(row["result"])
+            for row in await conn.fetch("SELECT result FROM run_command_on_workers($1)", FUNCTION_DEFINITIONS)
+        ]
+        triggers = await conn.fetchval(
+            "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'tokensvc.memories'::regclass AND NOT tgisinternal"
+        )
+    assert triggers == 1
+    assert len(workers) == 2
+    for worker in workers:
+        # The trigger functions and the policies' predicate are on every worker, as on the coordinator.
+        assert {"tokensvc.memories_generation_guard()", "tokensvc.kb_visible(text,text)"} <= set(worker)
+        assert {name: worker[name] for name in worker} == {name: coordinator[name] for name in worker}
 
 
 async def test_the_tenant_reaches_the_worker_holding_the_bucket_and_ends_with_the_transaction(

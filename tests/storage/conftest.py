@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
 
-from tests.storage.migration_support import connect
+from tests.storage.migration_support import scratch_database
 from tests.support import SharedDatabase, service_settings
 from tokensvc.app import locate_database
 from tokensvc.auth.devpki import DevPaths
-from tokensvc.credentials import FileCredentialSource
 
 
 @pytest.fixture
@@ -46,15 +44,5 @@ async def runner_pool(
 @pytest.fixture
 async def scratch(database: SharedDatabase) -> AsyncIterator[str]:
     """A database of its own on the shared server, owned by the schema owner, with pgvector."""
-    name = f"mig_{uuid.uuid4().hex[:10]}"
-    admin = await connect(database, "superuser", "postgres")
-    owner = FileCredentialSource(database.owner_credential_dir).read().username
-    await admin.execute(f"CREATE DATABASE {name} OWNER {owner}")
-    conn = await connect(database, "superuser", name)
-    await conn.execute("CREATE EXTENSION vector")
-    await conn.close()
-    try:
+    async with scratch_database(database) as name:
         yield name
-    finally:
-        await admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
-        await admin.close()

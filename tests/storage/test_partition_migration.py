@@ -189,7 +189,7 @@ async def test_a_write_open_when_migration_0013_starts_is_copied_not_lost(
                 break
         assert waiting == "Lock", "the migration never waited for the open write"
         await writer.commit()
-        assert [m.version for m in await migration][:1] == [13]
+        assert [m.version for m in (await migration)[:1]] == [13]
         async with app.transaction():
             await app.execute(tenant(BUCKETS[:1]))
             found = await app.fetchval(

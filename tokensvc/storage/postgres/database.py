@@ -280,8 +280,8 @@ class Database:
         conn = await connect_once(self.target, owner.read())
         try:
             applied = [
-                f"{m.version:04d}_{m.name}"
-                for m in await apply_schema_migrations(conn, app_role=app_role, runner_role=runner_role)
+                change.label
+                for change in await apply_schema_migrations(conn, app_role=app_role, runner_role=runner_role)
             ]
             if await citus_version(conn) is not None:
                 applied += [f"citus: distributed {table}" for table in await distribute(conn, LOCK_ID)]

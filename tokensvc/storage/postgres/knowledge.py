@@ -426,7 +426,7 @@ class PostgresKnowledgeStore:
         return SearchOutcome(rows, candidates_from(found, _passage))
 
 
-_STALE_PINS = "TS001"  # raised by tokensvc.expect_knowledge_bases (migration 0010)
+_STALE_PINS = "TS001"  # raised by tokensvc.expect_knowledge_bases (functions/knowledge.sql)
 
 
 def _expectation(expect: KnowledgePins) -> str:

@@ -40,24 +40,11 @@ CREATE INDEX memories_newest ON tokensvc.memories (bucket, created_at DESC, id D
 CREATE INDEX memories_text ON tokensvc.memories USING gin (content_tsv);
 CREATE INDEX memories_expiry ON tokensvc.memories (expires_at) WHERE expires_at IS NOT NULL;
 
--- HNSW indexes are per dimension (an expression index needs a typed vector). The serving role
--- owns nothing, so it asks the owner to create one when a space pins a new dimension.
-CREATE FUNCTION tokensvc.ensure_memory_vector_index(dim integer) RETURNS boolean
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = tokensvc, public AS $$
-BEGIN
-    -- HNSW on `vector` supports up to 2,000 dimensions; larger spaces are searched exactly.
-    IF dim < 1 OR dim > 2000 THEN
-        RETURN false;
-    END IF;
-    EXECUTE format(
-        'CREATE INDEX IF NOT EXISTS memories_hnsw_%s ON tokensvc.memories '
-        'USING hnsw ((embedding::vector(%s)) vector_ip_ops) WITH (m = 16, ef_construction = 64) '
-        'WHERE dimension = %s', dim, dim, dim);
-    RETURN true;
-END $$;
-REVOKE ALL ON FUNCTION tokensvc.ensure_memory_vector_index(integer) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION tokensvc.ensure_memory_vector_index(integer) TO {app_role};
-SELECT tokensvc.ensure_memory_vector_index(384);
+-- HNSW indexes are per dimension (an expression index needs a typed vector): the default
+-- embedder's here, any other when a space pins it (ensure_memory_vector_index).
+CREATE INDEX memories_hnsw_384 ON tokensvc.memories
+    USING hnsw ((embedding::vector(384)) vector_ip_ops) WITH (m = 16, ef_construction = 64)
+    WHERE dimension = 384;
 
 -- Row-level security: a transaction sees only the buckets (and the space) it declared with
 -- set_config(..., true). FORCE applies it to the owner too.

@@ -57,21 +57,10 @@ CREATE TABLE tokensvc.chunks (
 CREATE INDEX chunks_text ON tokensvc.chunks USING gin (content_tsv);
 CREATE INDEX chunks_kb ON tokensvc.chunks (namespace, kb_ref);
 
-CREATE FUNCTION tokensvc.ensure_chunk_vector_index(dim integer) RETURNS boolean
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = tokensvc, public AS $$
-BEGIN
-    IF dim < 1 OR dim > 2000 THEN
-        RETURN false;
-    END IF;
-    EXECUTE format(
-        'CREATE INDEX IF NOT EXISTS chunks_hnsw_%s ON tokensvc.chunks '
-        'USING hnsw ((embedding::vector(%s)) vector_ip_ops) WITH (m = 16, ef_construction = 64) '
-        'WHERE dimension = %s', dim, dim, dim);
-    RETURN true;
-END $$;
-REVOKE ALL ON FUNCTION tokensvc.ensure_chunk_vector_index(integer) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION tokensvc.ensure_chunk_vector_index(integer) TO {app_role};
-SELECT tokensvc.ensure_chunk_vector_index(384);
+-- HNSW per dimension, as for memories: the default embedder's here, others when a base pins them.
+CREATE INDEX chunks_hnsw_384 ON tokensvc.chunks
+    USING hnsw ((embedding::vector(384)) vector_ip_ops) WITH (m = 16, ef_construction = 64)
+    WHERE dimension = 384;
 
 CREATE FUNCTION tokensvc.kb_visible(ns text, kb text) RETURNS boolean
 LANGUAGE sql STABLE AS $$

@@ -26,11 +26,3 @@ BEGIN
     EXECUTE format('CREATE POLICY memories_owner_statistics ON tokensvc.memories FOR SELECT TO %I USING (true)',
                    current_user);
 END $$;
-CREATE FUNCTION tokensvc.memory_rows_by_pepper_version()
-RETURNS TABLE (pepper_version integer, row_count bigint)
-LANGUAGE sql SECURITY DEFINER SET search_path = tokensvc, public AS $$
-    SELECT split_part(substr(bucket, 2), '.', 1)::integer, count(*)
-    FROM tokensvc.memories GROUP BY 1 ORDER BY 1
-$$;
-REVOKE ALL ON FUNCTION tokensvc.memory_rows_by_pepper_version() FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION tokensvc.memory_rows_by_pepper_version() TO {app_role};

@@ -1,12 +1,3 @@
--- Every revocation is announced when its transaction commits (NOTIFY is delivered at commit, never
--- before), so a replica that listens learns of it at once, however long after its `revoked_at` the
--- commit comes. Polling and the periodic full resync stay as the fallback.
-CREATE FUNCTION tokensvc.announce_revocation() RETURNS trigger
-LANGUAGE plpgsql SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
-BEGIN
-    PERFORM pg_notify('tokensvc_revocations', json_build_object('kind', NEW.kind, 'value', NEW.value,
-                      'revoked_at', NEW.revoked_at)::text);
-    RETURN NULL;
-END $$;
-CREATE TRIGGER capability_revocations_announce AFTER INSERT ON tokensvc.capability_revocations
-    FOR EACH ROW EXECUTE FUNCTION tokensvc.announce_revocation();
+-- Held the announcement of every revocation and its trigger (functions/revocations.sql).
+-- Its functions are defined in functions/ now (docs/development.md, "Changing a SQL function");
+-- this version stays so the numbering has no gap.

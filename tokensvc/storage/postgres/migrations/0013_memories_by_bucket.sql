@@ -53,40 +53,40 @@ CREATE INDEX memories_by_bucket_text ON tokensvc.memories_by_bucket USING gin (c
 CREATE INDEX memories_by_bucket_expiry ON tokensvc.memories_by_bucket (expires_at)
     WHERE expires_at IS NOT NULL;
 
--- HNSW of dimension `dim` on partitioned table `tbl`: one graph per partition, pNNN_hnsw_D,
--- attached to the partitioned index <tbl>_hnsw_D. The owner's helper for the migration below and
--- ensure_memory_vector_index; nobody else may call it.
-CREATE FUNCTION tokensvc.build_memory_vector_index(tbl text, dim integer) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
-DECLARE
-    part record;
-BEGIN
-    EXECUTE format(
-        'CREATE INDEX %I ON ONLY tokensvc.%I '
-        'USING hnsw ((embedding::vector(%s)) vector_ip_ops) WITH (m = 16, ef_construction = 64) '
-        'WHERE dimension = %s', tbl || '_hnsw_' || dim, tbl, dim, dim);
-    FOR part IN
-        SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-        WHERE i.inhparent = format('tokensvc.%I', tbl)::regclass ORDER BY c.relname
-    LOOP
-        EXECUTE format(
-            'CREATE INDEX %I ON tokensvc.%I '
-            'USING hnsw ((embedding::vector(%s)) vector_ip_ops) WITH (m = 16, ef_construction = 64) '
-            'WHERE dimension = %s', part.relname || '_hnsw_' || dim, part.relname, dim, dim);
-        EXECUTE format('ALTER INDEX tokensvc.%I ATTACH PARTITION tokensvc.%I',
-                       tbl || '_hnsw_' || dim, part.relname || '_hnsw_' || dim);
-    END LOOP;
-END $$;
-REVOKE ALL ON FUNCTION tokensvc.build_memory_vector_index(text, integer) FROM PUBLIC;
-
 -- HNSW for every dimension the old table had an index for (every dimension a space has pinned;
 -- 384 always), read from the catalogue: memory_spaces' rows are hidden from the owner by its
 -- row-level security.
-SELECT tokensvc.build_memory_vector_index('memories_by_bucket', dimension)
-FROM (SELECT substring(indexname FROM '^memories_hnsw_(\d+)$')::integer AS dimension
-      FROM pg_indexes WHERE schemaname = 'tokensvc' AND indexname ~ '^memories_hnsw_\d+$'
-      UNION SELECT 384) AS indexed
-ORDER BY indexed.dimension;
+-- One graph per partition, pNNN_hnsw_D, attached to the partitioned index
+-- memories_by_bucket_hnsw_D (build_memory_vector_index does the same for a dimension pinned later).
+DO $$
+DECLARE
+    dim integer;
+    part record;
+BEGIN
+    FOR dim IN
+        SELECT indexed.dimension
+        FROM (SELECT substring(indexname FROM '^memories_hnsw_(\d+)$')::integer AS dimension
+              FROM pg_indexes WHERE schemaname = 'tokensvc' AND indexname ~ '^memories_hnsw_\d+$'
+              UNION SELECT 384) AS indexed
+        ORDER BY indexed.dimension
+    LOOP
+        EXECUTE format(
+            'CREATE INDEX %I ON ONLY tokensvc.memories_by_bucket '
+            'USING hnsw ((embedding::vector(%s)) vector_ip_ops) WITH (m = 16, ef_construction = 64) '
+            'WHERE dimension = %s', 'memories_by_bucket_hnsw_' || dim, dim, dim);
+        FOR part IN
+            SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+            WHERE i.inhparent = 'tokensvc.memories_by_bucket'::regclass ORDER BY c.relname
+        LOOP
+            EXECUTE format(
+                'CREATE INDEX %I ON tokensvc.%I '
+                'USING hnsw ((embedding::vector(%s)) vector_ip_ops) WITH (m = 16, ef_construction = 64) '
+                'WHERE dimension = %s', part.relname || '_hnsw_' || dim, part.relname, dim, dim);
+            EXECUTE format('ALTER INDEX tokensvc.%I ATTACH PARTITION tokensvc.%I',
+                           'memories_by_bucket_hnsw_' || dim, part.relname || '_hnsw_' || dim);
+        END LOOP;
+    END LOOP;
+END $$;
 -- Fresh statistics for the new partitions (autovacuum would take a while to get to 256 of them).
 ANALYZE tokensvc.memories_by_bucket;
 
@@ -108,22 +108,6 @@ BEGIN
         EXECUTE format('ALTER INDEX tokensvc.%I RENAME TO %I', idx.relname,
                        'memories_' || substring(idx.relname FROM length('memories_by_bucket_') + 1));
     END LOOP;
-END $$;
-
--- A dimension pinned later gets its HNSW the same way, partition by partition.
-CREATE OR REPLACE FUNCTION tokensvc.ensure_memory_vector_index(dim integer) RETURNS boolean
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
-BEGIN
-    -- HNSW on `vector` supports up to 2,000 dimensions; larger spaces are searched exactly.
-    IF dim < 1 OR dim > 2000 THEN
-        RETURN false;
-    END IF;
-    -- Two replicas pinning the same new dimension at once: the second waits, then finds it.
-    PERFORM pg_advisory_xact_lock(hashtextextended('tokensvc.memories_hnsw_' || dim, 0));
-    IF to_regclass(format('tokensvc.memories_hnsw_%s', dim)) IS NULL THEN
-        PERFORM tokensvc.build_memory_vector_index('memories', dim);
-    END IF;
-    RETURN true;
 END $$;
 
 -- Row-level security as 0003, 0006 and 0008 set it, on the table every statement names.
@@ -153,21 +137,4 @@ BEGIN
         EXECUTE format('ALTER TABLE tokensvc.%I ENABLE ROW LEVEL SECURITY', part.relname);
         EXECUTE format('ALTER TABLE tokensvc.%I FORCE ROW LEVEL SECURITY', part.relname);
     END LOOP;
-END $$;
-
--- The sweep deleted by ctid, which is unique per partition only: it now deletes by the key, so
--- each row is found through its partition's primary key.
-CREATE OR REPLACE FUNCTION tokensvc.sweep_expired_memories(lim integer) RETURNS integer
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
-DECLARE
-    deleted integer;
-BEGIN
-    IF lim IS NULL OR lim < 1 OR lim > 10000 THEN
-        RAISE EXCEPTION 'sweep limit must be between 1 and 10000';
-    END IF;
-    DELETE FROM tokensvc.memories m
-    USING (SELECT bucket, id FROM tokensvc.memories WHERE expires_at <= now() LIMIT lim) expired
-    WHERE m.bucket = expired.bucket AND m.id = expired.id;
-    GET DIAGNOSTICS deleted = ROW_COUNT;
-    RETURN deleted;
 END $$;

@@ -14,21 +14,6 @@ BEGIN
                    'USING (true)', current_user);
 END $$;
 
--- The memory spaces of a namespace (NULL: of every namespace), in (namespace, agent) order (code
--- points, whatever the database's collation) after a cursor: the agents an end-user may have
--- talked to.
-CREATE FUNCTION tokensvc.memory_space_agents(ns text, after_namespace text, after_agent text, lim integer)
-RETURNS TABLE (namespace text, agent text)
-LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
-    SELECT s.namespace, s.agent FROM tokensvc.memory_spaces s
-    WHERE (ns IS NULL OR s.namespace = ns)
-      AND (after_namespace IS NULL
-           OR (s.namespace COLLATE "C", s.agent COLLATE "C") > (after_namespace, after_agent))
-    ORDER BY s.namespace COLLATE "C", s.agent COLLATE "C" LIMIT least(greatest(lim, 1), 10000)
-$$;
-REVOKE ALL ON FUNCTION tokensvc.memory_space_agents(text, text, text, integer) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION tokensvc.memory_space_agents(text, text, text, integer) TO {app_role};
-
 -- One row per erasure or export: what was done, never whose (no user id, no bucket, no content).
 CREATE TABLE tokensvc.data_subject_receipts (
     id          uuid        PRIMARY KEY,
