@@ -78,8 +78,17 @@ class SchemaMigrationError(RuntimeError):
     """A schema migration cannot be applied, or the recorded history disagrees with the files."""
 
 
+class _SqlFile:
+    sql: str
+
+    @property
+    def checksum(self) -> str:
+        """What the bookkeeping records of the file: SHA-256 of its text."""
+        return hashlib.sha256(self.sql.encode("utf-8")).hexdigest()
+
+
 @dataclass(frozen=True)
-class SchemaMigration:
+class SchemaMigration(_SqlFile):
     """A numbered file: applied once, frozen after."""
 
     version: int
@@ -87,32 +96,20 @@ class SchemaMigration:
     sql: str
 
     @property
-    def checksum(self) -> str:
-        return _checksum(self.sql)
-
-    @property
     def label(self) -> str:
         return f"{self.version:04d}_{self.name}"
 
 
 @dataclass(frozen=True)
-class SchemaFunctions:
+class SchemaFunctions(_SqlFile):
     """A family's function file: the current definitions, applied again whenever they change."""
 
     name: str
     sql: str
 
     @property
-    def checksum(self) -> str:
-        return _checksum(self.sql)
-
-    @property
     def label(self) -> str:
         return f"functions/{self.name}"
-
-
-def _checksum(sql: str) -> str:
-    return hashlib.sha256(sql.encode("utf-8")).hexdigest()
 
 
 def available_schema_functions() -> list[SchemaFunctions]:
