@@ -1,7 +1,4 @@
-"""Document formats: turn an uploaded document's bytes into the text that is chunked and cited.
-
-Passage offsets index this text (see `Passage` in `protos/tokensvc/v1/knowledge.proto`), so what
-it is matters to clients:
+"""The text formats: `text/plain` and `text/markdown` as uploaded, `text/html` as light Markdown.
 
 - `text/plain`, `text/markdown`: the bytes decoded as UTF-8 with a leading byte-order mark
   removed and *nothing else changed* (not even `\\r\\n`): a client can slice its own file, decoded
@@ -13,13 +10,12 @@ it is matters to clients:
   separated by a blank line, list items, table rows and `<br>` by a line break, table cells by
   ` | `; `h1`..`h6` become `#`..`######` headings so the markdown chunker keeps heading paths for
   HTML too; `pre` keeps its text verbatim inside a code fence (so a `# comment` in it is no
-  heading); other whitespace collapses to one space, and a text line that Markdown would read as a
-  heading or a fence is escaped with a backslash. Line breaks are `\\n`.
+  heading), but for runs of blank lines, which become one; other whitespace collapses to one
+  space, and a text line that Markdown would read as a heading or a fence is escaped with a
+  backslash. Line breaks are `\\n`.
 
-Errors are `InvalidArgument`: an unsupported content type or charset (the `field` given, by default
-`header.content_type`); bytes that are not UTF-8, text containing U+0000 (PostgreSQL cannot store
-it, so it is refused before anything is stored), or no text at all (field `content`). A declared
-`us-ascii` charset is read as UTF-8, its superset.
+Bytes that are not UTF-8 or text containing U+0000 (PostgreSQL cannot store it, so it is refused
+before anything is stored) are `InvalidArgument` naming `content`.
 """
 
 from __future__ import annotations
@@ -31,34 +27,11 @@ from bs4.element import Comment, Declaration, Doctype, NavigableString, Processi
 
 from tokensvc.errors import InvalidArgument
 
-__all__ = ["SUPPORTED_CONTENT_TYPES", "extract_text", "parse_content_type"]
-
-SUPPORTED_CONTENT_TYPES = ("text/plain", "text/markdown", "text/html")
-_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii", "ascii"})
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+__all__ = ["decoded_text", "html_text"]
 
 
-def parse_content_type(content_type: str, field: str = "header.content_type") -> str:
-    """Return the media type (lower case) of a supported content type, checking its parameters."""
-    media_type, *parameters = content_type.split(";")
-    media_type = media_type.strip().lower()
-    if media_type not in SUPPORTED_CONTENT_TYPES:
-        shown = media_type[:80] or "(empty)"
-        raise InvalidArgument(field, f"must be one of {', '.join(SUPPORTED_CONTENT_TYPES)}, got {shown!r}")
-    for parameter in parameters:
-        name, equals, value = parameter.partition("=")
-        name, value = name.strip().lower(), value.strip().strip('"').lower()
-        if not equals or not _TOKEN.fullmatch(name):
-            raise InvalidArgument(field, "has a malformed parameter; expected `name=value`")
-        # Other parameters (text/markdown's `variant`, for example) do not change the bytes.
-        if name == "charset" and value not in _CHARSETS:
-            raise InvalidArgument(field, f"charset must be utf-8, got {value[:40]!r}")
-    return media_type
-
-
-def extract_text(content: bytes, content_type: str, field: str = "header.content_type") -> str:
-    """Extract the text of a document; see the module docstring for what each type yields."""
-    media_type = parse_content_type(content_type, field)
+def decoded_text(content: bytes) -> str:
+    """The bytes as UTF-8 text, a leading byte-order mark removed, nothing else changed."""
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -66,10 +39,6 @@ def extract_text(content: bytes, content_type: str, field: str = "header.content
     text = text.removeprefix("\ufeff")
     if "\x00" in text:
         raise InvalidArgument("content", "contains U+0000 (NUL), which cannot be stored")
-    if media_type == "text/html":
-        text = _html_text(text)
-    if not text.strip():
-        raise InvalidArgument("content", "has no text")
     return text
 
 
@@ -115,6 +84,7 @@ _SPACE = re.compile(r"\s+")
 # Lines the markdown chunker would read as a heading or a code fence.
 _MARKDOWN_SYNTAX = re.compile(r"(?:#{1,6}(?:\s|$)|```|~~~)")
 _BACKTICKS = re.compile(r"`{3,}")
+_BLANK_RUN = re.compile(r"\n(?:[ \t]*\n){2,}")
 
 _BLANK, _NEWLINE = "\n\n", "\n"
 
@@ -165,7 +135,8 @@ class _Renderer:
         return "".join(self.out)
 
 
-def _html_text(html: str) -> str:
+def html_text(html: str) -> str:
+    """HTML's readable text as light Markdown (see the module docstring)."""
     soup = BeautifulSoup(html, "lxml")
     # Dropped first, so that no heading's or pre's get_text() picks up a script inside it.
     for tag in soup.find_all(_DROPPED):
@@ -211,6 +182,8 @@ def _enter(tag: Tag, renderer: _Renderer, stack: list[object]) -> None:
 
 def _fenced(code: str) -> str:
     code = code.replace("\r\n", "\n").replace("\r", "\n").strip("\n")
+    # One blank line at most, as everywhere else in the text: a run of them is no content.
+    code = _BLANK_RUN.sub("\n\n", code)
     # The fence must be longer than any backtick run inside, or that run would close it.
     longest = max((len(run) for run in _BACKTICKS.findall(code)), default=0)
     fence = "`" * max(3, longest + 1)
