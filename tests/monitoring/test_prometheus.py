@@ -40,7 +40,8 @@ from tokensvc.observability import METRICS
 from tokensvc.storage.postgres.monitoring import PostgresStatistics
 from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
 from tokensvc.storage.postgres.rotations import PostgresRotationJournal
-from tokensvc.storage.records import EmbedderSpec, MemorySpaceMigration, MigrationState
+from tokensvc.storage.records import EmbedderSpec
+from tokensvc.storage.reembedding_records import MemorySpaceMigration, MigrationState
 from tokensvc.supervision import read_database_gauges
 from tokensvc.v1 import memory_pb2
 

@@ -19,7 +19,8 @@ from tokensvc.memory.service import LongTermMemory
 from tokensvc.storage.inprocess.credentials import InProcessCredentialJournal
 from tokensvc.storage.inprocess.memories import InProcessMemoryStatistics, InProcessMemoryStore
 from tokensvc.storage.inprocess.reembedding import InProcessEmbeddingMigrationStore
-from tokensvc.storage.records import MemorySpaceMigration, MigrationState, Tenant
+from tokensvc.storage.records import Tenant
+from tokensvc.storage.reembedding_records import MemorySpaceMigration, MigrationState
 from tokensvc.supervision import read_database_gauges, sweep_forever
 
 

@@ -35,7 +35,7 @@ from tokensvc.storage.inprocess import (
     InProcessEmbeddingMigrationStore,
     InProcessMemoryStore,
 )
-from tokensvc.storage.records import EmbeddingMigration, PendingMemory
+from tokensvc.storage.reembedding_records import EmbeddingMigration, PendingMemory
 
 
 class FlakyEmbedder(HashEmbedder):

@@ -29,15 +29,8 @@ from tests.storage.test_reembedding_races import begin, waiting_for_a_lock
 from tests.support import SharedDatabase
 from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
 from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
-from tokensvc.storage.records import (
-    BaseRow,
-    ChunkingSpec,
-    ChunkRow,
-    EmbedderSpec,
-    KnowledgeBaseMigration,
-    MigrationState,
-    Tenant,
-)
+from tokensvc.storage.records import BaseRow, ChunkingSpec, ChunkRow, EmbedderSpec, Tenant
+from tokensvc.storage.reembedding_records import KnowledgeBaseMigration, MigrationState
 
 TARGET = EmbedderSpec("target", "target-model", 4, True)
 CHUNKING = ChunkingSpec("fixed", 64, 0)

@@ -25,14 +25,8 @@ from tests.support import SharedDatabase
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
 from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
 from tokensvc.storage.postgres.tenant import declare_settings, is_distributed
-from tokensvc.storage.records import (
-    EmbedderSpec,
-    MemorySpace,
-    MemorySpaceMigration,
-    MigrationState,
-    NewMemory,
-    Tenant,
-)
+from tokensvc.storage.records import EmbedderSpec, MemorySpace, NewMemory, Tenant
+from tokensvc.storage.reembedding_records import MemorySpaceMigration, MigrationState
 
 NAMESPACE = "races"
 SPACE = MemorySpace(EmbedderSpec("hash", "hash-v1", 8, True), "simple")

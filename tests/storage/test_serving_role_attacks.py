@@ -31,7 +31,8 @@ from tokensvc.storage.postgres import tenant
 from tokensvc.storage.postgres.citus import citus_version
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
 from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
-from tokensvc.storage.records import EmbedderSpec, MemorySpace, MemorySpaceMigration, MigrationState, Tenant
+from tokensvc.storage.records import EmbedderSpec, MemorySpace, Tenant
+from tokensvc.storage.reembedding_records import MemorySpaceMigration, MigrationState
 
 NAMESPACE = "attacks"
 SPACE = MemorySpace(EmbedderSpec("hash", "hash-v1", 8, True), "simple")

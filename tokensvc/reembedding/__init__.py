@@ -43,8 +43,8 @@ from tokensvc.reembedding.operations import (
     MigrationProgress,
 )
 from tokensvc.reembedding.runner import MigrationRunner, RunnerSettings
-from tokensvc.storage.records import (
-    ChunkingSpec,
+from tokensvc.storage.records import ChunkingSpec
+from tokensvc.storage.reembedding_records import (
     EmbeddingMigration,
     KnowledgeBaseMigration,
     MemorySpaceMigration,

@@ -20,7 +20,7 @@ from tokensvc.errors import EmbedderUnavailable
 from tokensvc.observability.metrics import observe_embedding
 from tokensvc.reembedding.pipeline import BatchPipeline
 from tokensvc.retrieval import unit_vector
-from tokensvc.storage.records import EmbeddingMigration
+from tokensvc.storage.reembedding_records import EmbeddingMigration
 
 __all__ = ["Backfill", "batch_size_of", "bulk_demand", "embed_texts"]
 

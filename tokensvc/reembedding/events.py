@@ -6,7 +6,7 @@ from __future__ import annotations
 from tokensvc.audit import AuditKind, AuditLog, AuditOutcome
 from tokensvc.errors import Reason
 from tokensvc.observability.metrics import METRICS
-from tokensvc.storage.records import EmbeddingMigration
+from tokensvc.storage.reembedding_records import EmbeddingMigration
 
 __all__ = ["announce", "audit_target"]
 

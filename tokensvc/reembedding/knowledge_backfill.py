@@ -16,7 +16,8 @@ from tokensvc.observability.metrics import METRICS
 from tokensvc.reembedding.backfill import bulk_demand, embed_texts
 from tokensvc.reembedding.pipeline import BatchPipeline
 from tokensvc.storage.ports import KnowledgeBackfillStore
-from tokensvc.storage.records import ChunkRow, KnowledgeBaseMigration, PendingDocument, StoredChunk
+from tokensvc.storage.records import ChunkRow, StoredChunk
+from tokensvc.storage.reembedding_records import KnowledgeBaseMigration, PendingDocument
 
 __all__ = ["KnowledgeBackfill"]
 

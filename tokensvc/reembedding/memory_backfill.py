@@ -12,7 +12,7 @@ from tokensvc.observability.metrics import METRICS
 from tokensvc.reembedding.backfill import bulk_demand, embed_texts
 from tokensvc.reembedding.pipeline import BatchPipeline
 from tokensvc.storage.ports import MemoryBackfillStore
-from tokensvc.storage.records import MemorySpaceMigration, PendingMemory
+from tokensvc.storage.reembedding_records import MemorySpaceMigration, PendingMemory
 
 __all__ = ["MemoryBackfill"]
 

@@ -24,14 +24,12 @@ from tokensvc.jobs import Throughput
 from tokensvc.reembedding.backfill import batch_size_of
 from tokensvc.reembedding.events import announce
 from tokensvc.storage.ports import KnowledgeStore, MemoryStore, MigrationOperationsStore
-from tokensvc.storage.records import (
-    ALL_KNOWLEDGE_BASES,
-    ChunkingSpec,
+from tokensvc.storage.records import ALL_KNOWLEDGE_BASES, ChunkingSpec, Tenant
+from tokensvc.storage.reembedding_records import (
     EmbeddingMigration,
     KnowledgeBaseMigration,
     MemorySpaceMigration,
     MigrationState,
-    Tenant,
 )
 
 __all__ = [

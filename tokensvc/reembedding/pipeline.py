@@ -14,7 +14,11 @@ from tokensvc.errors import TokensvcError
 from tokensvc.jobs import JobTurn
 from tokensvc.observability.metrics import METRICS
 from tokensvc.storage.ports import MigrationRunnerStore
-from tokensvc.storage.records import EmbeddingMigration, KnowledgeBaseMigration, MemorySpaceMigration
+from tokensvc.storage.reembedding_records import (
+    EmbeddingMigration,
+    KnowledgeBaseMigration,
+    MemorySpaceMigration,
+)
 
 __all__ = ["BatchPipeline"]
 

@@ -22,7 +22,7 @@ from tokensvc.reembedding.knowledge_backfill import KnowledgeBackfill
 from tokensvc.reembedding.memory_backfill import MemoryBackfill
 from tokensvc.reembedding.pipeline import BatchPipeline
 from tokensvc.storage.ports import MigrationRunnerStore
-from tokensvc.storage.records import (
+from tokensvc.storage.reembedding_records import (
     EmbeddingMigration,
     KnowledgeBaseMigration,
     MemorySpaceMigration,

@@ -25,8 +25,8 @@ from typing import Protocol
 
 import numpy as np
 
-from tokensvc.storage.records import (
-    ChunkRow,
+from tokensvc.storage.records import ChunkRow
+from tokensvc.storage.reembedding_records import (
     EmbeddingMigration,
     KnowledgeBaseMigration,
     MemorySpaceMigration,

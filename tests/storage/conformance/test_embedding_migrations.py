@@ -26,7 +26,8 @@ from tests.storage.conformance.support import (
     vector_query,
 )
 from tokensvc.storage.ports import EmbeddingMigrationStore, MemoryStore, StaleMemorySpace
-from tokensvc.storage.records import EmbedderSpec, MemorySpaceMigration, MigrationState, PendingMemory, Tenant
+from tokensvc.storage.records import EmbedderSpec, Tenant
+from tokensvc.storage.reembedding_records import MemorySpaceMigration, MigrationState, PendingMemory
 
 TARGET = EmbedderSpec("target", "target-model", 4, True)
 LEASE = 30.0

@@ -30,15 +30,8 @@ from tests.storage.conformance.support import (
 )
 from tests.storage.conformance.test_embedding_migrations import LEASE, TARGET, claim
 from tokensvc.storage.ports import EmbeddingMigrationStore, KnowledgeStore, StaleKnowledgeBases
-from tokensvc.storage.records import (
-    BaseRow,
-    ChunkingSpec,
-    ChunkRow,
-    EmbedderSpec,
-    KnowledgeBaseMigration,
-    MigrationState,
-    PendingDocument,
-)
+from tokensvc.storage.records import BaseRow, ChunkingSpec, ChunkRow, EmbedderSpec
+from tokensvc.storage.reembedding_records import KnowledgeBaseMigration, MigrationState, PendingDocument
 
 SOURCE = EmbedderSpec("test", "conformance-model", DIM, True)
 FIXED = ChunkingSpec("fixed", 64, 0)

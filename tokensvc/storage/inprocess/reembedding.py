@@ -23,15 +23,14 @@ import numpy as np
 from tokensvc.storage.inprocess.knowledge import DocumentVersion, InProcessKnowledgeStore, stored_chunk
 from tokensvc.storage.inprocess.ledgers import InProcessAuditStore
 from tokensvc.storage.inprocess.memories import InProcessMemoryStore, MemoryRow, stored_vector, with_vector
-from tokensvc.storage.records import (
-    ChunkRow,
+from tokensvc.storage.records import ChunkRow, StoredChunk
+from tokensvc.storage.reembedding_records import (
     EmbeddingMigration,
     KnowledgeBaseMigration,
     MemorySpaceMigration,
     MigrationState,
     PendingDocument,
     PendingMemory,
-    StoredChunk,
 )
 
 __all__ = ["InProcessEmbeddingMigrationStore"]

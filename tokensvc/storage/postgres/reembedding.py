@@ -27,18 +27,14 @@ from tokensvc.storage.postgres.errors import translate_errors
 from tokensvc.storage.postgres.knowledge import chunk_columns
 from tokensvc.storage.postgres.memories import ensure_vector_index
 from tokensvc.storage.postgres.tenant import tenant_transaction
-from tokensvc.storage.records import (
-    ChunkingSpec,
-    ChunkRow,
-    EmbedderSpec,
+from tokensvc.storage.records import ChunkingSpec, ChunkRow, EmbedderSpec, StoredChunk, Tenant
+from tokensvc.storage.reembedding_records import (
     EmbeddingMigration,
     KnowledgeBaseMigration,
     MemorySpaceMigration,
     MigrationState,
     PendingDocument,
     PendingMemory,
-    StoredChunk,
-    Tenant,
 )
 
 __all__ = ["PostgresEmbeddingMigrationStore"]
