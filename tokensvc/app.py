@@ -38,6 +38,7 @@ from tokensvc.auth.revocation import RevocationList
 from tokensvc.credentials.custody import CredentialCustodian
 from tokensvc.embedders import EmbedderRegistry, load_embedders
 from tokensvc.knowledge.extraction_pool import ExtractionPool
+from tokensvc.knowledge.formats import ExtractionLimits
 from tokensvc.knowledge.service import KnowledgeBases
 from tokensvc.memory.data_subjects import DataSubjectRequests
 from tokensvc.memory.service import LongTermMemory
@@ -270,6 +271,13 @@ class Service:
             settings.knowledge_extract_workers,
             settings.knowledge_extract_seconds,
             settings.knowledge_extract_memory_bytes,
+            ExtractionLimits(
+                max_pages=settings.knowledge_extract_max_pages,
+                max_slides=settings.knowledge_extract_max_slides,
+                max_sheets=settings.knowledge_extract_max_sheets,
+                max_cells=settings.knowledge_extract_max_cells,
+                max_uncompressed_bytes=settings.knowledge_extract_max_unpacked_bytes,
+            ),
         )
         knowledge = PostgresKnowledgeStore(pool)
         self.knowledge = KnowledgeBases(

@@ -209,6 +209,29 @@ class Settings:
             "itself); a document needing more is refused, INVALID_ARGUMENT, reason PAYLOAD_TOO_LARGE."
         ),
     )
+    knowledge_extract_max_pages: int = field(
+        default=5_000,
+        metadata=_doc("Most pages of a PDF extracted; a longer one is refused (PAYLOAD_TOO_LARGE)."),
+    )
+    knowledge_extract_max_slides: int = field(
+        default=2_000, metadata=_doc("Most slides of a PPTX extracted; more is refused (PAYLOAD_TOO_LARGE).")
+    )
+    knowledge_extract_max_sheets: int = field(
+        default=100, metadata=_doc("Most sheets of an XLSX extracted; more is refused (PAYLOAD_TOO_LARGE).")
+    )
+    knowledge_extract_max_cells: int = field(
+        default=10_000_000,
+        metadata=_doc(
+            "Most non-empty cells of a spreadsheet or CSV read; more is refused (PAYLOAD_TOO_LARGE)."
+        ),
+    )
+    knowledge_extract_max_unpacked_bytes: int = field(
+        default=512 * 1024 * 1024,
+        metadata=_doc(
+            "Most bytes a DOCX, PPTX or XLSX may unpack to (its zip directory says, read before any "
+            "parsing), and at most 200 times its packed size: more is refused as a decompression bomb."
+        ),
+    )
 
     # --- database --------------------------------------------------------------------------
     state_dir: Path = field(
@@ -407,6 +430,15 @@ class Settings:
             raise SettingsError("knowledge_max_upload_bytes: must be at least 1")
         if self.knowledge_extract_workers < 1:
             raise SettingsError("knowledge_extract_workers: must be at least 1")
+        for name in (
+            "knowledge_extract_max_pages",
+            "knowledge_extract_max_slides",
+            "knowledge_extract_max_sheets",
+            "knowledge_extract_max_cells",
+            "knowledge_extract_max_unpacked_bytes",
+        ):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name}: must be at least 1")
         if self.knowledge_extract_seconds <= 0:
             raise SettingsError("knowledge_extract_seconds: must be greater than 0")
         if self.knowledge_extract_memory_bytes < _MIN_EXTRACT_MEMORY:

@@ -163,9 +163,14 @@ class Manager:
         request = knowledge_pb2.DeleteKnowledgeBaseRequest(namespace=self.namespace, ref=ref)
         return int((await self.stub.DeleteKnowledgeBase(request, timeout=TIMEOUT)).deleted_document_count)
 
-    async def get_document(self, kb_ref: str, doc_ref: str) -> knowledge_pb2.Document:
+    async def get_document(
+        self, kb_ref: str, doc_ref: str, *, include_text: bool = False
+    ) -> knowledge_pb2.Document:
         request = knowledge_pb2.GetDocumentRequest(
-            namespace=self.namespace, knowledge_base_ref=kb_ref, document_ref=doc_ref
+            namespace=self.namespace,
+            knowledge_base_ref=kb_ref,
+            document_ref=doc_ref,
+            include_text=include_text,
         )
         return (await self.stub.GetDocument(request, timeout=TIMEOUT)).document
 

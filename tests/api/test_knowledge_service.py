@@ -368,6 +368,19 @@ async def test_get_list_and_delete_documents(clients: Clients, database: SharedD
     assert await row_counts(database, kb) == (1, 4, sum(remaining))
 
 
+async def test_get_document_returns_the_extracted_text_its_passages_slice(clients: Clients) -> None:
+    kb, manager = new_ref(), clients.manager()
+    await manager.create(kb, MARKDOWN)
+    html = "<h1>Runbook</h1><p>Restart the ingest worker with care.</p><script>hidden()</script>"
+    await manager.upload(kb, "runbook.html", html, content_type="text/html")
+    assert (await manager.get_document(kb, "runbook.html")).text == ""  # only when asked for
+    document = await manager.get_document(kb, "runbook.html", include_text=True)
+    assert document.text == extract_text(html.encode(), "text/html")
+    (passage,) = await clients.searcher([kb]).search("ingest worker", [kb], top_k=1)
+    assert document.text[passage.start_offset : passage.end_offset] == passage.text
+    assert not passage.HasField("location")  # HTML has no pages
+
+
 async def test_plain_text_offsets_are_code_points_of_the_decoded_upload(clients: Clients) -> None:
     kb, manager = new_ref(), clients.manager()
     await manager.create(kb, FIXED, 16, 4)

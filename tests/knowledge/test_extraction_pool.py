@@ -28,6 +28,7 @@ from tokensvc.knowledge import (
     extract_text,
     extraction_pool,
 )
+from tokensvc.knowledge.formats import ExtractionLimits
 from tokensvc.observability.deadlines import reset_deadline, use_deadline
 
 GIB = 1024**3
@@ -188,11 +189,11 @@ def test_an_unexpected_parser_failure_is_a_refused_document_not_an_internal_erro
 ) -> None:
     """What the worker function answers when the parser raises something of its own."""
 
-    def broken(content: bytes, content_type: str) -> str:
+    def broken(content: bytes, content_type: str, limits: ExtractionLimits) -> str:
         raise RuntimeError("the parser gave up on this document")
 
-    monkeypatch.setattr(extraction_pool, "extract_text", broken)
-    refused = extraction_pool._extract_and_chunk(PAGE, "text/html", RECURSIVE)
+    monkeypatch.setattr(extraction_pool, "extract_document", broken)
+    refused = extraction_pool._extract_and_chunk(PAGE, "text/html", RECURSIVE, ExtractionLimits())
     assert isinstance(refused, extraction_pool._Refused)
     assert (refused.field, refused.message, refused.error_type) == (
         "content",

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import tarfile
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -28,6 +30,7 @@ from tests.support import SharedDatabase
 from tokensvc.storage.postgres import schema_migrations
 from tokensvc.storage.postgres.schema_migrations import (
     LEGACY_CHECKSUMS,
+    SchemaFunctions,
     SchemaMigrationError,
     apply_schema_migrations,
     available_schema_functions,
@@ -36,6 +39,8 @@ from tokensvc.storage.postgres.schema_migrations import (
 
 # The function files' own bookkeeping, which the tree before the switch did not have.
 SWITCH_BOOKKEEPING = "schema_functions%"
+LAST_BEFORE_THE_SWITCH = 22
+FUNCTIONS_AT_THE_SWITCH = Path(__file__).parent / "fixtures" / "functions_at_the_switch.tar.gz"
 POLICY_PREDICATES = {"tokensvc.kb_visible"}
 
 # Everything of the tokensvc schema a migration can change, each as sorted text rows.
@@ -97,8 +102,30 @@ def differences(left: dict[str, list[tuple[Any, ...]]], right: dict[str, list[tu
     return found
 
 
+async def migrate_as_at_the_switch(conn: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tokensvc migrate` of the tree right after the switch: today's numbered files up to it (frozen
+    since) and the function files as they were then."""
+    shipped = available_schema_migrations()
+    with monkeypatch.context() as patched:
+        patched.setattr(
+            schema_migrations,
+            "available_schema_migrations",
+            lambda: [m for m in shipped if m.version <= LAST_BEFORE_THE_SWITCH],
+        )
+        patched.setattr(schema_migrations, "available_schema_functions", functions_at_the_switch)
+        await apply_schema_migrations(conn, app_role=APP_ROLE, runner_role=RUNNER_ROLE)
+
+
+def functions_at_the_switch() -> list[SchemaFunctions]:
+    with tarfile.open(FUNCTIONS_AT_THE_SWITCH) as archive:
+        return [
+            SchemaFunctions(member.name.removesuffix(".sql"), archive.extractfile(member).read().decode())  # type: ignore[union-attr]
+            for member in sorted(archive.getmembers(), key=lambda m: m.name)
+        ]
+
+
 async def test_the_switch_to_function_files_changes_nothing_a_database_holds(
-    database: SharedDatabase, scratch_databases: list[str]
+    database: SharedDatabase, scratch_databases: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     old, new, upgraded = scratch_databases
     prints = {}
@@ -108,7 +135,7 @@ async def test_the_switch_to_function_files_changes_nothing_a_database_holds(
             if name in (old, upgraded):
                 await migrate_with_the_tree_before_the_switch(conn)
             if name in (new, upgraded):
-                await apply_schema_migrations(conn, app_role=APP_ROLE, runner_role=RUNNER_ROLE)
+                await migrate_as_at_the_switch(conn, monkeypatch)
             prints[name] = await fingerprint(conn)
         finally:
             await conn.close()
@@ -117,6 +144,23 @@ async def test_the_switch_to_function_files_changes_nothing_a_database_holds(
     # The test would prove nothing on an empty schema.
     assert len(prints[new]["functions"]) >= 40
     assert len(prints[new]["triggers"]) >= 3
+
+
+async def test_a_database_of_the_tree_before_the_switch_upgrades_to_what_todays_tree_makes(
+    database: SharedDatabase, scratch_databases: list[str]
+) -> None:
+    fresh, upgraded = scratch_databases[:2]
+    prints = {}
+    for name in (fresh, upgraded):
+        conn = await connect(database, "owner", name)
+        try:
+            if name == upgraded:
+                await migrate_with_the_tree_before_the_switch(conn)
+            await apply_schema_migrations(conn, app_role=APP_ROLE, runner_role=RUNNER_ROLE)
+            prints[name] = await fingerprint(conn)
+        finally:
+            await conn.close()
+    assert differences(prints[fresh], prints[upgraded]) == []
 
 
 async def test_an_upgraded_database_records_todays_checksums_and_every_function_file(
@@ -128,7 +172,8 @@ async def test_an_upgraded_database_records_todays_checksums_and_every_function_
         await migrate_with_the_tree_before_the_switch(conn)
         applied = await apply_schema_migrations(conn, app_role=APP_ROLE, runner_role=RUNNER_ROLE)
         assert [item.label for item in applied] == [
-            f"functions/{family.name}" for family in available_schema_functions()
+            *(m.label for m in available_schema_migrations() if m.version > LAST_BEFORE_THE_SWITCH),
+            *(f"functions/{family.name}" for family in available_schema_functions()),
         ]
         recorded = dict(await conn.fetch("SELECT version, checksum FROM tokensvc.schema_migrations"))
         assert recorded == {m.version: m.checksum for m in available_schema_migrations()}

@@ -6,7 +6,7 @@ from tokensvc.api.convert import timestamp
 from tokensvc.api.memory_codec import DEFAULT_TOP_K, MAX_TOP_K
 from tokensvc.api.metadata_codec import metadata_to_proto
 from tokensvc.errors import InvalidArgument
-from tokensvc.knowledge import BaseRow, DocumentRow
+from tokensvc.knowledge import BaseRow, DocumentRow, Location
 from tokensvc.knowledge.chunking import ChunkingKind, ChunkingStrategy
 from tokensvc.knowledge.service import Passage
 from tokensvc.names import is_dns_label, is_kb_ref
@@ -114,6 +114,7 @@ def encode_document(document: DocumentRow) -> knowledge_pb2.Document:
         chunk_count=document.chunk_count,
         metadata=metadata_to_proto(document.metadata),
         created_at=timestamp(document.created_at),
+        text=document.text or "",
     )
 
 
@@ -131,4 +132,20 @@ def encode_passage(passage: Passage) -> knowledge_pb2.Passage:
         heading_path=list(passage.heading_path),
         vector_rank=passage.vector_rank,
         text_rank=passage.text_rank,
+        location=encode_location(passage.location),
+    )
+
+
+def encode_location(location: Location) -> knowledge_pb2.PassageLocation | None:
+    """A passage's location; None (unset) where the format has none."""
+    if location.empty:
+        return None
+    return knowledge_pb2.PassageLocation(
+        first_page=location.first_page,
+        last_page=location.last_page,
+        first_slide=location.first_slide,
+        last_slide=location.last_slide,
+        sheet=location.sheet,
+        first_row=location.first_row,
+        last_row=location.last_row,
     )

@@ -206,8 +206,28 @@ def _search(args: argparse.Namespace) -> int:
     lines = []
     for passage in response.passages:
         heading = " > ".join(passage.heading_path)
-        lines.append(f"[{passage.knowledge_base_ref}:{passage.citation}] {passage.score:.4f} {heading}")
+        where = _where(passage.location) if passage.HasField("location") else ""
+        lines.append(
+            f"[{passage.knowledge_base_ref}:{passage.citation}]{where} {passage.score:.4f} {heading}".rstrip()
+        )
         lines.append(
             "    " + passage.text[:300].replace("\n", " ") + ("..." if len(passage.text) > 300 else "")
         )
     return output(args, response, "\n".join(lines) or "(no passages)")
+
+
+def _where(location: knowledge_pb2.PassageLocation) -> str:
+    """` p. 3`, ` pp. 3-4`, ` slide 2`, ` Sheet1 rows 10-42`: where a passage is in its file."""
+
+    def span(one: str, many: str, first: int, last: int) -> str:
+        return f"{one} {first}" if first == last else f"{many} {first}-{last}"
+
+    parts = []
+    if location.first_page:
+        parts.append(span("p.", "pp.", location.first_page, location.last_page))
+    if location.first_slide:
+        parts.append(span("slide", "slides", location.first_slide, location.last_slide))
+    if location.first_row:
+        rows = span("row", "rows", location.first_row, location.last_row)
+        parts.append(f"{location.sheet} {rows}" if location.sheet else rows)
+    return "".join(f" {part}" for part in parts)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tokensvc.knowledge.chunking import Chunk, ChunkingKind, ChunkingStrategy, chunk_document
 from tokensvc.knowledge.extraction_pool import ExtractionPool
-from tokensvc.knowledge.formats import SUPPORTED_CONTENT_TYPES, extract_text, parse_content_type
+from tokensvc.knowledge.formats import SUPPORTED_CONTENT_TYPES, Location, extract_text, parse_content_type
 from tokensvc.knowledge.models import BaseRow, ChunkRow, DocumentRow, PassageRow
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "ChunkingStrategy",
     "DocumentRow",
     "ExtractionPool",
+    "Location",
     "PassageRow",
     "chunk_document",
     "extract_text",

@@ -43,7 +43,7 @@ import pebble
 
 from tokensvc.errors import DeadlineExceeded, InvalidArgument, PayloadTooLarge
 from tokensvc.knowledge.chunking import Chunk, ChunkingStrategy, chunk_document
-from tokensvc.knowledge.formats import extract_text
+from tokensvc.knowledge.formats import ExtractionLimits, Location, SourceSpan, SpanIndex, extract_document
 from tokensvc.observability.deadlines import current_deadline
 from tokensvc.observability.metrics import METRICS
 
@@ -107,19 +107,33 @@ def _ready() -> bool:
 
 @dataclass(frozen=True)
 class Extraction:
-    """A document's extracted text and its chunks under each strategy asked for, in order."""
+    """A document's extracted text, its media type (resolved from the bytes when it was sent as
+    `application/octet-stream`) and source spans, and its chunks under each strategy asked for,
+    in order, each chunk with its location (`locations[i][j]` is that of `chunkings[i][j]`)."""
 
     text: str
     chunkings: tuple[list[Chunk], ...]
+    media_type: str = "text/plain"
+    spans: tuple[SourceSpan, ...] = ()
+    locations: tuple[tuple[Location, ...], ...] = ()
 
 
 def _extract_and_chunk(
-    content: bytes, content_type: str, strategies: tuple[ChunkingStrategy, ...]
+    content: bytes, content_type: str, strategies: tuple[ChunkingStrategy, ...], limits: ExtractionLimits
 ) -> Extraction | _Refused:
-    """What a worker runs: the document's text and chunks, or why its content is refused."""
+    """What a worker runs: the document's text, spans and located chunks, or why its content is
+    refused."""
     try:
-        text = extract_text(content, content_type)
-        return Extraction(text, tuple(chunk_document(text, strategy) for strategy in strategies))
+        document = extract_document(content, content_type, limits)
+        chunkings = tuple(chunk_document(document.text, strategy) for strategy in strategies)
+        where = SpanIndex(document.spans)
+        return Extraction(
+            document.text,
+            chunkings,
+            document.media_type,
+            document.spans,
+            tuple(tuple(where.locate(c.start, c.end) for c in chunks) for chunks in chunkings),
+        )
     except InvalidArgument as error:
         message = error.message.removeprefix(f"{error.field}: ")
         return _Refused(error.field or "content", message, too_large=isinstance(error, PayloadTooLarge))
@@ -130,12 +144,15 @@ def _extract_and_chunk(
 
 
 class ExtractionPool:
-    """Runs `extract_text` and `chunk_document` for uploads in `workers` processes."""
+    """Runs `extract_document` and `chunk_document` for uploads in `workers` processes."""
 
-    def __init__(self, workers: int, limit_seconds: float, memory_bytes: int) -> None:
+    def __init__(
+        self, workers: int, limit_seconds: float, memory_bytes: int, limits: ExtractionLimits | None = None
+    ) -> None:
         self._workers = workers
         self._limit = limit_seconds
         self._memory = memory_bytes
+        self._limits = limits or ExtractionLimits()
         self._pool: pebble.ProcessPool | None = None
         self._closed = False
         self._running: set[concurrent.futures.Future[Any]] = set()
@@ -150,7 +167,7 @@ class ExtractionPool:
     ) -> Extraction:
         """The document's text and its chunks under each of `strategies` (an upload during a
         re-chunking migration asks for two). InvalidArgument for content that cannot be extracted (as
-        `extract_text`), PayloadTooLarge when it takes longer than the server's limit or kills its
+        `extract_document`), PayloadTooLarge when it takes longer than the server's limit or kills its
         worker, DeadlineExceeded when the caller's deadline passes first; a cancelled call stops
         the work too (and so does `close`, which cancels the calls still in flight)."""
         deadline = current_deadline()
@@ -210,7 +227,9 @@ class ExtractionPool:
         with self._lock:
             if self._closed:
                 raise _closed()
-            future = pool.schedule(_extract_and_chunk, (content, content_type, strategies), timeout=timeout)
+            future = pool.schedule(
+                _extract_and_chunk, (content, content_type, strategies, self._limits), timeout=timeout
+            )
             self._running.add(future)
             return future
 

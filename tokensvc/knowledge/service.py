@@ -11,6 +11,7 @@ pins, row counts) is a store decorator's (`tokensvc.storage.caching`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from collections.abc import Awaitable, Callable, Sequence
@@ -30,6 +31,7 @@ from tokensvc.embedders import (
     WorkClass,
 )
 from tokensvc.errors import (
+    ConcurrentChange,
     DatabaseUnavailable,
     InvalidArgument,
     NotFound,
@@ -39,6 +41,7 @@ from tokensvc.errors import (
 )
 from tokensvc.knowledge.chunking import Chunk, ChunkingStrategy
 from tokensvc.knowledge.extraction_pool import ExtractionPool
+from tokensvc.knowledge.formats import OCTET_STREAM, Location
 from tokensvc.memory import Filter
 from tokensvc.memory.metadata import MetadataScalar
 from tokensvc.observability.metrics import observe_embedding
@@ -56,6 +59,7 @@ from tokensvc.retrieval import (
 from tokensvc.storage.ports import KnowledgeStore, StaleKnowledgeBases
 from tokensvc.storage.records import (
     ALL_KNOWLEDGE_BASES,
+    NOWHERE,
     BaseRow,
     ChunkRow,
     DocumentRow,
@@ -90,6 +94,7 @@ class Passage:
     score: float
     vector_rank: int
     text_rank: int
+    location: Location = NOWHERE
 
     @property
     def citation(self) -> str:
@@ -261,16 +266,24 @@ class KnowledgeBases:
         extraction = await self._extraction.extract(content, content_type, strategies)
         # Uploads are bulk work in their namespace's fair share: searches and Remembers go first.
         demand = Demand.of(WorkClass.BULK, base.namespace)
-        rows = await self._embedded(self._embedder(base), extraction.chunkings[0], demand)
+        rows = await self._embedded(
+            self._embedder(base), extraction.chunkings[0], extraction.locations[0], demand
+        )
         next_rows = None
         if target is not None:
-            next_rows = await self._embedded(target[0], extraction.chunkings[-1], demand)
+            next_rows = await self._embedded(
+                target[0], extraction.chunkings[-1], extraction.locations[-1], demand
+            )
+        # Sent as bytes of no declared type: stored as the type its signature showed.
+        declared = content_type.partition(";")[0].strip().lower()
         replaced = await replace(
             chunks=rows,
             generation=base.generation,
             text=extraction.text,
             next_chunks=next_rows,
             migration_id=base.migration_id if next_rows is not None else None,
+            source_spans=extraction.spans,
+            **({"content_type": extraction.media_type} if declared == OCTET_STREAM else {}),
         )
         assert replaced is not None  # with chunks, a version or the same content is stored
         document, written = replaced
@@ -287,12 +300,16 @@ class KnowledgeBases:
         return embedder, ChunkingStrategy.from_stored(chunking.kind, chunking.size, chunking.overlap)
 
     async def _embedded(
-        self, embedder: ScheduledEmbedder, chunks: list[Chunk], demand: Demand
+        self,
+        embedder: ScheduledEmbedder,
+        chunks: list[Chunk],
+        locations: tuple[Location, ...],
+        demand: Demand,
     ) -> list[ChunkRow]:
         vectors = await self._embed(embedder, [chunk.text for chunk in chunks], demand)
         return [
-            ChunkRow(c.index, c.text, c.start, c.end, tuple(c.heading_path), vector)
-            for c, vector in zip(chunks, vectors, strict=True)
+            ChunkRow(c.index, c.text, c.start, c.end, tuple(c.heading_path), vector, location)
+            for c, vector, location in zip(chunks, vectors, locations, strict=True)
         ]
 
     async def _embed(self, embedder: ScheduledEmbedder, texts: list[str], demand: Demand) -> list[np.ndarray]:
@@ -307,13 +324,24 @@ class KnowledgeBases:
                 vectors.extend(unit_rows(batch, "content"))
         return vectors
 
-    async def get_document(self, namespace: str, kb_ref: str, doc_ref: str) -> DocumentRow:
-        base, document = await self._store.document_state(_management(namespace), kb_ref, doc_ref)
-        if base is None:
-            raise _no_base(namespace, kb_ref)
-        if document is None:
-            raise NotFound(f"no document {doc_ref!r} in knowledge base {kb_ref!r}")
-        return document
+    async def get_document(
+        self, namespace: str, kb_ref: str, doc_ref: str, *, with_text: bool = False
+    ) -> DocumentRow:
+        """The document's current version; `with_text`: with its extracted text, read after it
+        (a new version in between: read again)."""
+        tenant = _management(namespace)
+        for _ in range(_UPLOAD_ATTEMPTS):
+            base, document = await self._store.document_state(tenant, kb_ref, doc_ref)
+            if base is None:
+                raise _no_base(namespace, kb_ref)
+            if document is None:
+                raise NotFound(f"no document {doc_ref!r} in knowledge base {kb_ref!r}")
+            if not with_text:
+                return document
+            text = await self._store.document_text(tenant, kb_ref, doc_ref, document.version)
+            if text is not None:
+                return dataclasses.replace(document, text=text)
+        raise ConcurrentChange(f"document {doc_ref!r} kept changing while it was read; retry")
 
     async def list_documents(
         self, namespace: str, kb_ref: str, *, after: str | None, limit: int, filter_: Filter | None
@@ -491,4 +519,5 @@ def _passage(ranked: Ranked[PassageRow]) -> Passage:
         ranked.score,
         ranked.vector_rank,
         ranked.text_rank,
+        row.location,
     )

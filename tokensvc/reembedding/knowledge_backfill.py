@@ -12,6 +12,7 @@ import numpy as np
 from tokensvc.embedders import Demand, ScheduledEmbedder
 from tokensvc.errors import EmbedderUnavailable
 from tokensvc.knowledge.chunking import ChunkingStrategy, chunk_document
+from tokensvc.knowledge.formats import SpanIndex
 from tokensvc.observability.metrics import METRICS
 from tokensvc.reembedding.backfill import bulk_demand, embed_texts
 from tokensvc.reembedding.pipeline import BatchPipeline
@@ -108,7 +109,11 @@ async def _chunks_of(migration: KnowledgeBaseMigration, document: PendingDocumen
         )
     strategy = ChunkingStrategy.from_stored(target.kind, target.size, target.overlap)
     chunks = await asyncio.to_thread(chunk_document, document.text, strategy)
-    return tuple(StoredChunk(c.index, c.text, c.start, c.end, tuple(c.heading_path)) for c in chunks)
+    where = SpanIndex(document.spans)  # each new chunk's page, slide or rows
+    return tuple(
+        StoredChunk(c.index, c.text, c.start, c.end, tuple(c.heading_path), where.locate(c.start, c.end))
+        for c in chunks
+    )
 
 
 def _embedded_documents(
@@ -122,7 +127,7 @@ def _embedded_documents(
             (
                 document,
                 [
-                    ChunkRow(c.index, c.text, c.start, c.end, c.heading_path, vectors[at + i])
+                    ChunkRow(c.index, c.text, c.start, c.end, c.heading_path, vectors[at + i], c.location)
                     for i, c in enumerate(chunks)
                 ],
             )

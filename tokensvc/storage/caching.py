@@ -274,6 +274,9 @@ class CachingKnowledgeStore:
     ) -> tuple[BaseRow | None, DocumentRow | None]:
         return await self._store.document_state(tenant, kb_ref, doc_ref)
 
+    async def document_text(self, tenant: Tenant, kb_ref: str, doc_ref: str, version: int) -> str | None:
+        return await self._store.document_text(tenant, kb_ref, doc_ref, version)
+
     async def list_documents(self, tenant: Tenant, kb_ref: str, **page: Any) -> list[DocumentRow] | None:
         return await self._store.list_documents(tenant, kb_ref, **page)
 

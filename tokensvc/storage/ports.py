@@ -42,6 +42,7 @@ from tokensvc.storage.records import (
     RotationEntry,
     SearchOutcome,
     SearchPlan,
+    SourceSpan,
     StoredRef,
     Tenant,
 )
@@ -256,6 +257,11 @@ class KnowledgeStore(Protocol):
         """The base (document_count 0: not counted) and the current version of its document
         `doc_ref`, each None when absent (no base: no document either), from one snapshot."""
 
+    async def document_text(self, tenant: Tenant, kb_ref: str, doc_ref: str, version: int) -> str | None:
+        """The extracted text of version `version` of the document (what its passages' offsets
+        index; empty for one uploaded before texts were kept); None when that is no longer its
+        current version."""
+
     async def list_documents(
         self, tenant: Tenant, kb_ref: str, *, after: str | None, limit: int, filter_: Filter | None
     ) -> list[DocumentRow] | None:
@@ -277,14 +283,16 @@ class KnowledgeStore(Protocol):
         text: str | None = None,
         next_chunks: Sequence[ChunkRow] | None = None,
         migration_id: str | None = None,
+        source_spans: Sequence[SourceSpan] = (),
     ) -> tuple[DocumentRow, bool] | None:
         """Store the next version of a document and swap its chunks atomically (any reader sees
         exactly one version), serialised with other writers of the same document.
 
         When the current version (read under that serialisation) already has this content, only
         the metadata is replaced: returns (document, False). Otherwise, with `chunks`, the next
-        version is written: (document, True), its chunks in `generation` and its extracted `text`
-        kept; with `chunks=None` (a metadata-only change of content the caller believed current)
+        version is written: (document, True), its chunks (with their locations) in `generation`
+        and its extracted `text` and `source_spans` kept (a re-chunking migration reads both:
+        `PendingDocument`); with `chunks=None` (a metadata-only change of content the caller believed current)
         nothing is written and None is returned.
 
         A new version is refused with `StaleKnowledgeBases` (nothing written) when the base is no

@@ -22,6 +22,7 @@ from tokensvc.storage.filter_language import MetadataScalar
 __all__ = [
     "ALL_KNOWLEDGE_BASES",
     "MAX_DIMENSION",
+    "NOWHERE",
     "AuditRecord",
     "BaseRow",
     "Candidate",
@@ -34,6 +35,7 @@ __all__ = [
     "EmbedderSpec",
     "ExportedMemory",
     "KnowledgePins",
+    "Location",
     "MemoryRecord",
     "MemorySpace",
     "NewMemory",
@@ -45,6 +47,7 @@ __all__ = [
     "RotationEntry",
     "SearchOutcome",
     "SearchPlan",
+    "SourceSpan",
     "StoredChunk",
     "StoredRef",
     "Tenant",
@@ -182,6 +185,41 @@ class ChunkingSpec:
 
 
 @dataclass(frozen=True)
+class SourceSpan:
+    """A span of the extracted text (code points, `end` exclusive) and where it is in the original:
+    its page (PDF) or slide (PPTX), 1-based; or its sheet and row (spreadsheets, CSV and JSON
+    Lines: the row as the file numbers it, 1-based). Zero or empty where it does not apply."""
+
+    start: int
+    end: int
+    page: int = 0
+    slide: int = 0
+    sheet: str = ""
+    row: int = 0
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a passage is in the original: first and last page, slide or row (of `sheet`), each
+    pair zero when the format has none. A passage across two pages says both."""
+
+    first_page: int = 0
+    last_page: int = 0
+    first_slide: int = 0
+    last_slide: int = 0
+    sheet: str = ""
+    first_row: int = 0
+    last_row: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return self == NOWHERE
+
+
+NOWHERE = Location()
+
+
+@dataclass(frozen=True)
 class StoredChunk:
     """A chunk as stored, without its vector."""
 
@@ -190,6 +228,7 @@ class StoredChunk:
     start: int
     end: int
     heading_path: tuple[str, ...]
+    location: Location = NOWHERE
 
 
 @dataclass(frozen=True)
@@ -227,6 +266,7 @@ class DocumentRow:
     chunk_count: int
     metadata: dict[str, Any]
     created_at: datetime
+    text: str | None = None  # the extracted text, only when asked for (GetDocument)
 
 
 @dataclass(frozen=True)
@@ -237,6 +277,7 @@ class ChunkRow:
     end: int
     heading_path: tuple[str, ...]
     embedding: np.ndarray
+    location: Location = NOWHERE
 
 
 @dataclass(frozen=True)
@@ -258,6 +299,7 @@ class PassageRow:
     start: int
     end: int
     heading_path: tuple[str, ...]
+    location: Location = NOWHERE
 
 
 # --- search -------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import ClassVar, Self, TypeAlias
 
-from tokensvc.storage.records import ChunkingSpec, EmbedderSpec, StoredChunk
+from tokensvc.storage.records import ChunkingSpec, EmbedderSpec, SourceSpan, StoredChunk
 
 __all__ = [
     "EmbeddingMigration",
@@ -165,11 +165,12 @@ class PendingMemory:
 @dataclass(frozen=True)
 class PendingDocument:
     """A document whose current version a knowledge-base migration has not written yet: its
-    stored text (None: uploaded before texts were stored) and its current chunks, embedding-less,
-    when the migration keeps the chunking."""
+    stored text (None: uploaded before texts were stored) with its source spans, and its current
+    chunks, embedding-less, when the migration keeps the chunking."""
 
     ref: str
     version: int
     content_sha256: bytes
     text: str | None
     chunks: tuple[StoredChunk, ...] = ()
+    spans: tuple[SourceSpan, ...] = ()

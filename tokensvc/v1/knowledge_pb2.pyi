@@ -196,6 +196,7 @@ class Document(_message.Message):
     CHUNK_COUNT_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     """The namespace of the document's knowledge base."""
     knowledge_base_ref: _builtins.str
@@ -205,8 +206,8 @@ class Document(_message.Message):
     version: _builtins.int
     """The version number, 1 for the first upload and incremented by each upload with new content."""
     content_type: _builtins.str
-    """The content type the document was uploaded with: `text/plain`, `text/markdown` or
-    `text/html`.
+    """The content type the document was uploaded with (see UploadDocumentHeader.content_type); for
+    content uploaded as `application/octet-stream`, the type its bytes were recognised as.
     """
     content_sha256: _builtins.str
     """The SHA-256 of the uploaded bytes, as 64 lowercase hexadecimal characters."""
@@ -214,6 +215,10 @@ class Document(_message.Message):
     """The size of the uploaded bytes."""
     chunk_count: _builtins.int
     """The number of chunks this version was split into."""
+    text: _builtins.str
+    """The version's extracted text, which passages' offsets index; set only by GetDocument with
+    `include_text`.
+    """
     @_builtins.property
     def metadata(self) -> _containers.MessageMap[_builtins.str, _common_pb2.MetadataValue]:
         """The document's typed metadata, filterable in SearchKnowledge and ListDocuments."""
@@ -235,14 +240,66 @@ class Document(_message.Message):
         chunk_count: _builtins.int = ...,
         metadata: _abc.Mapping[_builtins.str, _common_pb2.MetadataValue] | None = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
+        text: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_count", b"chunk_count", "content_sha256", b"content_sha256", "content_type", b"content_type", "created_at", b"created_at", "knowledge_base_ref", b"knowledge_base_ref", "metadata", b"metadata", "namespace", b"namespace", "ref", b"ref", "size_bytes", b"size_bytes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_count", b"chunk_count", "content_sha256", b"content_sha256", "content_type", b"content_type", "created_at", b"created_at", "knowledge_base_ref", b"knowledge_base_ref", "metadata", b"metadata", "namespace", b"namespace", "ref", b"ref", "size_bytes", b"size_bytes", "text", b"text", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Document: _TypeAlias = Document  # noqa: Y015
+
+@_typing.final
+class PassageLocation(_message.Message):
+    """PassageLocation says where a passage is in the original document, for formats with pages,
+    slides or rows; each field is 0 (or empty) where the format has no such unit. A passage that
+    spans two pages (slides, rows) gives the first and the last.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FIRST_PAGE_FIELD_NUMBER: _builtins.int
+    LAST_PAGE_FIELD_NUMBER: _builtins.int
+    FIRST_SLIDE_FIELD_NUMBER: _builtins.int
+    LAST_SLIDE_FIELD_NUMBER: _builtins.int
+    SHEET_FIELD_NUMBER: _builtins.int
+    FIRST_ROW_FIELD_NUMBER: _builtins.int
+    LAST_ROW_FIELD_NUMBER: _builtins.int
+    first_page: _builtins.int
+    """The first page of a PDF the passage's text is on, 1-based."""
+    last_page: _builtins.int
+    """The last page of a PDF the passage's text is on (equal to `first_page` within one page)."""
+    first_slide: _builtins.int
+    """The first slide of a PPTX the passage comes from, 1-based."""
+    last_slide: _builtins.int
+    """The last slide of a PPTX the passage comes from."""
+    sheet: _builtins.str
+    """The spreadsheet's sheet the rows are in (empty for CSV and JSON Lines, which have one)."""
+    first_row: _builtins.int
+    """The first row the passage's records come from, numbered as the file numbers them (1-based;
+    a CSV's header is row 1; a JSON Lines record's row is its line).
+    """
+    last_row: _builtins.int
+    """The last row the passage's records come from."""
+    def __init__(
+        self,
+        *,
+        first_page: _builtins.int = ...,
+        last_page: _builtins.int = ...,
+        first_slide: _builtins.int = ...,
+        last_slide: _builtins.int = ...,
+        sheet: _builtins.str = ...,
+        first_row: _builtins.int = ...,
+        last_row: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_page", b"first_page", "first_row", b"first_row", "first_slide", b"first_slide", "last_page", b"last_page", "last_row", b"last_row", "last_slide", b"last_slide", "sheet", b"sheet"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PassageLocation: _TypeAlias = PassageLocation  # noqa: Y015
 
 @_typing.final
 class Passage(_message.Message):
@@ -262,6 +319,7 @@ class Passage(_message.Message):
     HEADING_PATH_FIELD_NUMBER: _builtins.int
     VECTOR_RANK_FIELD_NUMBER: _builtins.int
     TEXT_RANK_FIELD_NUMBER: _builtins.int
+    LOCATION_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The chunk's text; it equals the characters from `start_offset` to `end_offset` of the
     document's extracted text.
@@ -298,6 +356,12 @@ class Passage(_message.Message):
     def heading_path(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The Markdown headings enclosing the passage, outermost first; empty when there are none."""
 
+    @_builtins.property
+    def location(self) -> Global___PassageLocation:
+        """Where the passage is in the original document: pages, slides or rows; unset for formats
+        without them (plain text, Markdown, HTML, JSON, source code).
+        """
+
     def __init__(
         self,
         *,
@@ -313,10 +377,11 @@ class Passage(_message.Message):
         heading_path: _abc.Iterable[_builtins.str] | None = ...,
         vector_rank: _builtins.int = ...,
         text_rank: _builtins.int = ...,
+        location: Global___PassageLocation | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["location", b"location"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_index", b"chunk_index", "citation", b"citation", "document_ref", b"document_ref", "document_version", b"document_version", "end_offset", b"end_offset", "heading_path", b"heading_path", "knowledge_base_ref", b"knowledge_base_ref", "score", b"score", "start_offset", b"start_offset", "text", b"text", "text_rank", b"text_rank", "vector_rank", b"vector_rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_index", b"chunk_index", "citation", b"citation", "document_ref", b"document_ref", "document_version", b"document_version", "end_offset", b"end_offset", "heading_path", b"heading_path", "knowledge_base_ref", b"knowledge_base_ref", "location", b"location", "score", b"score", "start_offset", b"start_offset", "text", b"text", "text_rank", b"text_rank", "vector_rank", b"vector_rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -702,22 +767,28 @@ class GetDocumentRequest(_message.Message):
     NAMESPACE_FIELD_NUMBER: _builtins.int
     KNOWLEDGE_BASE_REF_FIELD_NUMBER: _builtins.int
     DOCUMENT_REF_FIELD_NUMBER: _builtins.int
+    INCLUDE_TEXT_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     """The namespace of the knowledge base; required."""
     knowledge_base_ref: _builtins.str
     """The ref of the knowledge base; required."""
     document_ref: _builtins.str
     """The document's ref; required."""
+    include_text: _builtins.bool
+    """Whether to return the version's extracted text (Document.text), so a client can show a
+    passage's span in context.
+    """
     def __init__(
         self,
         *,
         namespace: _builtins.str = ...,
         knowledge_base_ref: _builtins.str = ...,
         document_ref: _builtins.str = ...,
+        include_text: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["document_ref", b"document_ref", "knowledge_base_ref", b"knowledge_base_ref", "namespace", b"namespace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["document_ref", b"document_ref", "include_text", b"include_text", "knowledge_base_ref", b"knowledge_base_ref", "namespace", b"namespace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -30,7 +30,7 @@ from tests.storage.conformance.support import (
 )
 from tests.storage.conformance.test_embedding_migrations import LEASE, TARGET, claim
 from tokensvc.storage.ports import EmbeddingMigrationStore, KnowledgeStore, StaleKnowledgeBases
-from tokensvc.storage.records import BaseRow, ChunkingSpec, ChunkRow, EmbedderSpec
+from tokensvc.storage.records import BaseRow, ChunkingSpec, ChunkRow, EmbedderSpec, Location, SourceSpan
 from tokensvc.storage.reembedding_records import KnowledgeBaseMigration, MigrationState, PendingDocument
 
 SOURCE = EmbedderSpec("test", "conformance-model", DIM, True)
@@ -79,6 +79,7 @@ async def upload_text(
     chunks: list[ChunkRow] | None = None,
     next_chunks: list[ChunkRow] | None = None,
     migration_id: str | None = None,
+    source_spans: tuple[SourceSpan, ...] = (),
 ) -> None:
     body = "\n".join(texts)
     written = await knowledge.replace_document(
@@ -94,6 +95,7 @@ async def upload_text(
         text=body,
         next_chunks=next_chunks,
         migration_id=migration_id,
+        source_spans=source_spans,
     )
     assert written is not None
 
@@ -118,7 +120,7 @@ def embedded(documents: Sequence[PendingDocument]) -> list[tuple[PendingDocument
         (
             d,
             [
-                ChunkRow(c.index, c.text, c.start, c.end, c.heading_path, axis(c.index % 4, 4))
+                ChunkRow(c.index, c.text, c.start, c.end, c.heading_path, axis(c.index % 4, 4), c.location)
                 for c in d.chunks
             ],
         )
@@ -405,3 +407,40 @@ async def test_a_document_deleted_and_uploaded_again_is_not_written_from_its_old
     migration = await backfill(migrations, replace_cursor(stored), runner)
     assert await migrations.cut_over(migration, runner)
     assert await texts_of(knowledge, ns, 1, dim=4) == {"brand new text"}
+
+
+async def test_a_migration_reads_each_chunks_location_and_the_documents_spans_and_keeps_them(
+    backend: Backend,
+) -> None:
+    knowledge, migrations = backend.knowledge, backend.migrations
+    ns = new_namespace()
+    await create_base(knowledge, ns, "kb")
+    texts = ["slide one", "slide two"]
+    spans = (SourceSpan(0, 9, slide=1), SourceSpan(10, 19, slide=2))
+    located = [
+        replace(chunk, location=Location(first_slide=i + 1, last_slide=i + 1))
+        for i, chunk in enumerate(chunk_rows(texts))
+    ]
+    await upload_text(knowledge, ns, "deck.pptx", texts, chunks=located, source_spans=spans)
+    created = await migrations.create(planned(ns, "kb"))
+    assert created is not None
+    runner = "runner-kb-loc"
+    migration = await claim(migrations, runner, created.id)
+    (document,) = await migrations.pending_documents(migration, limit=10)
+    assert document.spans == spans, "what a re-chunking locates its new chunks against"
+    assert [c.location for c in document.chunks] == [c.location for c in located]
+    stored = await backfill(migrations, migration, runner)
+    assert await migrations.cut_over(stored, runner)
+    outcome = await knowledge.search(
+        launcher(ns, "kb"),
+        ["kb"],
+        lambda _rows: vector_query(axis(0, 4), k=10),
+        row_count=10,
+        count_cap=1,
+        filter_=None,
+        generations=[1],
+    )
+    assert {c.item.text: c.item.location.first_slide for c in outcome.candidates} == {
+        "slide one": 1,
+        "slide two": 2,
+    }

@@ -4,6 +4,7 @@ metadata-only replacement, cascade deletes, roster isolation, and concurrent wri
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -11,6 +12,7 @@ from tests.storage.conformance.support import (
     DIM,
     axis,
     base_row,
+    chunk_rows,
     citation,
     create_base,
     current_document,
@@ -24,7 +26,7 @@ from tests.storage.conformance.support import (
 )
 from tokensvc.storage.filter_language import Condition, Operator
 from tokensvc.storage.ports import KnowledgeStore
-from tokensvc.storage.records import DocumentRow, Tenant
+from tokensvc.storage.records import NOWHERE, DocumentRow, Location, SourceSpan, Tenant
 
 
 async def current_chunks(
@@ -433,3 +435,55 @@ async def test_document_counts_follow_uploads_and_deletes(knowledge: KnowledgeSt
     counts = {b.ref: b.document_count for b in await knowledge.get_bases(management(ns), refs)}
 
     assert counts == {ref: (1 if ref == "kb" else 0) for ref in refs}
+
+
+# --- locations and extracted text -------------------------------------------------------------
+
+
+async def test_a_chunks_location_and_the_documents_text_come_back_as_written(
+    knowledge: KnowledgeStore,
+) -> None:
+    ns = new_namespace()
+    await create_base(knowledge, ns, "kb")
+    text = "page one text\n\npage two text"
+    located = [
+        replace(chunk, location=where)
+        for chunk, where in zip(
+            chunk_rows(["page one text", "page two text"]),
+            (Location(first_page=1, last_page=1), Location(first_page=1, last_page=2)),
+            strict=True,
+        )
+    ]
+    stored = await knowledge.replace_document(
+        management(ns),
+        kb_ref="kb",
+        ref="manual.pdf",
+        content_type="application/pdf",
+        content_sha256=sha(text),
+        size_bytes=len(text),
+        metadata={},
+        chunks=located,
+        text=text,
+        source_spans=(SourceSpan(0, 13, page=1), SourceSpan(15, 28, page=2)),
+    )
+    assert stored is not None
+    document = stored[0]
+
+    found = await search_chunks(knowledge, management(ns), ["kb"], vector_query(axis(1), k=2))
+    assert {c.item.chunk_index: c.item.location for c in found} == {
+        0: Location(first_page=1, last_page=1),
+        1: Location(first_page=1, last_page=2),
+    }
+    assert await knowledge.document_text(management(ns), "kb", "manual.pdf", document.version) == text
+    # Only the current version's: an older one, or a document of another tenant, has none.
+    assert await knowledge.document_text(management(ns), "kb", "manual.pdf", document.version + 1) is None
+    assert await knowledge.document_text(management(new_namespace()), "kb", "manual.pdf", 1) is None
+
+
+async def test_a_chunk_without_a_location_has_none(knowledge: KnowledgeStore) -> None:
+    ns = new_namespace()
+    await create_base(knowledge, ns, "kb")
+    await upload(knowledge, ns, "kb", "notes", ["plain text"])
+    found = await search_chunks(knowledge, management(ns), ["kb"], vector_query(axis(0), k=1))
+    assert found[0].item.location == NOWHERE
+    assert found[0].item.location.empty

@@ -152,6 +152,7 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
             decode_namespace(request.namespace),
             decode_kb_ref(request.knowledge_base_ref, "knowledge_base_ref"),
             decode_doc_ref(request.document_ref),
+            with_text=request.include_text,
         )
         return knowledge_pb2.GetDocumentResponse(document=encode_document(document))
 

@@ -25,6 +25,7 @@ from tokensvc.knowledge.formats.documents import (
 from tokensvc.knowledge.formats.text import decoded_text, html_text
 
 __all__ = [
+    "OCTET_STREAM",
     "SUPPORTED_CONTENT_TYPES",
     "ExtractedDocument",
     "ExtractionLimits",
@@ -37,6 +38,8 @@ __all__ = [
 ]
 
 Extractor = Callable[[bytes, ExtractionLimits], ExtractedDocument]
+# Bytes of no declared type: the format is read from their signature, in the worker.
+OCTET_STREAM = "application/octet-stream"
 
 
 def _plain(media_type: str) -> Extractor:

@@ -11,21 +11,9 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 
+from tokensvc.storage.records import NOWHERE, Location, SourceSpan
+
 __all__ = ["ExtractedDocument", "ExtractionLimits", "Location", "SourceSpan", "SpanIndex"]
-
-
-@dataclass(frozen=True)
-class SourceSpan:
-    """A span of the extracted text (code points, `end` exclusive) and where it is in the original:
-    its page (PDF) or slide (PPTX), 1-based; or its sheet and row (spreadsheets, CSV and JSON
-    Lines: the row as the file numbers it, 1-based). Zero or empty where it does not apply."""
-
-    start: int
-    end: int
-    page: int = 0
-    slide: int = 0
-    sheet: str = ""
-    row: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,27 +43,6 @@ class ExtractedDocument:
     spans: tuple[SourceSpan, ...] = ()
 
 
-@dataclass(frozen=True)
-class Location:
-    """Where a passage is in the original: first and last page, slide or row (of `sheet`), each
-    pair zero when the format has none. A passage across two pages says both."""
-
-    first_page: int = 0
-    last_page: int = 0
-    first_slide: int = 0
-    last_slide: int = 0
-    sheet: str = ""
-    first_row: int = 0
-    last_row: int = 0
-
-    @property
-    def empty(self) -> bool:
-        return self == _NOWHERE
-
-
-_NOWHERE = Location()
-
-
 class SpanIndex:
     """Locates passages among a document's source spans (in text order)."""
 
@@ -93,7 +60,7 @@ class SpanIndex:
                 break
             touched.append(span)
         if not touched or end <= start:
-            return _NOWHERE
+            return NOWHERE
         pages = [span.page for span in touched if span.page]
         slides = [span.slide for span in touched if span.slide]
         sheet = touched[0].sheet

@@ -37,6 +37,7 @@ from tokensvc.storage.records import (
     PassageRow,
     SearchOutcome,
     SearchPlan,
+    SourceSpan,
     Tenant,
 )
 
@@ -62,6 +63,7 @@ class DocumentVersion:
     chunks: Mapping[int, tuple[_Chunk, ...]]
     text: str | None = None
     migrated_chunk_count: int | None = None
+    spans: tuple[SourceSpan, ...] = ()
 
 
 def _visible(tenant: Tenant, namespace: str, kb_ref: str) -> bool:
@@ -156,6 +158,14 @@ class InProcessKnowledgeStore:
             return None
         return self.tables.documents.get((tenant.namespace, kb_ref, ref))
 
+    async def document_text(self, tenant: Tenant, kb_ref: str, doc_ref: str, version: int) -> str | None:
+        current = (
+            self._current(tenant, kb_ref, doc_ref) if _visible(tenant, tenant.namespace, kb_ref) else None
+        )
+        if current is None or current.document.version != version:
+            return None
+        return current.text or ""
+
     async def document_state(
         self, tenant: Tenant, kb_ref: str, doc_ref: str
     ) -> tuple[BaseRow | None, DocumentRow | None]:
@@ -200,6 +210,7 @@ class InProcessKnowledgeStore:
         text: str | None = None,
         next_chunks: Sequence[ChunkRow] | None = None,
         migration_id: str | None = None,
+        source_spans: Sequence[SourceSpan] = (),
     ) -> tuple[DocumentRow, bool] | None:
         """Serialised with every other writer (the contract asks: writers of the same document)."""
         _check_writable(tenant, tenant.namespace, kb_ref)
@@ -238,7 +249,11 @@ class InProcessKnowledgeStore:
                 assert next_chunks is not None
                 written[generation + 1] = tuple(stored_chunk(document, c) for c in next_chunks)
             self.tables.documents[key] = DocumentVersion(
-                document, written, text, len(next_chunks) if dual and next_chunks is not None else None
+                document,
+                written,
+                text,
+                len(next_chunks) if dual and next_chunks is not None else None,
+                tuple(source_spans),
             )
             return _copy(document), True
 
@@ -304,6 +319,7 @@ def stored_chunk(document: DocumentRow, chunk: ChunkRow) -> _Chunk:
         start=chunk.start,
         end=chunk.end,
         heading_path=tuple(chunk.heading_path),
+        location=chunk.location,
     )
     return _Chunk(passage, embedding, terms_of(chunk.text))
 

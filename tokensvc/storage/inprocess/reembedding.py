@@ -448,12 +448,18 @@ class InProcessEmbeddingMigrationStore:
                     c.passage.start,
                     c.passage.end,
                     c.passage.heading_path,
+                    c.passage.location,
                 )
                 for c in chunks
             )
             out.append(
                 PendingDocument(
-                    ref, version.document.version, version.document.content_sha256, version.text, stored
+                    ref,
+                    version.document.version,
+                    version.document.content_sha256,
+                    version.text,
+                    stored,
+                    version.spans,
                 )
             )
             if len(out) == limit:

@@ -19,6 +19,7 @@ from tokensvc.storage.filter_language import Filter
 from tokensvc.storage.ports import StaleKnowledgeBases
 from tokensvc.storage.postgres.errors import translate_errors
 from tokensvc.storage.postgres.filter_sql import compile_filter
+from tokensvc.storage.postgres.locations import location_from, location_json, spans_json
 from tokensvc.storage.postgres.ranking import (
     Corpus,
     candidates_from,
@@ -35,6 +36,7 @@ from tokensvc.storage.records import (
     PassageRow,
     SearchOutcome,
     SearchPlan,
+    SourceSpan,
     Tenant,
 )
 
@@ -56,6 +58,7 @@ _CORPUS = Corpus(
         "start_offset",
         "end_offset",
         "heading_path",
+        "location",
     ),
 )
 
@@ -86,26 +89,31 @@ _BASE_QUALIFIED = ", ".join(
 
 
 def _insert_chunks(first: int, generation: str, dimension: str) -> str:
-    """The INSERT of one generation's chunks, their columns in parameters $first.. $first+5."""
-    p = [f"${first + i}" for i in range(6)]
+    """The INSERT of one generation's chunks, their columns in parameters $first.. $first+6."""
+    p = [f"${first + i}" for i in range(_CHUNK_ARRAYS)]
     return f"""
     INSERT INTO chunks (namespace, kb_ref, doc_ref, generation, version, chunk_index, text, start_offset,
-                        end_offset, heading_path, metadata, dimension, embedding, text_config)
+                        end_offset, heading_path, metadata, dimension, embedding, text_config, location)
     SELECT $1, $2, $3, {generation}, $4, u.idx, u.text, u.start_offset, u.end_offset,
            ARRAY(SELECT jsonb_array_elements_text(u.heading::jsonb)), $9, {dimension}, u.embedding,
            -- The corpus's pinned configuration, read here so no writer can differ.
-           (SELECT b.text_config FROM knowledge_bases b WHERE b.namespace = $1 AND b.ref = $2)
-    FROM unnest({p[0]}::int[], {p[1]}::text[], {p[2]}::int[], {p[3]}::int[], {p[4]}::text[], {p[5]}::vector[])
-         AS u(idx, text, start_offset, end_offset, heading, embedding)
+           (SELECT b.text_config FROM knowledge_bases b WHERE b.namespace = $1 AND b.ref = $2),
+           u.location::jsonb
+    FROM unnest({p[0]}::int[], {p[1]}::text[], {p[2]}::int[], {p[3]}::int[], {p[4]}::text[], {p[5]}::vector[],
+                {p[6]}::text[])
+         AS u(idx, text, start_offset, end_offset, heading, embedding, location)
     -- Unused here; on Citus it makes the insert a shard's INSERT ... SELECT, where it would COPY
     -- into the shard otherwise, which row-level security refuses.
     RETURNING chunk_index
 """
 
 
+_CHUNK_ARRAYS = 7
+
+
 def chunk_columns(chunks: Sequence[ChunkRow]) -> list[Any]:
     """Chunks as the parallel arrays the chunk INSERTs unnest (index, text, start, end,
-    heading path, vector)."""
+    heading path, vector, location)."""
     return [
         [c.index for c in chunks],
         [c.text for c in chunks],
@@ -114,6 +122,7 @@ def chunk_columns(chunks: Sequence[ChunkRow]) -> list[Any]:
         # JSON text per chunk: asyncpg would read a list of lists as a 2-D array.
         [json.dumps(list(c.heading_path)) for c in chunks],
         [Vector(c.embedding) for c in chunks],
+        [location_json(c.location) for c in chunks],
     ]
 
 
@@ -274,6 +283,17 @@ class PostgresKnowledgeStore:
             return None
         return [_document(row) for row in rows if row["ref"] is not None]
 
+    async def document_text(self, tenant: Tenant, kb_ref: str, doc_ref: str, version: int) -> str | None:
+        async with tenant_transaction(self._pool, tenant) as conn:
+            text: str | None = await conn.fetchval(
+                "SELECT coalesce(text, '') FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 AND version = $4",
+                tenant.namespace,
+                kb_ref,
+                doc_ref,
+                version,
+            )
+        return text
+
     async def replace_document(
         self,
         tenant: Tenant,
@@ -289,6 +309,7 @@ class PostgresKnowledgeStore:
         text: str | None = None,
         next_chunks: Sequence[ChunkRow] | None = None,
         migration_id: str | None = None,
+        source_spans: Sequence[SourceSpan] = (),
     ) -> tuple[DocumentRow, bool] | None:
         """One transaction under the document's advisory lock (contract: the port's): the lock
         with the transaction's start, the current version and the base's generation read under
@@ -320,9 +341,9 @@ class PostgresKnowledgeStore:
                 return None  # the content changed meanwhile: the caller chunks the new one
             if stored["generation"] is not None and stored["generation"] != generation:
                 raise StaleKnowledgeBases()  # cut over since the caller read it: it chunks again
-            # Parameters: $1-$3 the document, $4-$10 its columns, $11-$16 the chunks' columns,
-            # $17 the generation, $18 its dimension; dual writes: $19 the next generation's chunk
-            # count, $20-$25 their columns, $26 their dimension.
+            # Parameters: $1-$3 the document, $4-$10 its columns, $11-$17 the chunks' columns,
+            # $18 the generation, $19 its dimension, $20 the document's source spans; dual writes:
+            # $21 the next generation's chunk count, $22-$28 their columns, $29 their dimension.
             parameters: list[Any] = [
                 *keys,
                 1 if stored["version"] is None else stored["version"] + 1,
@@ -335,24 +356,26 @@ class PostgresKnowledgeStore:
                 *chunk_columns(chunks),
                 generation,
                 _dimension_of(chunks),
+                spans_json(source_spans),
             ]
-            writes = [f"added AS ({_insert_chunks(11, '$17', '$18')})"]
+            writes = [f"added AS ({_insert_chunks(11, '$18', '$19')})"]
             # Marked done for the migration only with its chunks; a new version is not.
             marker = ("NULL", "NULL")
             if next_chunks is not None and stored["dual_write"]:
                 parameters += [len(next_chunks), *chunk_columns(next_chunks), _dimension_of(next_chunks)]
-                writes.append(f"added_next AS ({_insert_chunks(20, '$17 + 1', '$26')})")
-                marker = ("$4", "$19")
+                writes.append(f"added_next AS ({_insert_chunks(22, '$18 + 1', '$29')})")
+                marker = ("$4", "$21")
             if stored["version"] is None:
                 document = (
-                    f"INSERT INTO documents ({_DOC_COLUMNS}, text, migrated_version, migrated_chunk_count) "
-                    f"VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, clock_timestamp(), $10, {marker[0]}, "
-                    f"{marker[1]}) RETURNING {_DOC_COLUMNS}"
+                    f"INSERT INTO documents ({_DOC_COLUMNS}, text, source_spans, migrated_version, "
+                    f"migrated_chunk_count) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, clock_timestamp(), $10, "
+                    f"$20::jsonb, {marker[0]}, {marker[1]}) RETURNING {_DOC_COLUMNS}"
                 )
             else:
                 document = (
                     "UPDATE documents SET version = $4, content_type = $5, content_sha256 = $6, size_bytes = $7, "
-                    f"chunk_count = $8, metadata = $9, text = $10, migrated_version = {marker[0]}, "
+                    f"chunk_count = $8, metadata = $9, text = $10, source_spans = $20::jsonb, "
+                    f"migrated_version = {marker[0]}, "
                     f"migrated_chunk_count = {marker[1]}, updated_at = statement_timestamp() "
                     f"WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING {_DOC_COLUMNS}"
                 )
@@ -452,4 +475,5 @@ def _passage(row: asyncpg.Record) -> PassageRow:
         start=row["start_offset"],
         end=row["end_offset"],
         heading_path=tuple(row["heading_path"]),
+        location=location_from(row["location"]),
     )

@@ -25,6 +25,7 @@ from pgvector import Vector
 
 from tokensvc.storage.postgres.errors import translate_errors
 from tokensvc.storage.postgres.knowledge import chunk_columns
+from tokensvc.storage.postgres.locations import location_from, spans_from
 from tokensvc.storage.postgres.memories import ensure_vector_index
 from tokensvc.storage.postgres.tenant import tenant_transaction
 from tokensvc.storage.records import ChunkingSpec, ChunkRow, EmbedderSpec, StoredChunk, Tenant
@@ -467,6 +468,7 @@ class PostgresEmbeddingMigrationStore:
                                 row["start_offset"],
                                 row["end_offset"],
                                 tuple(row["heading_path"]),
+                                location_from(row["location"]),
                             )
                         )
         except asyncpg.PostgresError as exc:
@@ -475,7 +477,12 @@ class PostgresEmbeddingMigrationStore:
             raise
         return [
             PendingDocument(
-                d["ref"], d["version"], d["content_sha256"], d["text"], tuple(chunks.get(d["ref"], ()))
+                d["ref"],
+                d["version"],
+                d["content_sha256"],
+                d["text"],
+                tuple(chunks.get(d["ref"], ())),
+                spans_from(d["source_spans"]),
             )
             for d in documents
         ]
@@ -495,7 +502,7 @@ class PostgresEmbeddingMigrationStore:
                 return None
             written = await conn.fetchval(
                 "SELECT kb_migration_store($1, $2, $3::text[], $4::bigint[], $5::bytea[], $6::int[], "
-                "$7::int[], $8::text[], $9::int[], $10::int[], $11::text[], $12::vector[])",
+                "$7::int[], $8::text[], $9::int[], $10::int[], $11::text[], $12::vector[], $13::text[])",
                 migration.id,
                 runner,
                 [document.ref for document, _ in documents],

@@ -36,9 +36,10 @@ BEGIN
 END $$;
 
 -- Up to `lim` (1..1000) documents of the base whose current version has no next-generation
--- chunks yet, in ref order after `after_ref` (NULL: the start), with their stored text.
+-- chunks yet, in ref order after `after_ref` (NULL: the start), with their stored text and source
+-- spans (what a re-chunking cuts and locates its chunks against).
 CREATE OR REPLACE FUNCTION tokensvc.kb_migration_pending(migration uuid, runner text, after_ref text, lim integer)
-RETURNS TABLE (ref text, version bigint, content_sha256 bytea, text text)
+RETURNS TABLE (ref text, version bigint, content_sha256 bytea, text text, source_spans jsonb)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
 DECLARE
     m tokensvc.embedding_migrations :=
@@ -48,7 +49,7 @@ BEGIN
         RAISE EXCEPTION 'a batch of 1 to 1000 documents';
     END IF;
     RETURN QUERY
-    SELECT d.ref, d.version, d.content_sha256, d.text FROM tokensvc.documents d
+    SELECT d.ref, d.version, d.content_sha256, d.text, d.source_spans FROM tokensvc.documents d
     WHERE d.namespace = m.namespace AND d.kb_ref = m.kb_ref
       AND d.migrated_version IS DISTINCT FROM d.version AND (after_ref IS NULL OR d.ref > after_ref)
     ORDER BY d.ref LIMIT lim;
@@ -60,14 +61,14 @@ GRANT EXECUTE ON FUNCTION tokensvc.kb_migration_pending(uuid,text,text,integer) 
 -- migration keeps the chunking), in (document, chunk) order.
 CREATE OR REPLACE FUNCTION tokensvc.kb_migration_chunks(migration uuid, runner text, refs text[], versions bigint[])
 RETURNS TABLE (doc_ref text, chunk_index integer, text text, start_offset integer, end_offset integer,
-               heading_path text[])
+               heading_path text[], location jsonb)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
 DECLARE
     m tokensvc.embedding_migrations :=
         tokensvc.leased_knowledge_migration(migration, runner, ARRAY['backfilling']);
 BEGIN
     RETURN QUERY
-    SELECT c.doc_ref, c.chunk_index, c.text, c.start_offset, c.end_offset, c.heading_path
+    SELECT c.doc_ref, c.chunk_index, c.text, c.start_offset, c.end_offset, c.heading_path, c.location
     FROM tokensvc.chunks c JOIN unnest(refs, versions) AS u(r, v) ON c.doc_ref = u.r AND c.version = u.v
     WHERE c.namespace = m.namespace AND c.kb_ref = m.kb_ref AND c.generation = m.from_generation
     ORDER BY c.doc_ref, c.chunk_index;
@@ -76,12 +77,13 @@ REVOKE ALL ON FUNCTION tokensvc.kb_migration_chunks(uuid,text,text[],bigint[]) F
 GRANT EXECUTE ON FUNCTION tokensvc.kb_migration_chunks(uuid,text,text[],bigint[]) TO {runner_role};
 
 -- A batch of documents' next-generation chunks: the documents unchanged since they were read are
--- locked (in ref order), their chunks written and their markers set; returns how many documents
--- were written. Three statements that each read or write one table: Citus cannot plan one INSERT
+-- locked (in ref order), their chunks written (with their locations: JSON text or NULL per chunk)
+-- and their markers set; returns how many documents were written. Three statements that each read or write one table: Citus cannot plan one INSERT
 -- of chunks joined with a locking CTE over documents and a subquery of knowledge_bases.
 CREATE OR REPLACE FUNCTION tokensvc.kb_migration_store(
     migration uuid, runner text, refs text[], versions bigint[], hashes bytea[], chunk_docs integer[],
-    indexes integer[], texts text[], starts integer[], ends integer[], headings text[], vectors vector[])
+    indexes integer[], texts text[], starts integer[], ends integer[], headings text[], vectors vector[],
+    locations text[])
 RETURNS integer LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
 DECLARE
@@ -117,12 +119,12 @@ BEGIN
     WITH added AS (
     INSERT INTO tokensvc.chunks (namespace, kb_ref, doc_ref, generation, version, chunk_index, text,
                                  start_offset, end_offset, heading_path, metadata, dimension,
-                                 embedding, text_config)
+                                 embedding, text_config, location)
     SELECT m.namespace, m.kb_ref, b.ref, m.from_generation + 1, b.version, u.idx, u.text, u.s, u.e,
            ARRAY(SELECT jsonb_array_elements_text(u.heading::jsonb)), b.metadata, m.to_dimension,
-           u.vec, config
-    FROM unnest(chunk_docs, indexes, texts, starts, ends, headings, vectors)
-         AS u(doc, idx, text, s, e, heading, vec)
+           u.vec, config, u.location::jsonb
+    FROM unnest(chunk_docs, indexes, texts, starts, ends, headings, vectors, locations)
+         AS u(doc, idx, text, s, e, heading, vec, location)
     JOIN unnest(positions, locked_refs, locked_versions, locked_metadata) AS b(position, ref, version, metadata)
       ON b.position = u.doc
     RETURNING 1)
@@ -134,6 +136,19 @@ BEGIN
     GET DIAGNOSTICS written = ROW_COUNT;
     RETURN written;
 END $$;
+REVOKE ALL ON FUNCTION tokensvc.kb_migration_store(uuid,text,text[],bigint[],bytea[],integer[],integer[],text[],integer[],integer[],text[],vector[],text[]) FROM PUBLIC, {app_role};
+GRANT EXECUTE ON FUNCTION tokensvc.kb_migration_store(uuid,text,text[],bigint[],bytea[],integer[],integer[],text[],integer[],integer[],text[],vector[],text[]) TO {runner_role};
+
+-- The same without locations, as runners of the previous release call it (drop it a release after
+-- the one that added locations).
+CREATE OR REPLACE FUNCTION tokensvc.kb_migration_store(
+    migration uuid, runner text, refs text[], versions bigint[], hashes bytea[], chunk_docs integer[],
+    indexes integer[], texts text[], starts integer[], ends integer[], headings text[], vectors vector[])
+RETURNS integer LANGUAGE sql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+    SELECT tokensvc.kb_migration_store(migration, runner, refs, versions, hashes, chunk_docs, indexes,
+                                       texts, starts, ends, headings, vectors, NULL::text[])
+$$;
 REVOKE ALL ON FUNCTION tokensvc.kb_migration_store(uuid,text,text[],bigint[],bytea[],integer[],integer[],text[],integer[],integer[],text[],vector[]) FROM PUBLIC, {app_role};
 GRANT EXECUTE ON FUNCTION tokensvc.kb_migration_store(uuid,text,text[],bigint[],bytea[],integer[],integer[],text[],integer[],integer[],text[],vector[]) TO {runner_role};
 
