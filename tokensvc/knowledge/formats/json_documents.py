@@ -10,8 +10,8 @@
 
 Refused (`InvalidArgument` on `content`): not UTF-8; not JSON ("is not valid JSON: ..." with
 the parser's line and column; for JSON Lines "line N is not valid JSON: ..."); `NaN` or
-`Infinity` (not JSON, though Python reads them); a string holding U+0000 or an unpaired surrogate
-(`\\u0000`, `\\ud800`: neither can be stored as text); arrays and objects nested deeper than
+`Infinity` (not JSON, though Python reads them); a string holding an unpaired surrogate
+(`\\ud800`: it cannot be stored as text; control characters such as U+0000 stay escapes); arrays and objects nested deeper than
 `ExtractionLimits.max_nesting` ("is nested deeper than N levels", checked without recursion).
 `PayloadTooLarge` for JSON Lines with more lines than `max_rows`.
 """
@@ -29,7 +29,7 @@ from tokensvc.knowledge.formats.text import decoded_text
 
 __all__ = ["json_document", "json_lines_document", "ndjson_document"]
 
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+_UNSTORABLE = re.compile("[\ud800-\udfff]")
 
 
 def json_document(content: bytes, limits: ExtractionLimits) -> ExtractedDocument:

@@ -14,8 +14,9 @@ Each line is a `SourceSpan` with the table's sheet name and the row's number as 
 it (1-based; for CSV the record number, the header's is 1, and a quoted field's line breaks do not
 count). The header row adds no line of its own: its names are in every record.
 
-`text/csv`: UTF-8 (a leading byte-order mark dropped), the delimiter sniffed among `,` `;` tab
-and `|` from the first 64 KiB (`,` when that fails), quotes as Excel writes them. Its text is its
+`text/csv`: UTF-8 (a leading byte-order mark dropped), quotes as Excel writes them, the delimiter
+one of `,` `;` tab `|`: the one that splits most of the first 100 rows (of the first 64 KiB) into
+rows of one width over one field (`,` when none does). Its text is its
 records as above (sheet name empty, no heading). Refused: not UTF-8, a field over Python's `csv`
 field limit (128 KiB) or other malformed CSV ("is not a valid CSV file"), and more rows or cells
 than `ExtractionLimits.max_rows` / `max_cells` (`PayloadTooLarge`).
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
+from collections import Counter
 from collections.abc import Sequence
 
 from tokensvc.knowledge.formats.builder import TextBuilder, markdown_line
@@ -35,6 +38,7 @@ from tokensvc.knowledge.formats.text import decoded_text
 __all__ = ["RecordTable", "RowBudget", "column_letter", "csv_document"]
 
 _SNIFF_CHARS = 64 * 1024
+_SNIFF_ROWS = 100
 _DELIMITERS = ",;\t|"
 
 
@@ -131,10 +135,16 @@ def csv_document(content: bytes, limits: ExtractionLimits) -> ExtractedDocument:
 
 
 def _delimiter(text: str) -> str:
+    """The candidate that splits the first rows into the most rows of one width (over one)."""
     sample = text[:_SNIFF_CHARS]
-    if len(text) > _SNIFF_CHARS and "\n" in sample:
-        sample = sample[: sample.rindex("\n")]  # whole lines only
-    try:
-        return csv.Sniffer().sniff(sample, delimiters=_DELIMITERS).delimiter
-    except csv.Error:
-        return ","
+    best, best_score = ",", (0, 0)
+    for candidate in _DELIMITERS:
+        try:
+            rows = csv.reader(io.StringIO(sample, newline=""), delimiter=candidate)
+            widths = Counter(len(row) for row in itertools.islice(rows, _SNIFF_ROWS) if row)
+        except csv.Error:
+            continue
+        width, count = widths.most_common(1)[0] if widths else (0, 0)
+        if width > 1 and (count, width) > best_score:
+            best, best_score = candidate, (count, width)
+    return best

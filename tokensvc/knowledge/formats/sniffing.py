@@ -1,8 +1,8 @@
 """The media type of `application/octet-stream` content, recognised from its bytes' signature.
 
 - `%PDF-` within the first 1,024 bytes (where PDF readers look for it): `application/pdf`;
-- a zip archive (checked against the decompression-bomb limits first, see `archives`) with a
-  `word/`, `ppt/` or `xl/` part: DOCX, PPTX or XLSX.
+- a zip archive (checked against the decompression-bomb limits first, see `archives`: a bomb is
+  refused as such) with a `word/`, `ppt/` or `xl/` part: DOCX, PPTX or XLSX.
 
 Anything else is refused: `InvalidArgument` naming the content-type field, saying which types can
 be recognised and that others must be declared. This runs where the bytes are parsed (in the
@@ -11,7 +11,7 @@ extraction workers), never on the server's own process.
 
 from __future__ import annotations
 
-from tokensvc.errors import InvalidArgument
+from tokensvc.errors import InvalidArgument, PayloadTooLarge
 from tokensvc.knowledge.formats.archives import check_archive
 from tokensvc.knowledge.formats.documents import ExtractionLimits
 from tokensvc.knowledge.formats.media_types import DOCX, OCTET_STREAM, PPTX, XLSX
@@ -27,7 +27,12 @@ def sniff_media_type(content: bytes, limits: ExtractionLimits, field: str = "hea
     if b"%PDF-" in content[:_PDF_HEADER_WITHIN]:
         return "application/pdf"
     if content.startswith(b"PK\x03\x04"):
-        names = check_archive(content, limits, "DOCX, PPTX or XLSX")
+        try:
+            names = check_archive(content, limits, "DOCX, PPTX or XLSX")
+        except PayloadTooLarge:
+            raise
+        except InvalidArgument:  # no zip after all: no type recognised
+            names = []
         for prefix, media_type in _OFFICE_PARTS:
             if any(name.startswith(prefix) for name in names):
                 return media_type
