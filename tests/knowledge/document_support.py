@@ -33,22 +33,22 @@ def document(name: str) -> bytes:
 def made_docx(build: Callable[[Document], object]) -> bytes:
     made = docx.Document()
     build(made)
-    out = io.BytesIO()
-    made.save(out)
-    return out.getvalue()
+    return _saved(made)
 
 
 def made_pptx(build: Callable[[Presentation], object]) -> bytes:
     made = pptx.Presentation()
     build(made)
-    out = io.BytesIO()
-    made.save(out)
-    return out.getvalue()
+    return _saved(made)
 
 
 def made_xlsx(build: Callable[[Workbook], object]) -> bytes:
     made = openpyxl.Workbook()
     build(made)
+    return _saved(made)
+
+
+def _saved(made: Document | Presentation | Workbook) -> bytes:
     out = io.BytesIO()
     made.save(out)
     return out.getvalue()

@@ -19,7 +19,7 @@ STRATEGIES = [
     ChunkingStrategy(ChunkingKind.RECURSIVE, 64, 8),
     ChunkingStrategy(ChunkingKind.FIXED, 32, 4),
 ]
-CSV = "team;name;note\nops;ada;pages the on-call\n\nops;bob;\"two\nlines\"\n".encode()
+CSV = b'team;name;note\nops;ada;pages the on-call\n\nops;bob;"two\nlines"\n'
 UPLOADS = [
     ("r-intro.pdf", "application/pdf", True),
     ("live-manual-landscape-en.pdf", "application/octet-stream", True),
