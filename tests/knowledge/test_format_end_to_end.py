@@ -4,6 +4,8 @@ every chunk somewhere. And the one table of types agrees with the extractors and
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,8 @@ from tokensvc.knowledge import ChunkingKind, ChunkingStrategy, chunk_document
 from tokensvc.knowledge.formats import SUPPORTED_CONTENT_TYPES, SpanIndex, extract_document
 from tokensvc.knowledge.formats.media_types import MEDIA_TYPES
 
-API_DOC = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text(encoding="utf-8")
+ROOT = Path(__file__).resolve().parents[2]
+API_DOC = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
 STRATEGIES = [
     ChunkingStrategy(ChunkingKind.MARKDOWN, 64, 8),
     ChunkingStrategy(ChunkingKind.RECURSIVE, 64, 8),
@@ -57,3 +60,18 @@ def test_the_table_of_types_is_the_registry_and_the_api_docs_list_every_type() -
     assert not undocumented, f"docs/api.md does not list {undocumented}"
     extensions = [extension for media in MEDIA_TYPES for extension in media.extensions]
     assert len(extensions) == len(set(extensions))
+
+
+def test_the_servers_process_does_not_load_the_parsing_libraries() -> None:
+    """Content types are checked in the server's process; the parsers load only in the workers
+    (which preload `FORMAT_MODULES`)."""
+    script = (
+        "import sys, tokensvc.knowledge.formats as formats\n"
+        "formats.parse_content_type('application/pdf')\n"
+        "print(sorted(m for m in ('pypdfium2', 'docx', 'pptx', 'openpyxl') if m in sys.modules))\n"
+        "for name in formats.FORMAT_MODULES: __import__(name)\n"
+        "print(sorted(m for m in ('pypdfium2', 'docx', 'pptx', 'openpyxl') if m in sys.modules))\n"
+        "import openpyxl.xml; print(openpyxl.xml.DEFUSEDXML)\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert ran.stdout.splitlines() == ["[]", "['docx', 'openpyxl', 'pptx', 'pypdfium2']", "True"]

@@ -60,14 +60,15 @@ def pdf_document(content: bytes, limits: ExtractionLimits) -> ExtractedDocument:
 
 
 def _open(content: bytes) -> pypdfium2.PdfDocument:
-    try:
-        return pypdfium2.PdfDocument(content)
-    except pypdfium2.PdfiumError as error:
-        if getattr(error, "err_code", None) == pdfium_c.FPDF_ERR_PASSWORD:
-            raise InvalidArgument(
-                "content", "is an encrypted PDF; upload it without its password protection"
-            ) from None
-        raise not_valid("PDF", "PDFium cannot open it (damaged or truncated?)") from None
+    with unreadable_as("PDF"):
+        try:
+            return pypdfium2.PdfDocument(content)
+        except pypdfium2.PdfiumError as error:
+            if getattr(error, "err_code", None) == pdfium_c.FPDF_ERR_PASSWORD:
+                raise InvalidArgument(
+                    "content", "is an encrypted PDF; upload it without its password protection"
+                ) from None
+            raise not_valid("PDF", "PDFium cannot open it (damaged or truncated?)") from None
 
 
 def _page_text(document: pypdfium2.PdfDocument, number: int) -> str:
