@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 from tokensvc.cli.main import build_parser
@@ -36,6 +37,15 @@ def test_the_readme_layout_names_every_package() -> None:
     packages = sorted(path.parent.name for path in (ROOT / "tokensvc").glob("*/__init__.py"))
     missing = [name for name in packages if not any(line.startswith(f"  {name}/ ") for line in lines)]
     assert not missing, f"add these packages to the README's layout map: {missing}"
+
+
+def test_the_readme_layout_names_every_document_format_module() -> None:
+    lines = README.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("    formats/ "))
+    block = " ".join(lines[start : start + 3])
+    modules = sorted(p.stem for p in (ROOT / "tokensvc" / "knowledge" / "formats").glob("[!_]*.py"))
+    missing = [name for name in modules if not re.search(rf"\b{name}\b", block)]
+    assert not missing, f"add these modules to the README's formats line: {missing}"
 
 
 def test_every_knowledge_base_question_quotes_its_document_exactly_once() -> None:

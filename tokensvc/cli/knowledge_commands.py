@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import mimetypes
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ from tokensvc.cli.capability_commands import add_capability_source, read_capabil
 from tokensvc.cli.connection import RpcFailed, add_connection_flags, call_service, client_for
 from tokensvc.cli.output import SEARCH_MODES, add_search_mode, output
 from tokensvc.client import CallFailed
+from tokensvc.knowledge.formats import OCTET_STREAM, media_type_for_filename
 from tokensvc.v1 import knowledge_pb2
 
 __all__ = ["CHUNKING_KINDS", "add_knowledge_commands"]
@@ -24,7 +24,6 @@ CHUNKING_KINDS = {
     "recursive": knowledge_pb2.CHUNKING_KIND_RECURSIVE,
     "markdown": knowledge_pb2.CHUNKING_KIND_MARKDOWN,
 }
-_TYPES = {".md": "text/markdown", ".markdown": "text/markdown", ".html": "text/html", ".htm": "text/html"}
 
 
 def add_knowledge_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -61,7 +60,10 @@ def add_knowledge_commands(commands: argparse._SubParsersAction[argparse.Argumen
     upload.add_argument("file", metavar="FILE", type=Path)
     upload.add_argument("--doc-ref", help="document ref (default: the file name)")
     upload.add_argument(
-        "--content-type", help="text/plain, text/markdown or text/html (default: from the name)"
+        "--content-type",
+        help="the document's type, e.g. application/pdf (default: from the file name's extension; "
+        "without a known one, text/plain, or application/octet-stream for binary content, which the "
+        "server recognises by its bytes)",
     )
     upload.set_defaults(handler=_upload)
 
@@ -150,12 +152,7 @@ def _upload(args: argparse.Namespace) -> int:
     path: Path = args.file
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
-    content_type = (
-        args.content_type
-        or _TYPES.get(path.suffix.lower())
-        or mimetypes.guess_type(path.name)[0]
-        or "text/plain"
-    )
+    content_type = args.content_type or media_type_for_filename(path.name) or _unnamed_type(path)
     header = knowledge_pb2.UploadDocumentHeader(
         namespace=args.namespace,
         knowledge_base_ref=args.ref,
@@ -191,6 +188,14 @@ def _upload(args: argparse.Namespace) -> int:
         "unchanged" if response.unchanged else f"version {document.version}, {response.chunk_count} chunks"
     )
     return output(args, response, f"{document.ref}: {state}")
+
+
+def _unnamed_type(path: Path) -> str:
+    """A file whose name does not say its type: sent as bytes for the server to recognise (PDF and
+    Office files by their signature) when it looks binary, else as plain text."""
+    with path.open("rb") as handle:
+        head = handle.read(8192)
+    return OCTET_STREAM if head.startswith((b"%PDF-", b"PK\x03\x04")) or b"\x00" in head else "text/plain"
 
 
 def _search(args: argparse.Namespace) -> int:

@@ -43,7 +43,14 @@ import pebble
 
 from tokensvc.errors import DeadlineExceeded, InvalidArgument, PayloadTooLarge
 from tokensvc.knowledge.chunking import Chunk, ChunkingStrategy, chunk_document
-from tokensvc.knowledge.formats import ExtractionLimits, Location, SourceSpan, SpanIndex, extract_document
+from tokensvc.knowledge.formats import (
+    FORMAT_MODULES,
+    ExtractionLimits,
+    Location,
+    SourceSpan,
+    SpanIndex,
+    extract_document,
+)
 from tokensvc.observability.deadlines import current_deadline
 from tokensvc.observability.metrics import METRICS
 
@@ -51,7 +58,9 @@ __all__ = ["Extraction", "ExtractionPool"]
 
 _log = logging.getLogger("tokensvc.knowledge")
 _NEEDS_MORE_MEMORY = "needs more memory to extract than knowledge_extract_memory_bytes allows"
-_PRELOADED = ["tokensvc.knowledge.extraction_pool"]  # and with it formats, chunking, bs4 and lxml
+# The pool's own module (and with it chunking, bs4 and lxml) and every format's parser: a forked
+# worker starts with them loaded, where the server's own process never loads them.
+_PRELOADED = ["tokensvc.knowledge.extraction_pool", *FORMAT_MODULES]
 
 
 @dataclass(frozen=True)

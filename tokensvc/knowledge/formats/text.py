@@ -26,6 +26,7 @@ from bs4 import BeautifulSoup
 from bs4.element import Comment, Declaration, Doctype, NavigableString, ProcessingInstruction, Tag
 
 from tokensvc.errors import InvalidArgument
+from tokensvc.knowledge.formats.builder import markdown_line
 
 __all__ = ["decoded_text", "html_text"]
 
@@ -81,8 +82,6 @@ _HEADINGS = {f"h{level}": level for level in range(1, 7)}
 _CELLS = frozenset({"td", "th"})
 _SKIPPED_STRINGS = (Comment, Declaration, Doctype, ProcessingInstruction)
 _SPACE = re.compile(r"\s+")
-# Lines the markdown chunker would read as a heading or a code fence.
-_MARKDOWN_SYNTAX = re.compile(r"(?:#{1,6}(?:\s|$)|```|~~~)")
 _BACKTICKS = re.compile(r"`{3,}")
 _BLANK_RUN = re.compile(r"\n(?:[ \t]*\n){2,}")
 
@@ -128,7 +127,7 @@ class _Renderer:
         line = _SPACE.sub(" ", "".join(self.line)).strip(" ")
         self.line = []
         if line:
-            self.out.append("\\" + line if _MARKDOWN_SYNTAX.match(line) else line)
+            self.out.append(markdown_line(line))
 
     def result(self) -> str:
         self._end_line()
