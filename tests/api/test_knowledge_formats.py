@@ -6,16 +6,21 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import grpc
 import pytest
 
-from tests.api.knowledge_support import MARKDOWN, Clients, new_ref, open_clients
+from tests.api.knowledge_support import MARKDOWN, Clients, failure, new_ref, open_clients
 from tests.knowledge.document_support import DOCX, XLSX, document
+from tests.knowledge.test_hostile_documents import CORPUS
 from tokensvc.app import Service
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.cli.knowledge_commands import _where
+from tokensvc.errors import PayloadTooLarge
+from tokensvc.knowledge.formats import ExtractionLimits
 from tokensvc.v1 import common_pb2, knowledge_pb2
 
 TEXT = common_pb2.SEARCH_MODE_TEXT
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
 @pytest.fixture
@@ -74,3 +79,24 @@ def test_the_cli_prints_where_a_passage_is() -> None:
     assert _where(location(first_slide=2, last_slide=2)) == " slide 2"
     assert _where(location(sheet="Q1", first_row=10, last_row=42)) == " Q1 rows 10-42"
     assert _where(location(first_row=7, last_row=7)) == " row 7"
+
+
+@pytest.mark.slow
+async def test_hostile_documents_are_refused_over_grpc_and_store_nothing(clients: Clients) -> None:
+    """Every hostile file the server's default limits refuse, sent as an upload: INVALID_ARGUMENT
+    (reason INVALID_ARGUMENT or PAYLOAD_TOO_LARGE) on `content` with its reason, no document
+    written, and the server keeps serving uploads."""
+    kb, manager = new_ref(), clients.manager()
+    await manager.create(kb, MARKDOWN)
+    refused = [hostile for hostile in CORPUS if hostile.limits == ExtractionLimits()]
+    assert len(refused) > 25
+    for hostile in refused:
+        failed = await failure(
+            manager.upload(kb, hostile.name, hostile.make(), content_type=hostile.content_type)
+        )
+        reason = "PAYLOAD_TOO_LARGE" if hostile.refusal is PayloadTooLarge else "INVALID_ARGUMENT"
+        assert (failed.code, failed.reason, failed.field_violations) == (INVALID, reason, ["content"]), hostile.name
+        assert hostile.reason in failed.message, hostile.name
+    assert (await manager.get(kb)).document_count == 0
+    uploaded = await manager.upload(kb, "git.docx", document("git-manual.docx"), content_type=DOCX)
+    assert uploaded.document.version == 1
