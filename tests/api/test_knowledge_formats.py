@@ -95,7 +95,9 @@ async def test_hostile_documents_are_refused_over_grpc_and_store_nothing(clients
             manager.upload(kb, hostile.name, hostile.make(), content_type=hostile.content_type)
         )
         reason = "PAYLOAD_TOO_LARGE" if hostile.refusal is PayloadTooLarge else "INVALID_ARGUMENT"
-        assert (failed.code, failed.reason, failed.field_violations) == (INVALID, reason, ["content"]), hostile.name
+        assert (failed.code, failed.reason, failed.field_violations) == (INVALID, reason, ["content"]), (
+            hostile.name
+        )
         assert hostile.reason in failed.message, hostile.name
     assert (await manager.get(kb)).document_count == 0
     uploaded = await manager.upload(kb, "git.docx", document("git-manual.docx"), content_type=DOCX)
