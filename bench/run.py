@@ -138,7 +138,7 @@ def search_tuning(env: BenchEnv) -> SearchTuning:
             candidates=settings.search_candidates,
         )
     assert env.service.memory is not None
-    return env.service.memory._tuning
+    return env.service.memory.engine.tuning
 
 
 def service_port(env: BenchEnv) -> int:

@@ -129,6 +129,11 @@ class LongTermMemory:
         # Buckets whose older-pepper rows were already moved by this process.
         self._moved: set[str] = set()
 
+    @property
+    def engine(self) -> RetrievalEngine:
+        """The retrieval engine its searches run through (its tuning: what a benchmark replays)."""
+        return self._engine
+
     # --- space and scope --------------------------------------------------------------------
 
     async def _space(self, scope: TenantScope, *, for_write: bool) -> _Space | None:
