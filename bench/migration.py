@@ -38,6 +38,7 @@ import grpc
 from bench.client import mtls_channel
 from bench.env import BenchEnv, bench_env, connect_as
 from bench.stats import latency_summary, percentile
+from tokensvc.embedders import Demand, WorkClass
 from tokensvc.knowledge.chunking import ChunkingStrategy, chunk_document
 from tokensvc.reembedding import batch_size_of
 from tokensvc.v1 import (
@@ -70,10 +71,11 @@ def log(message: str) -> None:
 async def embedder_alone(target: Any, size: int, texts: list[str]) -> float:
     """Memories per second the target embeds in batches of its own size, nothing else running."""
     sample = texts[: 10 * size]
-    await target.embed_documents(sample[:size])  # warm
+    demand = Demand.of(WorkClass.BULK, "bench")  # a migration's class
+    await target.embed_documents(sample[:size], demand)  # warm
     began = time.perf_counter()
     for start in range(0, len(sample), size):
-        await target.embed_documents(sample[start : start + size])
+        await target.embed_documents(sample[start : start + size], demand)
     return len(sample) / (time.perf_counter() - began)
 
 
