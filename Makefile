@@ -55,7 +55,7 @@ proto: install  ## Regenerate tokensvc/v1 from protos/ (never edit the stubs by 
 bench: install  ## Benchmarks (bench/, docs/benchmarks.md); BENCH_ARGS=--quick / QUALITY_ARGS=--quick for smaller runs.
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m bench.run $(BENCH_ARGS)
-	$(PY) -m bench.cpu --workers 1 2 --rounds 3 $(CPU_ARGS)
+	$(PY) -m bench.cpu --workers 1 2 --rounds 3 --out bench/results/cpu-workers.json $(CPU_ARGS)
 	$(PY) -m bench.noisy $(NOISY_ARGS)
 	$(PY) -m bench.quality $(QUALITY_ARGS)
 
