@@ -401,6 +401,7 @@ class Worker:
                         knowledge_base_ref=ref,
                         document_ref=f"doc-{d}",
                         content_type="text/markdown",
+                        wait_until_ready=True,
                     )
                 ),
                 *(

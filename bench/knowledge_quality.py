@@ -196,7 +196,11 @@ async def upload(clients: Clients, kb_ref: str, name: str, text: str) -> int:
     """Upload one document's text as text/markdown; the chunk count the server reports."""
     content = text.encode("utf-8")
     header = knowledge_pb2.UploadDocumentHeader(
-        namespace=NAMESPACE, knowledge_base_ref=kb_ref, document_ref=doc_ref(name), content_type=CONTENT_TYPE
+        namespace=NAMESPACE,
+        knowledge_base_ref=kb_ref,
+        document_ref=doc_ref(name),
+        content_type=CONTENT_TYPE,
+        wait_until_ready=True,
     )
     messages = [knowledge_pb2.UploadDocumentRequest(header=header)]
     messages += [

@@ -285,6 +285,7 @@ async def loaded_base(documents: int) -> AsyncIterator[Base]:
                     knowledge_base_ref=KB,
                     document_ref=f"doc-{d:05}",
                     content_type="text/plain",
+                    wait_until_ready=True,
                 )
                 parts = [
                     knowledge_pb2.UploadDocumentRequest(header=header),

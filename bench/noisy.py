@@ -115,6 +115,7 @@ async def flood_upload(tenants: Tenants, rng: random.Random) -> None:
         knowledge_base_ref="handbook",
         document_ref="guide.md",
         content_type="text/markdown",
+        wait_until_ready=True,
     )
     messages = [
         knowledge_pb2.UploadDocumentRequest(header=header),

@@ -39,6 +39,7 @@ from tokensvc.credentials.custody import CredentialCustodian
 from tokensvc.embedders import EmbedderRegistry, load_embedders
 from tokensvc.knowledge.extraction_pool import ExtractionPool
 from tokensvc.knowledge.formats import ExtractionLimits
+from tokensvc.knowledge.ingestion import IngestionRunner, IngestionSettings
 from tokensvc.knowledge.service import KnowledgeBases
 from tokensvc.memory.data_subjects import DataSubjectRequests
 from tokensvc.memory.service import LongTermMemory
@@ -51,6 +52,7 @@ from tokensvc.storage.ports import ConnectionPool
 from tokensvc.storage.postgres import Database, DatabaseLocation
 from tokensvc.storage.postgres.audit import PostgresAuditStore
 from tokensvc.storage.postgres.data_subjects import PostgresDataSubjectStore
+from tokensvc.storage.postgres.ingestion import PostgresIngestionStore
 from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
 from tokensvc.storage.postgres.logins import PostgresLogins
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
@@ -104,6 +106,7 @@ class Service:
     knowledge: KnowledgeBases | None = None
     extraction: ExtractionPool | None = None
     migration_runner: MigrationRunner | None = None
+    ingestion_runner: IngestionRunner | None = None
     audit: AuditLog | None = None
     custodian: CredentialCustodian | None = None
     # The re-embedding runner's credential (None: this replica runs no re-embedding migrations).
@@ -280,11 +283,25 @@ class Service:
             ),
         )
         knowledge = PostgresKnowledgeStore(pool)
+        ingestions = PostgresIngestionStore(pool)
+        self.ingestion_runner = IngestionRunner(
+            ingestions,
+            knowledge,
+            self.embedders,
+            self.extraction,
+            IngestionSettings(
+                lease_seconds=settings.knowledge_ingest_lease_seconds,
+                pause_after=settings.knowledge_ingest_failures,
+                batch_size=settings.knowledge_ingest_batch_size,
+                parallel=max(1, settings.knowledge_ingest_parallel),
+            ),
+        )
         self.knowledge = KnowledgeBases(
             CachingKnowledgeStore(knowledge),
             self.embedders,
             audit=self.audit,
-            extraction=self.extraction,
+            ingestions=ingestions,
+            ingestion=self.ingestion_runner,
             default_embedder=settings.memory_embedder,
             default_text_config=settings.text_search_config,
             # A corpus is searched exactly up to 5x the bucket threshold: chunks are fewer, longer
@@ -394,8 +411,12 @@ class Service:
                 [PostgresRotationJournal(pool, credential) for credential in CREDENTIALS],
                 PostgresEmbeddingMigrationStore(pool),
                 _DATABASE_GAUGE_SECONDS,
+                PostgresIngestionStore(pool),
             ),
         }
+        assert self.ingestion_runner is not None
+        if settings.knowledge_ingest_parallel > 0:
+            duties["knowledge-ingestion"] = self.ingestion_runner.run()
         if database.runner_pool is not None:
             duties["embedding-migrations"] = self.migration_runner.run()
         if self.runner_custodian is not None:
@@ -462,6 +483,8 @@ class Service:
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        if self.ingestion_runner is not None:
+            await self.ingestion_runner.close()
         if self.embedders is not None:
             await self.embedders.aclose()
         if self.extraction is not None:

@@ -185,6 +185,25 @@ class Settings:
         metadata=_doc("Migrations one replica drives at once (a slow one does not hold the others back)."),
     )
 
+    knowledge_ingest_parallel: int = field(
+        default=2,
+        metadata=_doc(
+            "Uploaded documents one replica ingests at once in the background (0: none; other replicas do)."
+        ),
+    )
+    knowledge_ingest_lease_seconds: float = field(
+        default=30.0,
+        metadata=_doc("A background ingestion's lease: another replica resumes a document after it."),
+    )
+    knowledge_ingest_batch_size: int = field(
+        default=0,
+        metadata=_doc("Chunks per ingestion embedding batch and commit; 0: the embedder's batch size."),
+    )
+    knowledge_ingest_failures: int = field(
+        default=5,
+        metadata=_doc("Consecutive embedder failures after which an ingestion ends FAILED."),
+    )
+
     knowledge_max_upload_bytes: int = field(
         default=64 * 1024 * 1024, metadata=_doc("Largest document UploadDocument accepts.")
     )
@@ -428,6 +447,14 @@ class Settings:
     def _validate_knowledge(self) -> None:
         if self.knowledge_max_upload_bytes < 1:
             raise SettingsError("knowledge_max_upload_bytes: must be at least 1")
+        if not 0 <= self.knowledge_ingest_parallel <= 16:
+            raise SettingsError("knowledge_ingest_parallel: must be between 0 and 16")
+        if self.knowledge_ingest_lease_seconds < 1:
+            raise SettingsError("knowledge_ingest_lease_seconds: must be at least 1")
+        if not 0 <= self.knowledge_ingest_batch_size <= 4096:
+            raise SettingsError("knowledge_ingest_batch_size: must be between 0 and 4096")
+        if self.knowledge_ingest_failures < 1:
+            raise SettingsError("knowledge_ingest_failures: must be at least 1")
         if self.knowledge_extract_workers < 1:
             raise SettingsError("knowledge_extract_workers: must be at least 1")
         for name in (

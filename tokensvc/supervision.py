@@ -16,11 +16,12 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from tokensvc.memory.service import LongTermMemory
-from tokensvc.observability.metrics import METRICS, ActiveMigration, DatabaseReadings
+from tokensvc.observability.metrics import METRICS, ActiveMigration, DatabaseReadings, IngestionReadings
 from tokensvc.storage.ports import (
     CredentialJournal,
     DatabaseHealth,
     DatabaseServer,
+    IngestionStore,
     MemoryStatistics,
     MigrationOperationsStore,
     VectorIndexMaintenance,
@@ -144,10 +145,12 @@ async def read_database_gauges(
     statistics: MemoryStatistics,
     journals: Sequence[CredentialJournal],
     migrations: MigrationOperationsStore,
+    ingestion: IngestionStore | None = None,
 ) -> DatabaseReadings:
-    """Memories per space, open credential rotations (of every credential's journal) and
-    unfinished migrations: counts and times, never content."""
+    """Memories per space, open credential rotations (of every credential's journal), unfinished
+    migrations and the ingestion queue: counts and times, never content."""
     spaces = await statistics.rows_by_space()
+    queue = None if ingestion is None else await ingestion.queue()
     open_rotations = [entry for journal in journals for entry in await journal.open_rotations()]
     active = await migrations.active()
     return DatabaseReadings(
@@ -164,6 +167,9 @@ async def read_database_gauges(
             )
             for m in active
         ),
+        ingestion=None
+        if queue is None
+        else IngestionReadings(queue.pending, queue.processing, queue.failed, queue.oldest_seconds),
     )
 
 
@@ -172,11 +178,12 @@ async def refresh_gauges_forever(
     journals: Sequence[CredentialJournal],
     migrations: MigrationOperationsStore,
     interval: float,
+    ingestion: IngestionStore | None = None,
 ) -> None:
     """Keep `METRICS.live.database` current (every replica reads the same rows: rules take max)."""
     while True:
         try:
-            METRICS.live.database = await read_database_gauges(statistics, journals, migrations)
+            METRICS.live.database = await read_database_gauges(statistics, journals, migrations, ingestion)
         except Exception as exc:
             _log.debug("database gauge refresh failed", extra={"error": type(exc).__name__})
         await asyncio.sleep(interval)

@@ -71,14 +71,17 @@ def upload_stream(
     metadata: Mapping[str, str | float | bool] | None = None,
     namespace: str = NAMESPACE,
     piece: int = PIECE,
+    wait: bool = True,
 ) -> Iterator[knowledge_pb2.UploadDocumentRequest]:
-    """The header, then the content in `piece`-byte messages."""
+    """The header, then the content in `piece`-byte messages. `wait`: the upload returns once
+    the version is searchable (these tests search right after), else at once, PENDING."""
     header = knowledge_pb2.UploadDocumentHeader(
         namespace=namespace,
         knowledge_base_ref=kb_ref,
         document_ref=doc_ref,
         content_type=content_type,
         metadata={key: meta(value) for key, value in (metadata or {}).items()},
+        wait_until_ready=wait,
     )
     yield knowledge_pb2.UploadDocumentRequest(header=header)
     for start in range(0, len(content), piece):

@@ -237,7 +237,11 @@ def launcher_token(dev: Any, namespace: str, *, kbs: Sequence[str], user: str = 
 
 def upload(namespace: str, kb: str, doc: str, text: str, content_type: str) -> list[Any]:
     header = knowledge_pb2.UploadDocumentHeader(
-        namespace=namespace, knowledge_base_ref=kb, document_ref=doc, content_type=content_type
+        namespace=namespace,
+        knowledge_base_ref=kb,
+        document_ref=doc,
+        content_type=content_type,
+        wait_until_ready=True,
     )
     return [
         knowledge_pb2.UploadDocumentRequest(header=header),

@@ -37,6 +37,7 @@ from tests.support import failure_of, free_port
 from tokensvc.app import Service
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.observability import METRICS
+from tokensvc.storage.postgres.ingestion import PostgresIngestionStore
 from tokensvc.storage.postgres.monitoring import PostgresStatistics
 from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
 from tokensvc.storage.postgres.rotations import PostgresRotationJournal
@@ -156,7 +157,7 @@ async def drive_traffic(service: Service, launchers: Launchers) -> str:
     )
     assert created is not None
     METRICS.live.database = await read_database_gauges(
-        PostgresStatistics(pool), [PostgresRotationJournal(pool)], migrations
+        PostgresStatistics(pool), [PostgresRotationJournal(pool)], migrations, PostgresIngestionStore(pool)
     )
     return created.id
 

@@ -6,7 +6,7 @@ from tokensvc.api.convert import timestamp
 from tokensvc.api.memory_codec import DEFAULT_TOP_K, MAX_TOP_K
 from tokensvc.api.metadata_codec import metadata_to_proto
 from tokensvc.errors import InvalidArgument
-from tokensvc.knowledge import BaseRow, DocumentRow, Location
+from tokensvc.knowledge import BaseRow, DocumentRow, DocumentState, Location
 from tokensvc.knowledge.chunking import ChunkingKind, ChunkingStrategy
 from tokensvc.knowledge.service import Passage
 from tokensvc.names import is_dns_label, is_kb_ref
@@ -115,7 +115,19 @@ def encode_document(document: DocumentRow) -> knowledge_pb2.Document:
         metadata=metadata_to_proto(document.metadata),
         created_at=timestamp(document.created_at),
         text=document.text or "",
+        state=_DOCUMENT_STATES[document.state],
+        chunks_done=document.chunks_done or 0,
+        failure_reason=document.failure_reason,
+        searchable_version=document.searchable_version or 0,
     )
+
+
+_DOCUMENT_STATES = {
+    DocumentState.PENDING: knowledge_pb2.DOCUMENT_STATE_PENDING,
+    DocumentState.PROCESSING: knowledge_pb2.DOCUMENT_STATE_PROCESSING,
+    DocumentState.READY: knowledge_pb2.DOCUMENT_STATE_READY,
+    DocumentState.FAILED: knowledge_pb2.DOCUMENT_STATE_FAILED,
+}
 
 
 def encode_passage(passage: Passage) -> knowledge_pb2.Passage:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from tokensvc.cli.capability_commands import add_capability_source, read_capability
 from tokensvc.cli.connection import RpcFailed, add_connection_flags, call_service, client_for
-from tokensvc.cli.output import SEARCH_MODES, add_search_mode, output
+from tokensvc.cli.output import SEARCH_MODES, add_search_mode, draw_progress, output
 from tokensvc.client import CallFailed
 from tokensvc.knowledge.formats import OCTET_STREAM, media_type_for_filename
 from tokensvc.v1 import knowledge_pb2
@@ -54,7 +55,7 @@ def add_knowledge_commands(commands: argparse._SubParsersAction[argparse.Argumen
     upload = sub.add_parser(
         "upload",
         help="upload a document (control plane)",
-        description="UploadDocument, streamed in 1 MiB pieces.",
+        description="UploadDocument, streamed in 1 MiB pieces; the server ingests it in the background.",
     )
     upload.add_argument("ref", metavar="REF")
     upload.add_argument("file", metavar="FILE", type=Path)
@@ -64,6 +65,12 @@ def add_knowledge_commands(commands: argparse._SubParsersAction[argparse.Argumen
         help="the document's type, e.g. application/pdf (default: from the file name's extension; "
         "without a known one, text/plain, or application/octet-stream for binary content, which the "
         "server recognises by its bytes)",
+    )
+    upload.add_argument(
+        "--wait",
+        action="store_true",
+        help="follow the document's ingestion with a progress bar until it is searchable; exit 1 if it "
+        "fails (without it the command returns once the bytes are stored, the version PENDING)",
     )
     upload.set_defaults(handler=_upload)
 
@@ -136,10 +143,24 @@ def _list(args: argparse.Namespace) -> int:
 def _documents(args: argparse.Namespace) -> int:
     request = knowledge_pb2.ListDocumentsRequest(namespace=args.namespace, knowledge_base_ref=args.ref)
     response = _manage(args, "ListDocuments", request)
-    lines = [
-        f"{d.ref}  v{d.version}  {d.chunk_count} chunks  {d.size_bytes} bytes" for d in response.documents
-    ]
+    lines = [f"{d.ref}  v{d.version}  {_state(d)}  {d.size_bytes} bytes" for d in response.documents]
     return output(args, response, "\n".join(lines) or "(no documents)")
+
+
+def _state(document: knowledge_pb2.Document) -> str:
+    """A version's state as `kb documents` and `kb upload` print it."""
+    match document.state:
+        case knowledge_pb2.DOCUMENT_STATE_READY:
+            text = f"ready, {document.chunk_count} chunks"
+        case knowledge_pb2.DOCUMENT_STATE_PROCESSING:
+            text = f"processing {document.chunks_done}/{document.chunk_count} chunks"
+        case knowledge_pb2.DOCUMENT_STATE_FAILED:
+            text = f"failed: {document.failure_reason}"
+        case _:
+            text = "pending"
+    if document.state != knowledge_pb2.DOCUMENT_STATE_READY and document.searchable_version:
+        text += f" (v{document.searchable_version} searchable)"
+    return text
 
 
 def _delete(args: argparse.Namespace) -> int:
@@ -184,10 +205,34 @@ def _upload(args: argparse.Namespace) -> int:
     except CallFailed as exc:
         raise RpcFailed(str(exc)) from None
     document = response.document
-    state = (
-        "unchanged" if response.unchanged else f"version {document.version}, {response.chunk_count} chunks"
-    )
+    if args.wait and document.state not in _ENDED:
+        if not args.json:  # with --json, only the document as it ended is printed
+            output(args, response, f"{document.ref}: version {document.version} stored, ingesting")
+        return _follow(args, document)
+    state = "unchanged" if response.unchanged else f"version {document.version}, {_state(document)}"
     return output(args, response, f"{document.ref}: {state}")
+
+
+_ENDED = (knowledge_pb2.DOCUMENT_STATE_READY, knowledge_pb2.DOCUMENT_STATE_FAILED)
+
+
+def _follow(args: argparse.Namespace, uploaded: knowledge_pb2.Document) -> int:
+    """Poll the document until its version is READY or FAILED (or a newer upload replaced it),
+    drawing a progress bar on a terminal; 0 only if it became searchable."""
+    request = knowledge_pb2.GetDocumentRequest(
+        namespace=uploaded.namespace,
+        knowledge_base_ref=uploaded.knowledge_base_ref,
+        document_ref=uploaded.ref,
+    )
+    while True:
+        document = _manage(args, "GetDocument", request).document
+        ended = document.state in _ENDED or document.version != uploaded.version
+        label = knowledge_pb2.DocumentState.Name(document.state).removeprefix("DOCUMENT_STATE_").lower()
+        draw_progress(args, document.chunks_done, document.chunk_count, label, final=ended)
+        if ended:
+            output(args, document, f"{document.ref}: version {document.version}, {_state(document)}")
+            return 0 if document.state == knowledge_pb2.DOCUMENT_STATE_READY else 1
+        time.sleep(1.0)
 
 
 def _unnamed_type(path: Path) -> str:

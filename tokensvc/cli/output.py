@@ -4,13 +4,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from google.protobuf import json_format
 
 from tokensvc.v1 import common_pb2
 
-__all__ = ["SEARCH_MODES", "add_search_mode", "output"]
+__all__ = ["SEARCH_MODES", "add_search_mode", "draw_progress", "output"]
+
+
+def draw_progress(
+    args: argparse.Namespace, done: int, total: int, label: str, *, final: bool = False
+) -> None:
+    """A progress bar on stderr, redrawn in place, when it is a terminal and the output is text."""
+    if args.json or not sys.stderr.isatty():
+        return
+    share = done / total if total else (1.0 if final else 0.0)
+    bar = "#" * int(30 * min(share, 1.0))
+    sys.stderr.write(f"\r[{bar:<30}] {done}/{total} {label:12}")
+    if final:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
 
 
 def output(args: argparse.Namespace, response: Any, text: str) -> int:

@@ -9,13 +9,12 @@ succeeded; `--json` prints the responses for scripts.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from typing import Any
 
 from tokensvc.cli.connection import add_connection_flags, call_service
 from tokensvc.cli.knowledge_commands import CHUNKING_KINDS
-from tokensvc.cli.output import output
+from tokensvc.cli.output import draw_progress, output
 from tokensvc.v1 import knowledge_pb2, migration_pb2
 
 __all__ = ["add_reembedding_commands"]
@@ -139,16 +138,9 @@ def _follow(args: argparse.Namespace, migration_id: str) -> int:
     request = migration_pb2.GetEmbeddingMigrationRequest(id=migration_id)
     while True:
         migration = _call(args, "GetEmbeddingMigration", request).migration
-        if not args.json and sys.stderr.isatty():
-            done = migration.rows_done / migration.rows_total if migration.rows_total else 1.0
-            bar = "#" * int(30 * min(done, 1.0))
-            sys.stderr.write(
-                f"\r[{bar:<30}] {migration.rows_done}/{migration.rows_total} {_phase(migration):12}"
-            )
-            sys.stderr.flush()
-        if migration.phase in _FINAL or migration.phase == migration_pb2.MIGRATION_PHASE_PAUSED:
-            if not args.json and sys.stderr.isatty():
-                sys.stderr.write("\n")
+        ended = migration.phase in _FINAL or migration.phase == migration_pb2.MIGRATION_PHASE_PAUSED
+        draw_progress(args, migration.rows_done, migration.rows_total, _phase(migration), final=ended)
+        if ended:
             output(args, migration, _describe(migration))
             return 0 if migration.phase == migration_pb2.MIGRATION_PHASE_SUCCEEDED else 1
         time.sleep(1.0)

@@ -137,6 +137,12 @@ class JobRunner(Generic[_Job]):
         await self._work(job)
         return True
 
+    async def work_on(self, job: _Job) -> None:
+        """Work on a job this runner holds the lease of without `claim` (it was created leased
+        to it, for a caller that waits), as a claimed one: its lease kept, its failures counted."""
+        self._working.add(job.id)
+        await self._work(job)
+
     async def _turn(self, job: _Job) -> None:
         """Work on a claimed job; after a failure, hold its slot for `poll_seconds`, so a
         database or a service that is away is not asked again at once, in a loop."""

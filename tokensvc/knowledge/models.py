@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from tokensvc.storage.records import BaseRow, ChunkRow, DocumentRow, PassageRow
+from tokensvc.storage.records import BaseRow, ChunkRow, DocumentRow, DocumentState, PassageRow
 
-__all__ = ["BaseRow", "ChunkRow", "DocumentRow", "PassageRow"]
+__all__ = ["BaseRow", "ChunkRow", "DocumentRow", "DocumentState", "PassageRow"]

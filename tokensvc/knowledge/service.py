@@ -2,8 +2,9 @@
 
 Rules enforced here: the embedder and chunking strategy are pinned at creation (a different
 choice for an existing ref is FAILED_PRECONDITION); re-uploading identical content is a no-op;
-embedding happens before any write, so an embedder failure stores nothing; a launcher may search
-only knowledge bases in its capability's roster, and a refusal names no other corpus. Searches
+an upload is stored durably and ingested in the background (`tokensvc.knowledge.ingestion`), its
+version searchable only once READY, the previous one meanwhile; a launcher may search only
+knowledge bases in its capability's roster, and a refusal names no other corpus. Searches
 run through the retrieval engine (`tokensvc.retrieval.engine`), one per (embedder, text
 configuration) group of the searched bases; what a search remembers between calls (the bases'
 pins, row counts) is a store decorator's (`tokensvc.storage.caching`).
@@ -11,25 +12,18 @@ pins, row counts) is a store decorator's (`tokensvc.storage.caching`).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import functools
 import hashlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from opentelemetry import trace
 
 from tokensvc.audit import AuditKind, AuditLog
 from tokensvc.auth.scope import TenantScope
-from tokensvc.embedders import (
-    Demand,
-    EmbedderRegistry,
-    EmbedderSpec,
-    ScheduledEmbedder,
-    WorkClass,
-)
+from tokensvc.embedders import EmbedderRegistry, EmbedderSpec, ScheduledEmbedder
 from tokensvc.errors import (
     ConcurrentChange,
     DatabaseUnavailable,
@@ -39,12 +33,11 @@ from tokensvc.errors import (
     PinnedConfiguration,
     Reason,
 )
-from tokensvc.knowledge.chunking import Chunk, ChunkingStrategy
-from tokensvc.knowledge.extraction_pool import ExtractionPool
-from tokensvc.knowledge.formats import OCTET_STREAM, Location
+from tokensvc.knowledge.chunking import ChunkingStrategy
+from tokensvc.knowledge.formats import Location
+from tokensvc.knowledge.ingestion import IngestionRunner
 from tokensvc.memory import Filter
 from tokensvc.memory.metadata import MetadataScalar
-from tokensvc.observability.metrics import observe_embedding
 from tokensvc.retrieval import (
     DEFAULT_TEXT_CONFIG,
     Ranked,
@@ -53,16 +46,15 @@ from tokensvc.retrieval import (
     SearchMode,
     SearchTuning,
     embed_query,
-    unit_rows,
     validate_text_config,
 )
-from tokensvc.storage.ports import KnowledgeStore, StaleKnowledgeBases
+from tokensvc.storage.ports import IngestionStore, KnowledgeStore, StaleKnowledgeBases
 from tokensvc.storage.records import (
     ALL_KNOWLEDGE_BASES,
     NOWHERE,
     BaseRow,
-    ChunkRow,
     DocumentRow,
+    DocumentState,
     KnowledgePins,
     PassageRow,
     Tenant,
@@ -71,11 +63,11 @@ from tokensvc.storage.records import (
 __all__ = ["KnowledgeBases", "Passage", "UploadResult"]
 
 _tracer = trace.get_tracer("tokensvc.knowledge")
-_EMBED_BATCH = 64
 _MAX_SEARCH_REFS = 16
-# A cutover between reading the base and writing the version makes the upload start over; two
-# cutovers in a row of one base cannot happen (the old generation is retired first).
-_UPLOAD_ATTEMPTS = 3
+# A document read with its text whose version changes in between is read again.
+_READ_ATTEMPTS = 3
+# How often an upload that waits reads its document while another replica ingests it.
+_READY_POLL_SECONDS = 0.25
 # A search with remembered pins that no longer hold reads them afresh and runs again; a second
 # refusal needs another base created, deleted or cut over meanwhile.
 _SEARCH_ATTEMPTS = 3
@@ -114,13 +106,15 @@ class KnowledgeBases:
         embedders: EmbedderRegistry,
         *,
         audit: AuditLog,
-        extraction: ExtractionPool,
+        ingestions: IngestionStore,
+        ingestion: IngestionRunner,
         default_embedder: str,
         default_text_config: str = DEFAULT_TEXT_CONFIG,
         engine: RetrievalEngine | None = None,
     ):
         self._store = store
-        self._extraction = extraction
+        self._ingestions = ingestions
+        self._ingestion = ingestion
         self._embedders = embedders
         self._audit = audit
         self._default = default_embedder
@@ -215,122 +209,66 @@ class KnowledgeBases:
         content_type: str,
         metadata: dict[str, MetadataScalar],
         content: bytes,
+        *,
+        wait: bool = False,
     ) -> UploadResult:
+        """Store the upload durably and queue its ingestion: the new version PENDING (or, for the
+        newest version's content, the document unchanged). `wait`: work on it here at once and
+        return when it is READY (its refusal raised, and nothing kept), as a caller of a small
+        document wants; the caller's deadline ends the wait, not the work."""
         with _tracer.start_as_current_span("knowledge.upload", record_exception=False) as span:
             span.set_attribute("tokensvc.namespace", namespace)
             span.set_attribute("tokensvc.upload.bytes", len(content))
-            tenant = _management(namespace)
-            digest = hashlib.sha256(content).digest()
-            replace = functools.partial(
-                self._store.replace_document,
-                tenant,
+            runner = self._ingestion
+            enqueued = await self._ingestions.enqueue(
+                _management(namespace),
                 kb_ref=kb_ref,
                 ref=doc_ref,
                 content_type=content_type,
-                content_sha256=digest,
+                content_sha256=hashlib.sha256(content).digest(),
                 size_bytes=len(content),
                 metadata=metadata,
+                content=content,
+                lease=(runner.runner_id, runner.lease_seconds) if wait else None,
             )
-            for _ in range(_UPLOAD_ATTEMPTS):
-                base, current = await self._store.document_state(tenant, kb_ref, doc_ref)
-                if base is None:
-                    raise _no_base(namespace, kb_ref)
-                if current is not None and current.content_sha256 == digest:
-                    if current.metadata == metadata:
-                        return UploadResult(current, unchanged=True)
-                    # Same bytes, new metadata: no chunking or embedding. None: the content
-                    # changed meanwhile (a concurrent upload), so this one is chunked after all.
-                    replaced = await replace(chunks=None)
-                    if replaced is not None:
-                        return UploadResult(replaced[0], unchanged=True)
-                try:
-                    return await self._write_version(base, content, content_type, replace, span)
-                except StaleKnowledgeBases:
-                    # A migration cut over since `base` was read: chunk and embed for the new pins.
-                    span.set_attribute("tokensvc.upload.stale_generation", True)
-        raise DatabaseUnavailable("the knowledge base changed embedder while uploading; retry")
+            if enqueued is None:
+                raise _no_base(namespace, kb_ref)
+            job = enqueued.ingestion
+            if job is None:
+                return UploadResult(enqueued.document, enqueued.unchanged)
+            if not wait:
+                runner.wake()
+                return UploadResult(enqueued.document, enqueued.unchanged)
+            if not enqueued.unchanged or await self._ingestions.claim_one(
+                job, runner.runner_id, lease_seconds=runner.lease_seconds
+            ):
+                refusal = await runner.ingest_now(job)
+                if refusal is not None:
+                    await self._ingestions.discard(job, runner.runner_id)
+                    raise refusal
+            document = await self._ready(namespace, kb_ref, doc_ref, job.version)
+            span.set_attribute("tokensvc.result_count", document.chunk_count)
+            return UploadResult(document, enqueued.unchanged)
 
-    async def _write_version(
-        self,
-        base: BaseRow,
-        content: bytes,
-        content_type: str,
-        replace: Callable[..., Awaitable[tuple[DocumentRow, bool] | None]],
-        span: trace.Span,
-    ) -> UploadResult:
-        strategy = ChunkingStrategy.from_stored(base.chunking, base.chunk_size, base.chunk_overlap)
-        # During the base's migration, the target's chunks too (when this replica has its embedder).
-        target = self._migration_target(base)
-        strategies = (strategy,) if target is None or target[1] == strategy else (strategy, target[1])
-        # In a worker process, stopped when this call ends (see knowledge/extraction_pool.py).
-        extraction = await self._extraction.extract(content, content_type, strategies)
-        # Uploads are bulk work in their namespace's fair share: searches and Remembers go first.
-        demand = Demand.of(WorkClass.BULK, base.namespace)
-        rows = await self._embedded(
-            self._embedder(base), extraction.chunkings[0], extraction.locations[0], demand
-        )
-        next_rows = None
-        if target is not None:
-            next_rows = await self._embedded(
-                target[0], extraction.chunkings[-1], extraction.locations[-1], demand
-            )
-        # Sent as bytes of no declared type: stored as the type its signature showed.
-        declared = content_type.partition(";")[0].strip().lower()
-        replaced = await replace(
-            chunks=rows,
-            generation=base.generation,
-            text=extraction.text,
-            next_chunks=next_rows,
-            migration_id=base.migration_id if next_rows is not None else None,
-            source_spans=extraction.spans,
-            **({"content_type": extraction.media_type} if declared == OCTET_STREAM else {}),
-        )
-        assert replaced is not None  # with chunks, a version or the same content is stored
-        document, written = replaced
-        span.set_attribute("tokensvc.result_count", len(rows))
-        return UploadResult(document, unchanged=not written)
-
-    def _migration_target(self, base: BaseRow) -> tuple[ScheduledEmbedder, ChunkingStrategy] | None:
-        spec, chunking = base.migrating_to, base.migrating_chunking
-        if spec is None or chunking is None or spec.name not in self._embedders.names:
-            return None
-        embedder = self._embedders.get(spec.name)
-        if embedder.spec != spec:
-            return None  # configured differently here: the runner embeds it for the target
-        return embedder, ChunkingStrategy.from_stored(chunking.kind, chunking.size, chunking.overlap)
-
-    async def _embedded(
-        self,
-        embedder: ScheduledEmbedder,
-        chunks: list[Chunk],
-        locations: tuple[Location, ...],
-        demand: Demand,
-    ) -> list[ChunkRow]:
-        vectors = await self._embed(embedder, [chunk.text for chunk in chunks], demand)
-        return [
-            ChunkRow(c.index, c.text, c.start, c.end, tuple(c.heading_path), vector, location)
-            for c, vector, location in zip(chunks, vectors, locations, strict=True)
-        ]
-
-    async def _embed(self, embedder: ScheduledEmbedder, texts: list[str], demand: Demand) -> list[np.ndarray]:
-        vectors: list[np.ndarray] = []
-        with _tracer.start_as_current_span("embed", record_exception=False) as span:
-            span.set_attribute("tokensvc.embed.count", len(texts))
-            for start in range(0, len(texts), _EMBED_BATCH):
-                part = texts[start : start + _EMBED_BATCH]
-                batch = await observe_embedding(
-                    embedder.spec.name, embedder.embed_documents(part, demand), texts=len(part)
-                )
-                vectors.extend(unit_rows(batch, "content"))
-        return vectors
+    async def _ready(self, namespace: str, kb_ref: str, doc_ref: str, version: int) -> DocumentRow:
+        """The document once `version` (or a newer one) is READY, read every `_READY_POLL_SECONDS`
+        while another runner works on it; its failure as the upload's refusal."""
+        while True:
+            document = await self.get_document(namespace, kb_ref, doc_ref)
+            if document.version > version or document.state is DocumentState.READY:
+                return document
+            if document.state is DocumentState.FAILED:
+                raise InvalidArgument("content", document.failure_reason)
+            await asyncio.sleep(_READY_POLL_SECONDS)
 
     async def get_document(
         self, namespace: str, kb_ref: str, doc_ref: str, *, with_text: bool = False
     ) -> DocumentRow:
-        """The document's current version; `with_text`: with its extracted text, read after it
-        (a new version in between: read again)."""
+        """The document's newest version (READY, or on its way in); `with_text`: with the
+        searchable version's extracted text, read after it (a new version in between: read
+        again; none searchable yet: empty)."""
         tenant = _management(namespace)
-        for _ in range(_UPLOAD_ATTEMPTS):
+        for _ in range(_READ_ATTEMPTS):
             base, document = await self._store.document_state(tenant, kb_ref, doc_ref)
             if base is None:
                 raise _no_base(namespace, kb_ref)
@@ -338,7 +276,9 @@ class KnowledgeBases:
                 raise NotFound(f"no document {doc_ref!r} in knowledge base {kb_ref!r}")
             if not with_text:
                 return document
-            text = await self._store.document_text(tenant, kb_ref, doc_ref, document.version)
+            if document.searchable_version is None:
+                return dataclasses.replace(document, text="")
+            text = await self._store.document_text(tenant, kb_ref, doc_ref, document.searchable_version)
             if text is not None:
                 return dataclasses.replace(document, text=text)
         raise ConcurrentChange(f"document {doc_ref!r} kept changing while it was read; retry")
@@ -458,9 +398,6 @@ class KnowledgeBases:
                 expect=pins,
             ),
         )
-
-    def _embedder(self, base: BaseRow) -> ScheduledEmbedder:
-        return self._embedder_for(_spec(base))
 
     def _embedder_for(self, spec: EmbedderSpec) -> ScheduledEmbedder:
         if spec.name not in self._embedders.names or self._embedders.get(spec.name).spec != spec:

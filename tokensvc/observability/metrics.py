@@ -115,6 +115,16 @@ class ActiveMigration:
 
 
 @dataclass(frozen=True)
+class IngestionReadings:
+    """The background ingestion queue across every namespace: what the stuck-queue alert watches."""
+
+    pending: int
+    processing: int
+    failed: int
+    oldest_seconds: float
+
+
+@dataclass(frozen=True)
 class DatabaseReadings:
     """What the background refresh last read from the database (counts and times only)."""
 
@@ -122,6 +132,7 @@ class DatabaseReadings:
     open_rotations: int = 0
     oldest_open_rotation_started: float = 0.0  # Unix time; 0 when none is open
     migrations: tuple[ActiveMigration, ...] = ()
+    ingestion: IngestionReadings | None = None  # None: not read yet
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -234,6 +245,24 @@ class _LiveGauges(Collector):
             total.add_metric(values, migration.rows_total)
         yield done
         yield total
+        # Both families always (without samples until the queue was read), as the rules expect.
+        queue = GaugeMetricFamily(
+            "tokensvc_ingestion_queue",
+            "Uploaded document versions not searchable yet, by state: pending (waiting for a "
+            "runner), processing (a runner holds it), failed (given up, with a reason).",
+            labels=["state"],
+        )
+        oldest = GaugeMetricFamily(
+            "tokensvc_ingestion_oldest_seconds",
+            "How long the oldest unfinished upload has waited to become searchable (0: none).",
+        )
+        if readings.ingestion is not None:
+            queue.add_metric(["pending"], readings.ingestion.pending)
+            queue.add_metric(["processing"], readings.ingestion.processing)
+            queue.add_metric(["failed"], readings.ingestion.failed)
+            oldest.add_metric([], readings.ingestion.oldest_seconds)
+        yield queue
+        yield oldest
 
 
 class Metrics:
@@ -288,6 +317,17 @@ class Metrics:
             "(ok, refused, deadline, cancelled, time_limit, worker_died).",
             ["outcome"],
         )
+        self.ingested_chunks = _Counter(
+            "tokensvc_ingested_chunks",
+            "Chunks of uploaded documents embedded by background ingestion, by embedder.",
+            ["embedder"],
+        )
+        self.ingestions = _Counter(
+            "tokensvc_ingestions",
+            "Document versions that ended background ingestion: ready (searchable), refused (the "
+            "content cannot be extracted) or failed (the embedder kept failing).",
+            ["outcome"],
+        )
         self.migration_rows = _Counter(
             "tokensvc_embedding_migration_rows",
             "Memories re-embedded by migrations, by target embedder.",
@@ -324,6 +364,7 @@ class Metrics:
                 self.embed_seconds.labels(name, call)
             self.embed_batch.labels(name)
             self.migration_rows.labels(name)
+            self.ingested_chunks.labels(name)
             for work in ("query", "interactive", "bulk"):
                 self.embed_queued.labels(name, work)
                 self.embed_refused.labels(name, work)
@@ -335,6 +376,8 @@ class Metrics:
                 self.rotations.labels(mode, outcome)
         for outcome in ("succeeded", "failed"):
             self.sweeps.labels(outcome)
+        for outcome in ("ready", "refused", "failed"):
+            self.ingestions.labels(outcome)
         for event in (
             "started",
             "cut_over",

@@ -91,7 +91,9 @@ async def _embed_spans(
     texts = [chunk.text for _, chunks in batch for chunk in chunks]
     vectors: list[np.ndarray] = []
     for start in range(0, len(texts), size):
-        vectors.extend(await embed_texts(embedder, texts[start : start + size], demand))
+        vectors.extend(
+            await embed_texts(embedder, texts[start : start + size], demand, span="reembedding.batch")
+        )
     return vectors
 
 

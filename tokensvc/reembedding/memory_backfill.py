@@ -41,7 +41,7 @@ class MemoryBackfill:
         demand = bulk_demand(migration)
 
         async def embed(batch: list[PendingMemory]) -> np.ndarray:
-            return await embed_texts(embedder, [p.content for p in batch], demand)
+            return await embed_texts(embedder, [p.content for p in batch], demand, span="reembedding.batch")
 
         async def store(
             at: MemorySpaceMigration, batch: list[PendingMemory], vectors: np.ndarray

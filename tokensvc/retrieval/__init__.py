@@ -14,6 +14,7 @@ caches of row counts and pins are store decorators (`tokensvc.storage.caching`).
 
 from __future__ import annotations
 
+from tokensvc.retrieval.document_embedding import batch_size_of, embed_texts
 from tokensvc.retrieval.engine import Fetch, Retrieval, RetrievalEngine, RoutedPlan, embed_query
 from tokensvc.retrieval.fusion import (
     Candidate,
@@ -54,8 +55,10 @@ __all__ = [
     "SearchMode",
     "SearchTuning",
     "apply_mode",
+    "batch_size_of",
     "candidate_query",
     "embed_query",
+    "embed_texts",
     "fuse",
     "or_query",
     "query_words",

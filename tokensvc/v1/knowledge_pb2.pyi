@@ -67,6 +67,38 @@ heading path.
 """
 Global___ChunkingKind: _TypeAlias = ChunkingKind  # noqa: Y015
 
+class _DocumentState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DocumentStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DocumentState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DOCUMENT_STATE_UNSPECIFIED: _DocumentState.ValueType  # 0
+    """Not set; never returned."""
+    DOCUMENT_STATE_PENDING: _DocumentState.ValueType  # 1
+    """Stored, waiting for a replica to extract it."""
+    DOCUMENT_STATE_PROCESSING: _DocumentState.ValueType  # 2
+    """Extracted; its chunks are being embedded (`chunks_done` of `chunk_count`)."""
+    DOCUMENT_STATE_READY: _DocumentState.ValueType  # 3
+    """Searchable."""
+    DOCUMENT_STATE_FAILED: _DocumentState.ValueType  # 4
+    """Given up, with `failure_reason`; the previous version, if any, stays searchable."""
+
+class DocumentState(_DocumentState, metaclass=_DocumentStateEnumTypeWrapper):
+    """DocumentState is where a document version is on its way to being searchable."""
+
+DOCUMENT_STATE_UNSPECIFIED: DocumentState.ValueType  # 0
+"""Not set; never returned."""
+DOCUMENT_STATE_PENDING: DocumentState.ValueType  # 1
+"""Stored, waiting for a replica to extract it."""
+DOCUMENT_STATE_PROCESSING: DocumentState.ValueType  # 2
+"""Extracted; its chunks are being embedded (`chunks_done` of `chunk_count`)."""
+DOCUMENT_STATE_READY: DocumentState.ValueType  # 3
+"""Searchable."""
+DOCUMENT_STATE_FAILED: DocumentState.ValueType  # 4
+"""Given up, with `failure_reason`; the previous version, if any, stays searchable."""
+Global___DocumentState: _TypeAlias = DocumentState  # noqa: Y015
+
 @_typing.final
 class ChunkingStrategy(_message.Message):
     """ChunkingStrategy is how a knowledge base splits its documents; pinned at creation."""
@@ -161,7 +193,7 @@ Global___KnowledgeBase: _TypeAlias = KnowledgeBase  # noqa: Y015
 
 @_typing.final
 class Document(_message.Message):
-    """Document is the current version of one uploaded document."""
+    """Document is the newest version of one uploaded document."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -197,6 +229,10 @@ class Document(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    CHUNKS_DONE_FIELD_NUMBER: _builtins.int
+    FAILURE_REASON_FIELD_NUMBER: _builtins.int
+    SEARCHABLE_VERSION_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     """The namespace of the document's knowledge base."""
     knowledge_base_ref: _builtins.str
@@ -214,10 +250,22 @@ class Document(_message.Message):
     size_bytes: _builtins.int
     """The size of the uploaded bytes."""
     chunk_count: _builtins.int
-    """The number of chunks this version was split into."""
+    """The number of chunks this version was split into (0 while PENDING)."""
     text: _builtins.str
-    """The version's extracted text, which passages' offsets index; set only by GetDocument with
-    `include_text`.
+    """The searchable version's extracted text, which its passages' offsets index; set only by
+    GetDocument with `include_text` (empty while no version is searchable).
+    """
+    state: Global___DocumentState.ValueType
+    """Where this version is: PENDING, PROCESSING, READY or FAILED."""
+    chunks_done: _builtins.int
+    """The chunks embedded so far (equal to `chunk_count` once READY)."""
+    failure_reason: _builtins.str
+    """Why the version FAILED (empty otherwise), e.g. an encrypted PDF or an embedder that kept
+    failing.
+    """
+    searchable_version: _builtins.int
+    """The version a search reads now: this one once READY, the previous one meanwhile, 0 when no
+    version is searchable yet.
     """
     @_builtins.property
     def metadata(self) -> _containers.MessageMap[_builtins.str, _common_pb2.MetadataValue]:
@@ -241,10 +289,14 @@ class Document(_message.Message):
         metadata: _abc.Mapping[_builtins.str, _common_pb2.MetadataValue] | None = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
         text: _builtins.str = ...,
+        state: Global___DocumentState.ValueType = ...,
+        chunks_done: _builtins.int = ...,
+        failure_reason: _builtins.str = ...,
+        searchable_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_count", b"chunk_count", "content_sha256", b"content_sha256", "content_type", b"content_type", "created_at", b"created_at", "knowledge_base_ref", b"knowledge_base_ref", "metadata", b"metadata", "namespace", b"namespace", "ref", b"ref", "size_bytes", b"size_bytes", "text", b"text", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_count", b"chunk_count", "chunks_done", b"chunks_done", "content_sha256", b"content_sha256", "content_type", b"content_type", "created_at", b"created_at", "failure_reason", b"failure_reason", "knowledge_base_ref", b"knowledge_base_ref", "metadata", b"metadata", "namespace", b"namespace", "ref", b"ref", "searchable_version", b"searchable_version", "size_bytes", b"size_bytes", "state", b"state", "text", b"text", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -655,6 +707,7 @@ class UploadDocumentHeader(_message.Message):
     DOCUMENT_REF_FIELD_NUMBER: _builtins.int
     CONTENT_TYPE_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    WAIT_UNTIL_READY_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     """The namespace of the knowledge base; required."""
     knowledge_base_ref: _builtins.str
@@ -664,8 +717,15 @@ class UploadDocumentHeader(_message.Message):
     service).
     """
     content_type: _builtins.str
-    """The content type: `text/plain`, `text/markdown` or `text/html`, optionally with
-    `; charset=utf-8`; anything else is INVALID_ARGUMENT.
+    """The content type, optionally with `; charset=utf-8`: `text/plain`, `text/markdown`,
+    `text/html`, `application/pdf`, DOCX, PPTX and XLSX (their OpenXML types), `text/csv`,
+    `application/json`, `application/jsonl`, source code and configuration types (docs/api.md
+    lists them), or `application/octet-stream` for the server to recognise the bytes; anything
+    else is INVALID_ARGUMENT.
+    """
+    wait_until_ready: _builtins.bool
+    """Return only once the version is READY (for small documents; the call's deadline ends the
+    wait, never the ingestion). False: return at once with the version PENDING.
     """
     @_builtins.property
     def metadata(self) -> _containers.MessageMap[_builtins.str, _common_pb2.MetadataValue]:
@@ -681,10 +741,11 @@ class UploadDocumentHeader(_message.Message):
         document_ref: _builtins.str = ...,
         content_type: _builtins.str = ...,
         metadata: _abc.Mapping[_builtins.str, _common_pb2.MetadataValue] | None = ...,
+        wait_until_ready: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "document_ref", b"document_ref", "knowledge_base_ref", b"knowledge_base_ref", "metadata", b"metadata", "namespace", b"namespace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "document_ref", b"document_ref", "knowledge_base_ref", b"knowledge_base_ref", "metadata", b"metadata", "namespace", b"namespace", "wait_until_ready", b"wait_until_ready"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -738,10 +799,12 @@ class UploadDocumentResponse(_message.Message):
     stored metadata).
     """
     chunk_count: _builtins.int
-    """The number of chunks of the current version."""
+    """The number of chunks of that version (0 while PENDING)."""
     @_builtins.property
     def document(self) -> Global___Document:
-        """The document's current version after the upload."""
+        """The document's newest version after the upload (PENDING, or READY with `wait_until_ready`
+        or when unchanged).
+        """
 
     def __init__(
         self,

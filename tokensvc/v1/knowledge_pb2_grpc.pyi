@@ -87,29 +87,36 @@ class KnowledgeServiceStub:
     """UploadDocument uploads a document (client streaming): the first message carries the header,
     every later message a piece of the content.
 
-    Callers: control plane, admin. The server extracts the text, chunks it with the knowledge
-    base's pinned strategy, embeds the chunks in batches and indexes them. Uploading content whose
-    SHA-256 equals the document's current version creates no version and re-embeds nothing
-    (`unchanged` is true); only the header's metadata, when different, replaces the stored
-    metadata. New content
-    under an existing document ref creates the next version and swaps the chunks atomically: a
-    concurrent search sees the old version or the new one, never a mix and never nothing. Errors
+    Callers: control plane, admin. The server stores the bytes durably and returns at once with
+    the new version PENDING; any replica then extracts the text in the background, chunks it with
+    the knowledge base's pinned strategy, embeds the chunks in batches (PROCESSING, with
+    `chunks_done` of `chunk_count`) and makes the version searchable (READY), or ends it FAILED
+    with `failure_reason`. Until it is READY a search reads the previous version, if any. With
+    `UploadDocumentHeader.wait_until_ready` the call returns only once the version is READY, and
+    a document the server refuses is INVALID_ARGUMENT, as below; its deadline ends the wait, not
+    the ingestion. Uploading content whose SHA-256 equals the document's newest version creates
+    no version and re-embeds nothing (`unchanged` is true); only the header's metadata, when
+    different, replaces the stored metadata. New content under an existing document ref creates
+    the next version (replacing a newer one still ingesting) and swaps the chunks atomically when
+    it is READY: a concurrent search sees the old version or the new one, never a mix and never
+    nothing. Errors
     beyond the common ones: INVALID_ARGUMENT when the first message is not a header or a later one
     is (field `header`), for an unsupported content type (field `header.content_type`), for
-    content that is not valid UTF-8 or has no extractable text (field `content`), or (reason
+    content that cannot be extracted (field `content`; with `wait_until_ready`, else the version
+    ends FAILED with that reason), or (reason
     PAYLOAD_TOO_LARGE, field `content`) as soon as the content exceeds the server's upload limit
     (default 64 MiB), before anything is stored; NOT_FOUND (reason NOT_FOUND) when the knowledge
     base does not exist.
     """
     GetDocument: _grpc.UnaryUnaryMultiCallable[_knowledge_pb2.GetDocumentRequest, _knowledge_pb2.GetDocumentResponse]
-    """GetDocument returns the current version of one document.
+    """GetDocument returns the newest version of one document, with its ingestion state.
 
     Callers: control plane, admin. Errors beyond the common ones: NOT_FOUND (reason NOT_FOUND) when
     the knowledge base or the document does not exist.
     """
     ListDocuments: _grpc.UnaryUnaryMultiCallable[_knowledge_pb2.ListDocumentsRequest, _knowledge_pb2.ListDocumentsResponse]
-    """ListDocuments pages through the current versions of a knowledge base's documents, ordered by
-    document ref.
+    """ListDocuments pages through the newest versions of a knowledge base's documents, with their
+    ingestion states, ordered by document ref.
 
     Callers: control plane, admin. Paging follows the package convention: page_size 0 means 50, at
     most 500. Errors beyond the common ones: NOT_FOUND (reason NOT_FOUND) when the knowledge base
@@ -191,29 +198,36 @@ class KnowledgeServiceAsyncStub(KnowledgeServiceStub):
     """UploadDocument uploads a document (client streaming): the first message carries the header,
     every later message a piece of the content.
 
-    Callers: control plane, admin. The server extracts the text, chunks it with the knowledge
-    base's pinned strategy, embeds the chunks in batches and indexes them. Uploading content whose
-    SHA-256 equals the document's current version creates no version and re-embeds nothing
-    (`unchanged` is true); only the header's metadata, when different, replaces the stored
-    metadata. New content
-    under an existing document ref creates the next version and swaps the chunks atomically: a
-    concurrent search sees the old version or the new one, never a mix and never nothing. Errors
+    Callers: control plane, admin. The server stores the bytes durably and returns at once with
+    the new version PENDING; any replica then extracts the text in the background, chunks it with
+    the knowledge base's pinned strategy, embeds the chunks in batches (PROCESSING, with
+    `chunks_done` of `chunk_count`) and makes the version searchable (READY), or ends it FAILED
+    with `failure_reason`. Until it is READY a search reads the previous version, if any. With
+    `UploadDocumentHeader.wait_until_ready` the call returns only once the version is READY, and
+    a document the server refuses is INVALID_ARGUMENT, as below; its deadline ends the wait, not
+    the ingestion. Uploading content whose SHA-256 equals the document's newest version creates
+    no version and re-embeds nothing (`unchanged` is true); only the header's metadata, when
+    different, replaces the stored metadata. New content under an existing document ref creates
+    the next version (replacing a newer one still ingesting) and swaps the chunks atomically when
+    it is READY: a concurrent search sees the old version or the new one, never a mix and never
+    nothing. Errors
     beyond the common ones: INVALID_ARGUMENT when the first message is not a header or a later one
     is (field `header`), for an unsupported content type (field `header.content_type`), for
-    content that is not valid UTF-8 or has no extractable text (field `content`), or (reason
+    content that cannot be extracted (field `content`; with `wait_until_ready`, else the version
+    ends FAILED with that reason), or (reason
     PAYLOAD_TOO_LARGE, field `content`) as soon as the content exceeds the server's upload limit
     (default 64 MiB), before anything is stored; NOT_FOUND (reason NOT_FOUND) when the knowledge
     base does not exist.
     """
     GetDocument: _aio.UnaryUnaryMultiCallable[_knowledge_pb2.GetDocumentRequest, _knowledge_pb2.GetDocumentResponse]  # type: ignore[assignment]
-    """GetDocument returns the current version of one document.
+    """GetDocument returns the newest version of one document, with its ingestion state.
 
     Callers: control plane, admin. Errors beyond the common ones: NOT_FOUND (reason NOT_FOUND) when
     the knowledge base or the document does not exist.
     """
     ListDocuments: _aio.UnaryUnaryMultiCallable[_knowledge_pb2.ListDocumentsRequest, _knowledge_pb2.ListDocumentsResponse]  # type: ignore[assignment]
-    """ListDocuments pages through the current versions of a knowledge base's documents, ordered by
-    document ref.
+    """ListDocuments pages through the newest versions of a knowledge base's documents, with their
+    ingestion states, ordered by document ref.
 
     Callers: control plane, admin. Paging follows the package convention: page_size 0 means 50, at
     most 500. Errors beyond the common ones: NOT_FOUND (reason NOT_FOUND) when the knowledge base
@@ -322,16 +336,23 @@ class KnowledgeServiceServicer(metaclass=_abc_1.ABCMeta):
         """UploadDocument uploads a document (client streaming): the first message carries the header,
         every later message a piece of the content.
 
-        Callers: control plane, admin. The server extracts the text, chunks it with the knowledge
-        base's pinned strategy, embeds the chunks in batches and indexes them. Uploading content whose
-        SHA-256 equals the document's current version creates no version and re-embeds nothing
-        (`unchanged` is true); only the header's metadata, when different, replaces the stored
-        metadata. New content
-        under an existing document ref creates the next version and swaps the chunks atomically: a
-        concurrent search sees the old version or the new one, never a mix and never nothing. Errors
+        Callers: control plane, admin. The server stores the bytes durably and returns at once with
+        the new version PENDING; any replica then extracts the text in the background, chunks it with
+        the knowledge base's pinned strategy, embeds the chunks in batches (PROCESSING, with
+        `chunks_done` of `chunk_count`) and makes the version searchable (READY), or ends it FAILED
+        with `failure_reason`. Until it is READY a search reads the previous version, if any. With
+        `UploadDocumentHeader.wait_until_ready` the call returns only once the version is READY, and
+        a document the server refuses is INVALID_ARGUMENT, as below; its deadline ends the wait, not
+        the ingestion. Uploading content whose SHA-256 equals the document's newest version creates
+        no version and re-embeds nothing (`unchanged` is true); only the header's metadata, when
+        different, replaces the stored metadata. New content under an existing document ref creates
+        the next version (replacing a newer one still ingesting) and swaps the chunks atomically when
+        it is READY: a concurrent search sees the old version or the new one, never a mix and never
+        nothing. Errors
         beyond the common ones: INVALID_ARGUMENT when the first message is not a header or a later one
         is (field `header`), for an unsupported content type (field `header.content_type`), for
-        content that is not valid UTF-8 or has no extractable text (field `content`), or (reason
+        content that cannot be extracted (field `content`; with `wait_until_ready`, else the version
+        ends FAILED with that reason), or (reason
         PAYLOAD_TOO_LARGE, field `content`) as soon as the content exceeds the server's upload limit
         (default 64 MiB), before anything is stored; NOT_FOUND (reason NOT_FOUND) when the knowledge
         base does not exist.
@@ -343,7 +364,7 @@ class KnowledgeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _knowledge_pb2.GetDocumentRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_knowledge_pb2.GetDocumentResponse, _abc.Awaitable[_knowledge_pb2.GetDocumentResponse]]:
-        """GetDocument returns the current version of one document.
+        """GetDocument returns the newest version of one document, with its ingestion state.
 
         Callers: control plane, admin. Errors beyond the common ones: NOT_FOUND (reason NOT_FOUND) when
         the knowledge base or the document does not exist.
@@ -355,8 +376,8 @@ class KnowledgeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _knowledge_pb2.ListDocumentsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_knowledge_pb2.ListDocumentsResponse, _abc.Awaitable[_knowledge_pb2.ListDocumentsResponse]]:
-        """ListDocuments pages through the current versions of a knowledge base's documents, ordered by
-        document ref.
+        """ListDocuments pages through the newest versions of a knowledge base's documents, with their
+        ingestion states, ordered by document ref.
 
         Callers: control plane, admin. Paging follows the package convention: page_size 0 means 50, at
         most 500. Errors beyond the common ones: NOT_FOUND (reason NOT_FOUND) when the knowledge base

@@ -43,6 +43,7 @@ class _Header:
     doc_ref: str
     content_type: str
     metadata: dict[str, MetadataScalar]
+    wait: bool
 
 
 def _decode_header(header: knowledge_pb2.UploadDocumentHeader) -> _Header:
@@ -54,6 +55,7 @@ def _decode_header(header: knowledge_pb2.UploadDocumentHeader) -> _Header:
         # media type alone is kept, so Document.content_type is one of the three documented values.
         parse_content_type(header.content_type, "header.content_type"),
         metadata_from_proto(header.metadata, "header.metadata"),
+        header.wait_until_ready,
     )
 
 
@@ -138,6 +140,7 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
             header.content_type,
             header.metadata,
             b"".join(pieces),
+            wait=header.wait,
         )
         return knowledge_pb2.UploadDocumentResponse(
             document=encode_document(result.document),
