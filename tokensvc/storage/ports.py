@@ -3,7 +3,8 @@
 Every implementation (`tokensvc.storage.postgres`, `tokensvc.storage.inprocess`) passes the one
 conformance suite in `tests/storage/conformance/`, which checks the contracts written here.
 Domain services take these Protocols, never a concrete store, and each the narrowest one it
-needs. The re-embedding ports live in `tokensvc.storage.reembedding_ports` and are re-exported here.
+needs. The re-embedding ports live in `tokensvc.storage.reembedding_ports`, background ingestion's in
+`tokensvc.storage.ingestion_ports`; both are re-exported here.
 `DatabaseLogins`, `ConnectionPool`, `DatabaseHealth` and `DatabaseServer` are not stores but
 adapters to the database server itself (its login roles, connections, liveness and process), so
 they have a PostgreSQL implementation only and no in-process stand-in.
@@ -46,6 +47,7 @@ from tokensvc.storage.records import (
     StoredRef,
     Tenant,
 )
+from tokensvc.storage.ingestion_ports import IngestionStore
 from tokensvc.storage.reembedding_ports import (
     EmbeddingMigrationStore,
     KnowledgeBackfillStore,
@@ -65,6 +67,7 @@ __all__ = [
     "DatabaseLogins",
     "DatabaseServer",
     "EmbeddingMigrationStore",
+    "IngestionStore",
     "KnowledgeBackfillStore",
     "KnowledgeStore",
     "MemoryBackfillStore",

@@ -32,6 +32,7 @@ __all__ = [
     "DataSubjectReceipt",
     "DatabaseCredential",
     "DocumentRow",
+    "DocumentState",
     "EmbedderSpec",
     "ExportedMemory",
     "KnowledgePins",
@@ -254,8 +255,21 @@ class BaseRow:
     migrating_chunking: ChunkingSpec | None = field(default=None, compare=False)
 
 
+class DocumentState(enum.StrEnum):
+    """Where a document version is: queued, being extracted and embedded, searchable, or given up."""
+
+    PENDING = "pending"
+    PROCESSING = "processing"
+    READY = "ready"
+    FAILED = "failed"
+
+
 @dataclass(frozen=True)
 class DocumentRow:
+    """A document's newest version as a reader sees it: READY (searchable: what `documents`
+    holds), or still ingesting in the background, or FAILED; `searchable_version` is the version
+    a search reads meanwhile (None: none yet)."""
+
     namespace: str
     kb_ref: str
     ref: str
@@ -263,10 +277,22 @@ class DocumentRow:
     content_type: str
     content_sha256: bytes
     size_bytes: int
-    chunk_count: int
+    chunk_count: int  # READY: its chunks; otherwise the chunks to embed (0 until extracted)
     metadata: dict[str, Any]
     created_at: datetime
-    text: str | None = None  # the extracted text, only when asked for (GetDocument)
+    text: str | None = None  # the searchable version's extracted text, only when asked for
+    state: DocumentState = DocumentState.READY
+    chunks_done: int | None = None  # chunks embedded so far (READY: all of them)
+    failure_reason: str = ""
+    searchable_version: int | None = None
+
+    def __post_init__(self) -> None:
+        # A row read from `documents` is a READY version: its own searchable version.
+        if self.state is DocumentState.READY:
+            if self.chunks_done is None:
+                object.__setattr__(self, "chunks_done", self.chunk_count)
+            if self.searchable_version is None:
+                object.__setattr__(self, "searchable_version", self.version)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,9 @@ PLACEMENTS = (
     Placement("knowledge_bases", "namespace"),
     Placement("documents", "namespace", "knowledge_bases"),
     Placement("chunks", "namespace", "knowledge_bases"),
+    Placement("ingestions", "namespace", "knowledge_bases"),
+    Placement("ingestion_content", "namespace", "knowledge_bases"),
+    Placement("ingestion_chunks", "namespace", "knowledge_bases"),
 )
 
 

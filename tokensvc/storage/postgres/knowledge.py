@@ -19,6 +19,7 @@ from tokensvc.storage.filter_language import Filter
 from tokensvc.storage.ports import StaleKnowledgeBases
 from tokensvc.storage.postgres.errors import translate_errors
 from tokensvc.storage.postgres.filter_sql import compile_filter
+from tokensvc.storage.postgres.ingestion_rows import INGESTION_COLUMNS, ingestion_from
 from tokensvc.storage.postgres.locations import location_from, location_json, spans_json
 from tokensvc.storage.postgres.ranking import (
     Corpus,
@@ -40,7 +41,7 @@ from tokensvc.storage.records import (
     Tenant,
 )
 
-__all__ = ["PostgresKnowledgeStore", "chunk_columns"]
+__all__ = ["DOC_COLUMNS", "PostgresKnowledgeStore", "chunk_columns", "document_from", "update_metadata"]
 
 
 # A chunk's neighbours are the chunks before and after it in the same document version.
@@ -70,8 +71,8 @@ _BASE_INSERTED = (
 _BASE_COLUMNS = f"{_BASE_INSERTED}, generation"
 # Reads cast the regconfig to its name.
 _BASE_SELECT = _BASE_COLUMNS.replace("text_config", "text_config::text AS text_config")
-_DOC_COLUMNS = "namespace, kb_ref, ref, version, content_type, content_sha256, size_bytes, chunk_count, metadata, created_at"
-_DOC_FIELDS = tuple(_DOC_COLUMNS.split(", "))
+DOC_COLUMNS = "namespace, kb_ref, ref, version, content_type, content_sha256, size_bytes, chunk_count, metadata, created_at"
+DOC_FIELDS = tuple(DOC_COLUMNS.split(", "))
 _BASE_FIELDS = (*_BASE_COLUMNS.split(", "), "document_count")
 _MIGRATION_FIELDS = (
     "id",
@@ -130,11 +131,27 @@ def _dimension_of(chunks: Sequence[ChunkRow]) -> int:
     return max((int(c.embedding.shape[0]) for c in chunks[:1]), default=1)
 
 
+async def update_metadata(
+    conn: asyncpg.Connection, keys: tuple[str, str, str], metadata: dict[str, Any]
+) -> DocumentRow:
+    """Replace the current version's metadata (and its chunks' copy), under the document's lock."""
+    row = await conn.fetchrow(
+        "WITH doc AS (UPDATE documents SET metadata = $4, updated_at = statement_timestamp() "
+        f"WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING {DOC_COLUMNS}), "
+        "swept AS (UPDATE chunks SET metadata = $4 WHERE namespace = $1 AND kb_ref = $2 "
+        "AND doc_ref = $3) SELECT * FROM doc",
+        *keys,
+        metadata,
+    )
+    assert row is not None
+    return document_from(row)
+
+
 def _base(row: asyncpg.Record) -> BaseRow:
     return BaseRow(**dict(row.items()))
 
 
-def _document(row: asyncpg.Record | dict[str, Any]) -> DocumentRow:
+def document_from(row: asyncpg.Record | dict[str, Any]) -> DocumentRow:
     values = dict(row.items())
     values["metadata"] = dict(values["metadata"])
     return DocumentRow(**values)
@@ -215,7 +232,8 @@ class PostgresKnowledgeStore:
             # Both parts read the statement's snapshot: the documents the cascade deletes. Not a
             # subquery in RETURNING: Citus refuses one there; this statement it sends to one shard.
             count = await conn.fetchval(
-                "WITH counted AS (SELECT count(*) AS n FROM documents WHERE namespace = $1 AND kb_ref = $2), "
+                "WITH counted AS (SELECT count(*) AS n FROM (SELECT ref FROM documents WHERE namespace = $1 "
+                "AND kb_ref = $2 UNION SELECT doc_ref FROM ingestions WHERE namespace = $1 AND kb_ref = $2) r), "
                 "gone AS (DELETE FROM knowledge_bases WHERE namespace = $1 AND ref = $2 RETURNING 1) "
                 "SELECT counted.n FROM counted, gone",
                 tenant.namespace,
@@ -237,9 +255,12 @@ class PostgresKnowledgeStore:
         async with tenant_transaction(self._pool, tenant) as conn:
             row = await conn.fetchrow(
                 f"SELECT {_BASE_QUALIFIED}, 0::bigint AS document_count, "
-                f"{', '.join(f'd.{c} AS d_{c}' for c in _DOC_FIELDS)}, "
-                f"{', '.join(f'm.{c} AS m_{c}' for c in _MIGRATION_FIELDS)} FROM knowledge_bases b "
+                f"{', '.join(f'd.{c} AS d_{c}' for c in DOC_FIELDS)}, "
+                f"{', '.join(f'm.{c} AS m_{c}' for c in _MIGRATION_FIELDS)}, "
+                f"{', '.join(f'i.{c} AS i_{c}' for c in INGESTION_COLUMNS.split(', '))} FROM knowledge_bases b "
                 "LEFT JOIN documents d ON d.namespace = b.namespace AND d.kb_ref = b.ref AND d.ref = $3 "
+                # Its version on its way in, if any: what a reader sees as the newest.
+                "LEFT JOIN ingestions i ON i.namespace = b.namespace AND i.kb_ref = b.ref AND i.doc_ref = $3 "
                 # The base's backfilling migration: an upload writes its target's chunks too.
                 "LEFT JOIN embedding_migrations m ON m.namespace = b.namespace AND m.kb_ref = b.ref "
                 "AND m.state = 'backfilling' "
@@ -262,26 +283,47 @@ class PostgresKnowledgeStore:
                     row["m_to_chunking"], row["m_to_chunk_size"], row["m_to_chunk_overlap"]
                 ),
             )
-        document = None if row["d_ref"] is None else _document({c: row[f"d_{c}"] for c in _DOC_FIELDS})
+        document = None if row["d_ref"] is None else document_from({c: row[f"d_{c}"] for c in DOC_FIELDS})
+        if row["i_id"] is not None:
+            document = ingestion_from(row, "i_").as_document(None if document is None else document.version)
         return base, document
 
     async def list_documents(
         self, tenant: Tenant, kb_ref: str, *, after: str | None, limit: int, filter_: Filter | None
     ) -> list[DocumentRow] | None:
         params: list[Any] = [tenant.namespace, kb_ref, after or "", limit]
-        where = "namespace = b.namespace AND kb_ref = b.ref AND ref > $3"
-        if filter_ is not None:
-            where += f" AND ({compile_filter(filter_, 'metadata', params)})"
+        newest_metadata = "coalesce(i.metadata, d.metadata)"
+        matching = "true" if filter_ is None else compile_filter(filter_, newest_metadata, params)
+        ingesting = ", ".join(f"i.{c} AS i_{c}" for c in INGESTION_COLUMNS.split(", "))
         async with tenant_transaction(self._pool, tenant) as conn:
-            # No row: no such base; one row of NULLs: a base without (matching) documents.
+            # No row: no such base; one row of NULLs: a base without (matching) documents. A
+            # document's newest version is the one on its way in, if any (its metadata filters).
             rows = await conn.fetch(
-                f"SELECT d.* FROM knowledge_bases b LEFT JOIN LATERAL (SELECT {_DOC_COLUMNS} FROM documents "
-                f"WHERE {where} ORDER BY ref LIMIT $4) d ON true WHERE b.namespace = $1 AND b.ref = $2",
+                "WITH ready AS (SELECT * FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref > $3), "
+                "ingesting AS (SELECT * FROM ingestions WHERE namespace = $1 AND kb_ref = $2 AND doc_ref > $3), "
+                "newest AS (SELECT coalesce(i.doc_ref, d.ref) AS newest_ref, "
+                f"{', '.join(f'd.{c}' for c in DOC_FIELDS)}, {ingesting} "
+                "FROM ready d FULL JOIN ingesting i ON i.doc_ref = d.ref "
+                f"WHERE {matching}) "
+                "SELECT n.* FROM knowledge_bases b LEFT JOIN LATERAL (SELECT * FROM newest ORDER BY newest_ref "
+                "LIMIT $4) n ON true WHERE b.namespace = $1 AND b.ref = $2",
                 *params,
             )
         if not rows:
             return None
-        return [_document(row) for row in rows if row["ref"] is not None]
+        documents = []
+        for row in rows:
+            if row["newest_ref"] is None:
+                continue
+            ready = None if row["ref"] is None else document_from({c: row[c] for c in DOC_FIELDS})
+            if row["i_id"] is None:
+                assert ready is not None
+                documents.append(ready)
+            else:
+                documents.append(
+                    ingestion_from(row, "i_").as_document(None if ready is None else ready.version)
+                )
+        return documents
 
     async def document_text(self, tenant: Tenant, kb_ref: str, doc_ref: str, version: int) -> str | None:
         async with tenant_transaction(self._pool, tenant) as conn:
@@ -294,7 +336,7 @@ class PostgresKnowledgeStore:
             )
         return text
 
-    async def replace_document(
+    async def replacedocument_from(
         self,
         tenant: Tenant,
         *,
@@ -327,16 +369,7 @@ class PostgresKnowledgeStore:
             )
             assert stored is not None
             if stored["version"] is not None and stored["content_sha256"] == content_sha256:
-                row = await conn.fetchrow(
-                    "WITH doc AS (UPDATE documents SET metadata = $4, updated_at = statement_timestamp() "
-                    f"WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING {_DOC_COLUMNS}), "
-                    "swept AS (UPDATE chunks SET metadata = $4 WHERE namespace = $1 AND kb_ref = $2 "
-                    "AND doc_ref = $3) SELECT * FROM doc",
-                    *keys,
-                    metadata,
-                )
-                assert row is not None
-                return _document(row), False
+                return await update_metadata(conn, keys, metadata), False
             if chunks is None:
                 return None  # the content changed meanwhile: the caller chunks the new one
             if stored["generation"] is not None and stored["generation"] != generation:
@@ -367,9 +400,9 @@ class PostgresKnowledgeStore:
                 marker = ("$4", "$21")
             if stored["version"] is None:
                 document = (
-                    f"INSERT INTO documents ({_DOC_COLUMNS}, text, source_spans, migrated_version, "
+                    f"INSERT INTO documents ({DOC_COLUMNS}, text, source_spans, migrated_version, "
                     f"migrated_chunk_count) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, clock_timestamp(), $10, "
-                    f"$20::jsonb, {marker[0]}, {marker[1]}) RETURNING {_DOC_COLUMNS}"
+                    f"$20::jsonb, {marker[0]}, {marker[1]}) RETURNING {DOC_COLUMNS}"
                 )
             else:
                 document = (
@@ -377,7 +410,7 @@ class PostgresKnowledgeStore:
                     f"chunk_count = $8, metadata = $9, text = $10, source_spans = $20::jsonb, "
                     f"migrated_version = {marker[0]}, "
                     f"migrated_chunk_count = {marker[1]}, updated_at = statement_timestamp() "
-                    f"WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING {_DOC_COLUMNS}"
+                    f"WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING {DOC_COLUMNS}"
                 )
                 writes.insert(
                     0,
@@ -390,12 +423,16 @@ class PostgresKnowledgeStore:
             statement = f"WITH doc AS ({document}), {', '.join(writes)}"
             row = await conn.fetchrow(f"{statement} SELECT * FROM doc", *parameters)
         assert row is not None
-        return _document(row), True
+        return document_from(row), True
 
-    async def delete_document(self, tenant: Tenant, kb_ref: str, ref: str) -> int | None:
+    async def deletedocument_from(self, tenant: Tenant, kb_ref: str, ref: str) -> int | None:
         async with tenant_transaction(self._pool, tenant) as conn:
+            # Its version on its way in goes too (the runner working on it loses its lease).
             count = await conn.fetchval(
-                "DELETE FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 RETURNING chunk_count",
+                "WITH ready AS (DELETE FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 "
+                "RETURNING chunk_count), ingesting AS (DELETE FROM ingestions WHERE namespace = $1 "
+                "AND kb_ref = $2 AND doc_ref = $3 RETURNING 0 AS chunk_count) "
+                "SELECT sum(chunk_count) FROM (SELECT * FROM ready UNION ALL SELECT * FROM ingesting) gone",
                 tenant.namespace,
                 kb_ref,
                 ref,
