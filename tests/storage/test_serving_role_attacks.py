@@ -82,6 +82,8 @@ DEFINER_GRANTS = {
     "release_started_migration": SERVING,
     "change_migration_state": SERVING,
     "cancel_knowledge_base_migrations": SERVING,
+    "claim_ingestion": SERVING,  # background ingestion's claim across namespaces (0024)
+    "ingestion_queue": SERVING,  # counts
     **{name: RUNNER for name, _ in RUNNER_CALLS},
 }
 
@@ -541,6 +543,11 @@ async def test_every_security_definer_function_is_executable_by_the_roles_the_de
         "SELECT count(*) FROM knowledge_bases",
         "SELECT count(*) FROM documents",
         "SELECT count(*) FROM chunks",
+        "SELECT count(*) FROM ingestions",
+        "SELECT count(*) FROM ingestion_content",
+        "SELECT count(*) FROM ingestion_chunks",
+        "SELECT * FROM claim_ingestion('thief', 60, NULL)",
+        "SELECT * FROM ingestion_queue()",
         "SELECT count(*) FROM audit_events",
         "SELECT count(*) FROM data_subject_receipts",
         "INSERT INTO embedding_migrations (id) VALUES (gen_random_uuid())",

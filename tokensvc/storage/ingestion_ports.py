@@ -51,12 +51,15 @@ class IngestionStore(Protocol):
         (or is outside `tenant`). `ingestion` is what makes the newest version searchable (None
         when it is READY already).
 
-        - The same bytes as the newest version (queued, working or READY): nothing new; a
-          different `metadata` replaces the stored one (a READY version's chunks' too). When the
-          newest version is READY and a newer one was queued, the queued one is dropped (the
-          upload asks for the content that is searchable). `unchanged`.
-        - The same bytes as a FAILED version, or new bytes: the next version (one above every
-          version the document had), PENDING, replacing any queued one."""
+        - The same bytes as the version on its way in (queued or working, not FAILED): nothing
+          new; a different `metadata` replaces its stored one. `unchanged`, with that ingestion.
+        - Otherwise the same bytes as the READY version: nothing new; a different `metadata`
+          replaces the stored one (its chunks' too), and a newer version queued, working or
+          FAILED is dropped (the upload asks for the content that is searchable). `unchanged`,
+          no ingestion.
+        - Otherwise (new bytes, or those of a FAILED version): the next version, one above both
+          the READY version and the one it replaces, PENDING, replacing any queued, working or
+          FAILED one (a version dropped before is not remembered: its number may come again)."""
         ...
 
     async def claim(self, runner: str, *, lease_seconds: float, busy: Collection[str]) -> Ingestion | None:
@@ -107,7 +110,9 @@ class IngestionStore(Protocol):
         previous version's chunks, its text and spans become the document's, the ingestion ends.
         Raises `StaleKnowledgeBases` when the base cut over to another generation since the
         chunks were staged: they are dropped and the ingestion is PENDING again (extracted and
-        embedded anew for the new pins). None without the lease, or with a chunk unembedded."""
+        embedded anew for the new pins). None without the lease, before the extraction, or with a
+        chunk unembedded; None too when the document has a version at least as new already (a
+        synchronous `KnowledgeStore.replace_document` since): the ingestion ends, superseded."""
         ...
 
     async def fail(self, job: Ingestion, runner: str, reason: str) -> Ingestion | None:
@@ -117,8 +122,8 @@ class IngestionStore(Protocol):
         ...
 
     async def discard(self, job: Ingestion, runner: str) -> bool:
-        """Remove the ingestion and all it stored when `runner` holds it or it FAILED (an upload
-        that waited for it and is told why it failed keeps nothing)."""
+        """Remove the ingestion and all it stored when `runner` holds its unexpired lease or it
+        FAILED (an upload that waited for it and is told why it failed keeps nothing)."""
         ...
 
     async def get(self, job: Ingestion) -> Ingestion | None:

@@ -252,13 +252,17 @@ class KnowledgeStore(Protocol):
         """Up to `limit` bases with refs after `after`, ordered by ref."""
 
     async def delete_base(self, tenant: Tenant, ref: str) -> int | None:
-        """Delete the base with its documents and chunks; its document count, None if absent."""
+        """Delete the base with its documents, chunks and ingestions; the number of its documents
+        (with a READY version, or only one on its way in), None if absent."""
 
     async def document_state(
         self, tenant: Tenant, kb_ref: str, doc_ref: str
     ) -> tuple[BaseRow | None, DocumentRow | None]:
-        """The base (document_count 0: not counted) and the current version of its document
-        `doc_ref`, each None when absent (no base: no document either), from one snapshot."""
+        """The base (document_count 0: not counted) and its document `doc_ref` as a reader sees
+        it, each None when absent (no base: no document either), from one snapshot: its newest
+        version, the one on its way in when there is one (`IngestionStore`: PENDING, PROCESSING
+        or FAILED, with the READY version a search reads meanwhile as `searchable_version`),
+        else the READY one."""
 
     async def document_text(self, tenant: Tenant, kb_ref: str, doc_ref: str, version: int) -> str | None:
         """The extracted text of version `version` of the document (what its passages' offsets
@@ -268,8 +272,9 @@ class KnowledgeStore(Protocol):
     async def list_documents(
         self, tenant: Tenant, kb_ref: str, *, after: str | None, limit: int, filter_: Filter | None
     ) -> list[DocumentRow] | None:
-        """Up to `limit` documents matching the filter with refs after `after`, ordered by ref;
-        None when the base does not exist."""
+        """Up to `limit` documents with refs after `after`, ordered by ref, each as
+        `document_state` shows it (its newest version; a document only on its way in too) and
+        matched by that version's metadata; None when the base does not exist."""
 
     async def replace_document(
         self,
@@ -305,7 +310,8 @@ class KnowledgeStore(Protocol):
         migration is still the base's BACKFILLING one; otherwise they are dropped."""
 
     async def delete_document(self, tenant: Tenant, kb_ref: str, ref: str) -> int | None:
-        """Delete the document and its chunks; its chunk count, None if absent."""
+        """Delete the document, its chunks and its version on its way in (whose runner loses
+        the lease); the READY version's chunk count (0 when it had none yet), None if absent."""
 
     async def search(
         self,

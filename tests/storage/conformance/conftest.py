@@ -20,7 +20,7 @@ import asyncpg
 import numpy as np
 import pytest
 
-from tests.storage.conformance.support import new_bucket, new_tenant
+from tests.storage.conformance.support import create_base, management, new_bucket, new_namespace, new_tenant
 from tests.support import SharedDatabase, service_settings
 from tokensvc.app import locate_database
 from tokensvc.auth.devpki import DevPaths
@@ -30,6 +30,7 @@ from tokensvc.storage.inprocess import (
     InProcessCredentialSource,
     InProcessDataSubjectStore,
     InProcessEmbeddingMigrationStore,
+    InProcessIngestionStore,
     InProcessKnowledgeStore,
     InProcessMemoryStatistics,
     InProcessMemoryStore,
@@ -41,6 +42,7 @@ from tokensvc.storage.ports import (
     CredentialSource,
     DataSubjectStore,
     EmbeddingMigrationStore,
+    IngestionStore,
     KnowledgeStore,
     MemoryStatistics,
     MemoryStore,
@@ -51,6 +53,7 @@ from tokensvc.storage.postgres import (
     PostgresAuditStore,
     PostgresDataSubjectStore,
     PostgresEmbeddingMigrationStore,
+    PostgresIngestionStore,
     PostgresKnowledgeStore,
     PostgresMemoryStore,
     PostgresRevocationStore,
@@ -75,6 +78,7 @@ class Backend:
     statistics: MemoryStatistics  # counts over `memories`' rows
     migrations: EmbeddingMigrationStore  # over `memories`' rows
     data_subjects: DataSubjectStore  # over `memories`' rows
+    ingestion: IngestionStore  # over `knowledge`'s tables
 
 
 @pytest.fixture(scope="session")
@@ -114,6 +118,7 @@ def backend(request: pytest.FixtureRequest) -> Backend:
             PostgresStatistics(pool),
             PostgresEmbeddingMigrationStore(pool, runner_pool=db.runner_pool),
             PostgresDataSubjectStore(pool),
+            PostgresIngestionStore(pool),
         )
     memories = InProcessMemoryStore()
     knowledge = InProcessKnowledgeStore()
@@ -127,7 +132,19 @@ def backend(request: pytest.FixtureRequest) -> Backend:
         InProcessMemoryStatistics(memories),
         InProcessEmbeddingMigrationStore(memories, audit, knowledge),
         InProcessDataSubjectStore(memories),
+        InProcessIngestionStore(knowledge.tables),
     )
+
+
+@pytest.fixture
+async def kb_namespace(backend: Backend) -> AsyncIterator[str]:
+    """A fresh namespace with the knowledge base "kb"; its bases (their documents and ingestions)
+    are deleted when the test ends, so PostgreSQL's shared queue does not keep them."""
+    namespace = new_namespace()
+    await create_base(backend.knowledge, namespace, "kb")
+    yield namespace
+    for base in await backend.knowledge.list_bases(management(namespace), after=None, limit=100):
+        await backend.knowledge.delete_base(management(namespace), base.ref)
 
 
 @pytest.fixture

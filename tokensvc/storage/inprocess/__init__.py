@@ -1,9 +1,9 @@
 """In-process implementations of every store port: no database, the same contracts.
 
 The store ports are the memories, their statistics, re-embedding migrations and end-user data
-requests, the knowledge bases, revocations, the audit trail, the credential journal and the
-credential source; the ports that adapt the database
-server itself (`DatabaseLogins`, `ConnectionPool`, `DatabaseHealth`, `DatabaseServer`) have none.
+requests, the knowledge bases and their background ingestion, revocations, the audit trail, the
+credential journal and the credential source; the ports that adapt the database server itself
+(`DatabaseLogins`, `ConnectionPool`, `DatabaseHealth`, `DatabaseServer`) have none.
 
 Each passes the conformance suite (`tests/storage/conformance/`) that the PostgreSQL stores pass;
 domain unit tests run on them. Differences that the contracts leave open, and that are documented
@@ -16,6 +16,7 @@ roster raises `PermissionError` where PostgreSQL's row-level security refuses it
 from tokensvc.storage.inprocess.clock import Clock
 from tokensvc.storage.inprocess.credentials import InProcessCredentialJournal, InProcessCredentialSource
 from tokensvc.storage.inprocess.data_subjects import InProcessDataSubjectStore
+from tokensvc.storage.inprocess.ingestion import InProcessIngestionStore
 from tokensvc.storage.inprocess.knowledge import InProcessKnowledgeStore
 from tokensvc.storage.inprocess.ledgers import InProcessAuditStore, InProcessRevocationStore
 from tokensvc.storage.inprocess.memories import InProcessMemoryStatistics, InProcessMemoryStore
@@ -28,6 +29,7 @@ __all__ = [
     "InProcessCredentialSource",
     "InProcessDataSubjectStore",
     "InProcessEmbeddingMigrationStore",
+    "InProcessIngestionStore",
     "InProcessKnowledgeStore",
     "InProcessMemoryStatistics",
     "InProcessMemoryStore",

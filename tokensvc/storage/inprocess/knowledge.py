@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any
 
 import numpy as np
 
 from tokensvc.storage.filter_language import Filter, matches
+from tokensvc.storage.ingestion_records import Ingestion, StagedChunk
 from tokensvc.storage.inprocess.clock import Clock, StoreClock
 from tokensvc.storage.inprocess.ranking import Searchable, candidates
 from tokensvc.storage.inprocess.text import Terms, terms_of
@@ -41,7 +43,13 @@ from tokensvc.storage.records import (
     Tenant,
 )
 
-__all__ = ["DocumentVersion", "InProcessKnowledgeStore", "KnowledgeTables", "stored_chunk"]
+__all__ = [
+    "DocumentVersion",
+    "InProcessKnowledgeStore",
+    "KnowledgeTables",
+    "QueuedVersion",
+    "stored_chunk",
+]
 
 _DocKey = tuple[str, str, str]  # namespace, kb_ref, ref
 
@@ -64,6 +72,23 @@ class DocumentVersion:
     text: str | None = None
     migrated_chunk_count: int | None = None
     spans: tuple[SourceSpan, ...] = ()
+
+
+@dataclass(frozen=True)
+class QueuedVersion:
+    """A document's version on its way in (`tokensvc.storage.inprocess.ingestion`): the
+    ingestion as a reader sees it, its lease, the uploaded bytes, what the extraction stored
+    (text, spans, the recognised type) and the staged chunks by index, each with its vector once
+    embedded. Replaced whole, never edited in place."""
+
+    ingestion: Ingestion
+    content: bytes
+    lease_owner: str | None = None
+    lease_until: datetime | None = None
+    text: str | None = None
+    spans: tuple[SourceSpan, ...] = ()
+    media_type: str | None = None
+    staged: Mapping[int, tuple[StagedChunk, np.ndarray | None]] = field(default_factory=dict)
 
 
 def _visible(tenant: Tenant, namespace: str, kb_ref: str) -> bool:
@@ -91,6 +116,8 @@ class KnowledgeTables:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     bases: dict[tuple[str, str], BaseRow] = field(default_factory=dict)
     documents: dict[_DocKey, DocumentVersion] = field(default_factory=dict)
+    # Kept by the ingestion store: each document's version on its way in, at most one.
+    ingestions: dict[_DocKey, QueuedVersion] = field(default_factory=dict)
     # Kept by the re-embedding store: each base's backfilling migration (id, target, chunking),
     # and who is told when a base is deleted (its migrations end, as PostgreSQL's function does).
     migrating: dict[tuple[str, str], tuple[str, EmbedderSpec, ChunkingSpec]] = field(default_factory=dict)
@@ -145,11 +172,15 @@ class InProcessKnowledgeStore:
             if base is None:
                 return None
             del self.tables.bases[(tenant.namespace, ref)]
-            for key in [k for k in self.tables.documents if k[:2] == (tenant.namespace, ref)]:
-                del self.tables.documents[key]
+            # Its documents, and those only on their way in: the versions queued go too.
+            gone = {k for k in self.tables.documents if k[:2] == (tenant.namespace, ref)}
+            gone |= {k for k in self.tables.ingestions if k[:2] == (tenant.namespace, ref)}
+            for key in gone:
+                self.tables.documents.pop(key, None)
+                self.tables.ingestions.pop(key, None)
             for listener in self.tables.base_deleted:
                 listener(tenant.namespace, ref)
-            return base.document_count
+            return len(gone)
 
     # --- documents --------------------------------------------------------------------------
 
@@ -171,29 +202,40 @@ class InProcessKnowledgeStore:
     ) -> tuple[BaseRow | None, DocumentRow | None]:
         """The base comes without its document count (0), as PostgreSQL's snapshot reads it."""
         base = self._base(tenant, kb_ref, counted=False)
-        current = None if base is None else self._current(tenant, kb_ref, doc_ref)
         migrating = self.tables.migrating.get((tenant.namespace, kb_ref))
         if base is not None and migrating is not None:
             base = replace(
                 base, migration_id=migrating[0], migrating_to=migrating[1], migrating_chunking=migrating[2]
             )
-        return base, None if current is None else _copy(current.document)
+        return base, None if base is None else self._newest(tenant.namespace, kb_ref, doc_ref)
+
+    def _newest(self, namespace: str, kb_ref: str, ref: str) -> DocumentRow | None:
+        """The document's newest version as a reader sees it: the one on its way in, if any
+        (with the version a search reads meanwhile), else the current one."""
+        current = self.tables.documents.get((namespace, kb_ref, ref))
+        queued = self.tables.ingestions.get((namespace, kb_ref, ref))
+        if queued is not None:
+            document = queued.ingestion.as_document(None if current is None else current.document.version)
+            return _copy(document)
+        return None if current is None else _copy(current.document)
 
     async def list_documents(
         self, tenant: Tenant, kb_ref: str, *, after: str | None, limit: int, filter_: Filter | None
     ) -> list[DocumentRow] | None:
         if self._base(tenant, kb_ref, counted=False) is None:
             return None
-        documents = sorted(
-            (
-                version.document
-                for (ns, kb, ref), version in self.tables.documents.items()
+        # Every document with a version, searchable or on its way in; each its newest version's.
+        refs = sorted(
+            {
+                ref
+                for table in (self.tables.documents, self.tables.ingestions)
+                for ns, kb, ref in table
                 if (ns, kb) == (tenant.namespace, kb_ref) and ref > (after or "")
-            ),
-            key=lambda document: document.ref,
+            }
         )
-        wanted = (d for d in documents if filter_ is None or matches(filter_, d.metadata))
-        return [_copy(d) for d in wanted][:limit]
+        newest = (self._newest(tenant.namespace, kb_ref, ref) for ref in refs)
+        wanted = (d for d in newest if d is not None and (filter_ is None or matches(filter_, d.metadata)))
+        return list(wanted)[:limit]
 
     async def replace_document(
         self,
@@ -258,12 +300,17 @@ class InProcessKnowledgeStore:
             return _copy(document), True
 
     async def delete_document(self, tenant: Tenant, kb_ref: str, ref: str) -> int | None:
+        """Its version on its way in goes too (the runner working on it loses its lease): the
+        current version's chunk count, 0 when it had none yet."""
+        if not _visible(tenant, tenant.namespace, kb_ref):
+            return None
+        key = (tenant.namespace, kb_ref, ref)
         async with self.tables.lock:
-            current = self._current(tenant, kb_ref, ref)
-            if current is None:
+            current = self.tables.documents.pop(key, None)
+            queued = self.tables.ingestions.pop(key, None)
+            if current is None and queued is None:
                 return None
-            del self.tables.documents[(tenant.namespace, kb_ref, ref)]
-            return current.document.chunk_count
+            return 0 if current is None else current.document.chunk_count
 
     # --- search -----------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from tokensvc.storage.postgres.embedded import (
     EmbeddedPostgresError,
     ensure_roles,
 )
+from tokensvc.storage.postgres.ingestion import PostgresIngestionStore
 from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
 from tokensvc.storage.postgres.logins import PostgresLogins
 from tokensvc.storage.postgres.memories import PostgresMemoryStore
@@ -39,6 +40,7 @@ __all__ = [
     "PostgresDataSubjectStore",
     "PostgresEmbeddingMigrationStore",
     "PostgresHealth",
+    "PostgresIngestionStore",
     "PostgresKnowledgeStore",
     "PostgresLogins",
     "PostgresMemoryStore",

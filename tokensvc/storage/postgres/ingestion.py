@@ -83,7 +83,8 @@ class PostgresIngestionStore:
             ):
                 if queued.metadata != metadata:
                     row = await conn.fetchrow(
-                        f"UPDATE ingestions SET metadata = $3 WHERE namespace = $1 AND id = $2 RETURNING {INGESTION_COLUMNS}",
+                        "UPDATE ingestions SET metadata = $3, updated_at = statement_timestamp() "
+                        f"WHERE namespace = $1 AND id = $2 RETURNING {INGESTION_COLUMNS}",
                         ns,
                         uuid.UUID(queued.id),
                         metadata,
@@ -170,8 +171,8 @@ class PostgresIngestionStore:
                 "UPDATE ingestions SET failures = failures + 1, reason = $4, "
                 "state = CASE WHEN failures + 1 >= $5 THEN 'failed' ELSE state END, "
                 "lease_owner = CASE WHEN failures + 1 >= $5 THEN NULL ELSE lease_owner END, "
-                "lease_until = CASE WHEN failures + 1 >= $5 THEN NULL ELSE lease_until END "
-                f"WHERE {_HELD} RETURNING {INGESTION_COLUMNS}",
+                "lease_until = CASE WHEN failures + 1 >= $5 THEN NULL ELSE lease_until END, "
+                f"updated_at = statement_timestamp() WHERE {_HELD} RETURNING {INGESTION_COLUMNS}",
                 job.namespace,
                 uuid.UUID(job.id),
                 runner,
@@ -305,7 +306,13 @@ class PostgresIngestionStore:
             stored = await conn.fetchrow("SELECT * FROM document_write_state($1, $2, $3, NULL)", *keys)
             assert stored is not None
             held = await _hold(conn, job, runner)
-            if held is None:
+            if held is None or held.generation is None or held.chunks_total is None:
+                return None  # not held, or not extracted yet
+            if stored["version"] is not None and stored["version"] >= held.version:
+                # A synchronous upload (`replace_document`) wrote a version at least as new.
+                await conn.execute(
+                    "DELETE FROM ingestions WHERE namespace = $1 AND id = $2", ns, uuid.UUID(job.id)
+                )
                 return None
             stale = held.generation != stored["generation"]
             if stale:
@@ -317,7 +324,7 @@ class PostgresIngestionStore:
                     ns,
                     uuid.UUID(job.id),
                 )
-            elif held.chunks_total is None or held.chunks_done < held.chunks_total:
+            elif held.chunks_done < held.chunks_total:
                 return None
             else:
                 document = await _swap_version(conn, held, new=stored["version"] is None)
@@ -343,8 +350,8 @@ class PostgresIngestionStore:
         async with tenant_transaction(self._pool, _tenant(job)) as conn:
             # A failed one has no lease any more: the runner that failed it may still discard it.
             gone = await conn.fetchval(
-                "DELETE FROM ingestions WHERE namespace = $1 AND id = $2 AND (lease_owner = $3 OR state = 'failed') "
-                "RETURNING true",
+                "DELETE FROM ingestions WHERE namespace = $1 AND id = $2 AND (state = 'failed' "
+                "OR (lease_owner = $3 AND lease_until >= statement_timestamp())) RETURNING true",
                 job.namespace,
                 uuid.UUID(job.id),
                 runner,

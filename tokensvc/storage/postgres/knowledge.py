@@ -292,8 +292,7 @@ class PostgresKnowledgeStore:
         self, tenant: Tenant, kb_ref: str, *, after: str | None, limit: int, filter_: Filter | None
     ) -> list[DocumentRow] | None:
         params: list[Any] = [tenant.namespace, kb_ref, after or "", limit]
-        newest_metadata = "coalesce(i.metadata, d.metadata)"
-        matching = "true" if filter_ is None else compile_filter(filter_, newest_metadata, params)
+        matching = "true" if filter_ is None else compile_filter(filter_, "newest_metadata", params)
         ingesting = ", ".join(f"i.{c} AS i_{c}" for c in INGESTION_COLUMNS.split(", "))
         async with tenant_transaction(self._pool, tenant) as conn:
             # No row: no such base; one row of NULLs: a base without (matching) documents. A
@@ -302,11 +301,11 @@ class PostgresKnowledgeStore:
                 "WITH ready AS (SELECT * FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref > $3), "
                 "ingesting AS (SELECT * FROM ingestions WHERE namespace = $1 AND kb_ref = $2 AND doc_ref > $3), "
                 "newest AS (SELECT coalesce(i.doc_ref, d.ref) AS newest_ref, "
+                "coalesce(i.metadata, d.metadata) AS newest_metadata, "
                 f"{', '.join(f'd.{c}' for c in DOC_FIELDS)}, {ingesting} "
-                "FROM ready d FULL JOIN ingesting i ON i.doc_ref = d.ref "
-                f"WHERE {matching}) "
-                "SELECT n.* FROM knowledge_bases b LEFT JOIN LATERAL (SELECT * FROM newest ORDER BY newest_ref "
-                "LIMIT $4) n ON true WHERE b.namespace = $1 AND b.ref = $2",
+                "FROM ready d FULL JOIN ingesting i ON i.doc_ref = d.ref) "
+                "SELECT n.* FROM knowledge_bases b LEFT JOIN LATERAL (SELECT * FROM newest "
+                f"WHERE {matching} ORDER BY newest_ref LIMIT $4) n ON true WHERE b.namespace = $1 AND b.ref = $2",
                 *params,
             )
         if not rows:
@@ -426,7 +425,9 @@ class PostgresKnowledgeStore:
         return document_from(row), True
 
     async def delete_document(self, tenant: Tenant, kb_ref: str, ref: str) -> int | None:
-        async with tenant_transaction(self._pool, tenant) as conn:
+        # Under the document's lock, as an upload and an ingestion's finish: a finish that
+        # committed meanwhile (a new document's row) is seen, and deleted, not missed.
+        async with tenant_transaction(self._pool, tenant, lock=f"{tenant.namespace}/{kb_ref}/{ref}") as conn:
             # Its version on its way in goes too (the runner working on it loses its lease).
             count = await conn.fetchval(
                 "WITH ready AS (DELETE FROM documents WHERE namespace = $1 AND kb_ref = $2 AND ref = $3 "
