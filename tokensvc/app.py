@@ -181,11 +181,15 @@ class Service:
         )
         pool = await database.open_pool(self.custodian.credential_for_new_connection)
         if target.runner_credentials is None:
-            _log.warning("no database_runner_credential_dir: this replica runs no re-embedding migrations")
+            _log.warning(
+                "no database_runner_credential_dir: this replica runs no re-embedding migrations "
+                "and no background ingestion (it queues uploads for the replicas that do)"
+            )
         else:
-            # The re-embedding runner's own pool and role (migration 0021), with a custodian of
-            # its own (rotated like the serving one); a batch may run on each of its parallel
-            # migrations while the next is read.
+            # The background runners' own pool and role (migration 0021), with a custodian of
+            # its own (rotated like the serving one): a batch may run on each parallel migration
+            # while the next is read, and a write on each parallel ingestion (and on each upload
+            # that waits) while its lease is renewed.
             roles = self.settings.database_runner_login_roles
             self.runner_custodian = CredentialCustodian(
                 source=target.runner_credentials,
@@ -195,7 +199,8 @@ class Service:
                 subject="runner database credential",
             )
             await database.open_runner_pool(
-                self.runner_custodian.credential_for_new_connection, 2 * self.settings.migration_parallel + 1
+                self.runner_custodian.credential_for_new_connection,
+                2 * (self.settings.migration_parallel + self.settings.knowledge_ingest_parallel) + 2,
             )
         await self._check_schema()
         self.audit = AuditLog(PostgresAuditStore(pool))
@@ -283,19 +288,21 @@ class Service:
             ),
         )
         knowledge = PostgresKnowledgeStore(pool)
-        ingestions = PostgresIngestionStore(pool)
-        self.ingestion_runner = IngestionRunner(
-            ingestions,
-            knowledge,
-            self.embedders,
-            self.extraction,
-            IngestionSettings(
-                lease_seconds=settings.knowledge_ingest_lease_seconds,
-                pause_after=settings.knowledge_ingest_failures,
-                batch_size=settings.knowledge_ingest_batch_size,
-                parallel=max(1, settings.knowledge_ingest_parallel),
-            ),
-        )
+        # Background ingestion runs as the runner role, as re-embedding does: without its
+        # credential this replica queues uploads and another replica ingests them.
+        ingestions = PostgresIngestionStore(pool, database.runner_pool)
+        if database.runner_pool is not None:
+            self.ingestion_runner = IngestionRunner(
+                ingestions,
+                self.embedders,
+                self.extraction,
+                IngestionSettings(
+                    lease_seconds=settings.knowledge_ingest_lease_seconds,
+                    pause_after=settings.knowledge_ingest_failures,
+                    batch_size=settings.knowledge_ingest_batch_size,
+                    parallel=max(1, settings.knowledge_ingest_parallel),
+                ),
+            )
         self.knowledge = KnowledgeBases(
             CachingKnowledgeStore(knowledge),
             self.embedders,
@@ -414,8 +421,7 @@ class Service:
                 PostgresIngestionStore(pool),
             ),
         }
-        assert self.ingestion_runner is not None
-        if settings.knowledge_ingest_parallel > 0:
+        if self.ingestion_runner is not None and settings.knowledge_ingest_parallel > 0:
             duties["knowledge-ingestion"] = self.ingestion_runner.run()
         if database.runner_pool is not None:
             duties["embedding-migrations"] = self.migration_runner.run()

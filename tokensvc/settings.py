@@ -210,15 +210,15 @@ class Settings:
     knowledge_extract_workers: int = field(
         default=2,
         metadata=_doc(
-            "Processes that extract and chunk uploaded documents (started at the first upload); "
-            "one still working when its call ends is killed."
+            "Processes that extract and chunk uploaded documents (started at the first ingestion); "
+            "one still working when its ingestion stops (the replica stops) is killed."
         ),
     )
     knowledge_extract_seconds: float = field(
         default=60.0,
         metadata=_doc(
-            "Longest one document may take to extract and chunk (the caller's deadline, when "
-            "shorter, is the limit); beyond: INVALID_ARGUMENT, reason PAYLOAD_TOO_LARGE."
+            "Longest one document may take to extract and chunk; beyond, its version ends FAILED (an "
+            "upload that waits: INVALID_ARGUMENT, reason PAYLOAD_TOO_LARGE)."
         ),
     )
     knowledge_extract_memory_bytes: int = field(

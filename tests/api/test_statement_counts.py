@@ -68,10 +68,12 @@ EXPECTED = {
     "CreateKnowledgeBase": 5,  # the insert, the vector index check, the audit event
     "GetKnowledgeBase": 3,
     "ListKnowledgeBases": 3,
-    "UploadDocument (new)": 7,  # read: base and document; write: lock + read under it, one write
-    "UploadDocument (same bytes)": 3,
-    "UploadDocument (same bytes, new metadata)": 7,
-    "UploadDocument (new version)": 7,
+    # The serving role's: under the document's lock its state and newest versions, then one write
+    # (the version queued with its bytes); the ingestion is the runner role's, on its own pool.
+    "UploadDocument (new)": 5,
+    "UploadDocument (same bytes)": 4,  # read under the lock (3 before background ingestion: no lock)
+    "UploadDocument (same bytes, new metadata)": 5,
+    "UploadDocument (new version)": 5,
     "GetDocument": 3,
     "ListDocuments": 3,
     "SearchKnowledge hybrid (warm)": 3,  # the remembered pins are checked with BEGIN

@@ -2,7 +2,7 @@
 
 The store contract is the conformance suite's (tests/storage/conformance); these pin what the
 domain adds: pinned choices, audited management, upload as unchanged / metadata-only / new
-version (embedding only when the content changed), roster enforcement that names no other
+version (embedding only when the content changed; an upload that waits for its version here), roster enforcement that names no other
 corpus, and search modes, top_k, min_score and filters over passages with citations.
 """
 
@@ -17,12 +17,11 @@ from tokensvc.audit import AuditKind, AuditLog
 from tokensvc.auth.scope import TenantScope
 from tokensvc.embedders import EmbedderRegistry, EmbedderSpec, HashEmbedder, Vectors
 from tokensvc.errors import InvalidArgument, NotFound, PermissionDenied, PinnedConfiguration
-from tokensvc.knowledge import ChunkingKind, ChunkingStrategy, ExtractionPool
+from tokensvc.knowledge import ChunkingKind, ChunkingStrategy, ExtractionPool, IngestionRunner
 from tokensvc.knowledge.service import KnowledgeBases, UploadResult
 from tokensvc.memory import Condition, Operator
 from tokensvc.retrieval import SearchMode
-from tokensvc.storage.inprocess import InProcessAuditStore, InProcessKnowledgeStore
-from tokensvc.storage.records import BaseRow, DocumentRow, Tenant
+from tokensvc.storage.inprocess import InProcessAuditStore, InProcessIngestionStore, InProcessKnowledgeStore
 
 NS = "team-a"
 ACTOR = "spiffe://dev.local/ns/control/sa/plane"
@@ -111,11 +110,13 @@ def kbs(
     engine: RecordingEngine,
 ) -> KnowledgeBases:
     registry = EmbedderRegistry({"hash": embedder, "small": CountingEmbedder("small", 64)})
+    ingestions = InProcessIngestionStore(store)
     return KnowledgeBases(
         store,
         registry,
         audit=AuditLog(audit_store),
-        extraction=extraction,
+        ingestions=ingestions,
+        ingestion=IngestionRunner(ingestions, registry, extraction),
         default_embedder="hash",
         engine=engine,
     )
@@ -129,7 +130,8 @@ async def audited(audit_store: InProcessAuditStore, kind: AuditKind) -> list[tup
 async def upload(
     kbs: KnowledgeBases, doc: str, content: bytes, kb: str = "handbook", **metadata: str | float | bool
 ) -> UploadResult:
-    return await kbs.upload(NS, kb, doc, "text/plain", dict(metadata), content)
+    """An upload that waits until its version is searchable (these tests search right after)."""
+    return await kbs.upload(NS, kb, doc, "text/plain", dict(metadata), content, wait=True)
 
 
 # --- management -------------------------------------------------------------------------------
@@ -235,30 +237,6 @@ async def test_new_bytes_write_the_next_version(kbs: KnowledgeBases, embedder: C
         mode=SearchMode.TEXT,
     )
     assert [(p.citation, p.version) for p in passages] == [("ops#0", 2)]
-
-
-async def test_metadata_for_bytes_that_changed_meanwhile_is_chunked_after_all(
-    kbs: KnowledgeBases, store: InProcessKnowledgeStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    await kbs.create(NS, "handbook", "", "", FIXED, actor=ACTOR)
-    old = await upload(kbs, "ops", HANDBOOK)
-    await upload(kbs, "ops", b"Replaced by a concurrent upload.")
-    # This upload read its snapshot before the concurrent one committed: it sees the old version.
-    real_state = store.document_state
-
-    async def stale_state(tenant: Tenant, kb_ref: str, doc_ref: str) -> tuple[BaseRow | None, DocumentRow]:
-        base, _ = await real_state(tenant, kb_ref, doc_ref)
-        return base, old.document
-
-    monkeypatch.setattr(store, "document_state", stale_state)
-    result = await upload(kbs, "ops", HANDBOOK, team="new")
-
-    assert (result.unchanged, result.document.version, result.document.metadata) == (
-        False,
-        3,
-        {"team": "new"},
-    )
-    assert result.document.content_sha256 == old.document.content_sha256
 
 
 async def test_uploads_to_a_missing_base_and_reads_of_missing_documents_are_not_found(

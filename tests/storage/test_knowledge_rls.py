@@ -1,5 +1,7 @@
 """Row-level security on the knowledge tables: queries that forget their predicate still see only
-the namespace and the knowledge bases their transaction declared."""
+the namespace and the knowledge bases their transaction declared. The bytes and staged chunks of
+background ingestion the serving role cannot read at all, and the runner role reaches them only
+through its lease-checking functions, under the declared namespace too."""
 
 from __future__ import annotations
 
@@ -13,33 +15,41 @@ import pytest
 from tests.storage.test_memory_rls import open_pool
 from tests.support import SharedDatabase
 from tokensvc.auth.devpki import DevPaths
-from tokensvc.storage.ingestion_records import Extracted, StagedChunk
+from tokensvc.storage.ingestion_records import Extracted, Ingestion, StagedChunk
 from tokensvc.storage.postgres.ingestion import PostgresIngestionStore
 from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
 from tokensvc.storage.postgres.tenant import tenant_transaction
 from tokensvc.storage.records import ALL_KNOWLEDGE_BASES, BaseRow, ChunkRow, Tenant
 
-TABLES = ("knowledge_bases", "documents", "chunks", "ingestions", "ingestion_content", "ingestion_chunks")
+# The tables the serving role reads.
+TABLES = ("knowledge_bases", "documents", "chunks", "ingestions")
 # One corpus's rows in each (`corpus`).
-CORPUS = {
-    "knowledge_bases": 1,
-    "documents": 1,
-    "chunks": 2,
-    "ingestions": 1,
-    "ingestion_content": 1,
-    "ingestion_chunks": 2,
-}
+CORPUS = {"knowledge_bases": 1, "documents": 1, "chunks": 2, "ingestions": 1}
+RUNNER = "rls-runner"
 
 
 @pytest.fixture(scope="module")
-async def pool(
+async def database_pools(
     database: SharedDatabase, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[asyncpg.Pool]:
+) -> AsyncIterator[tuple[asyncpg.Pool, asyncpg.Pool]]:
+    """The serving role's pool and the runner role's."""
     db, pool = await open_pool(database, dev, tmp_path_factory)
     try:
-        yield pool
+        source = db.target.runner_credentials
+        assert source is not None
+        yield pool, await db.open_runner_pool(source.read, 2)
     finally:
         await db.close()
+
+
+@pytest.fixture(scope="module")
+def pool(database_pools: tuple[asyncpg.Pool, asyncpg.Pool]) -> asyncpg.Pool:
+    return database_pools[0]
+
+
+@pytest.fixture(scope="module")
+def ingestion(database_pools: tuple[asyncpg.Pool, asyncpg.Pool]) -> PostgresIngestionStore:
+    return PostgresIngestionStore(*database_pools)
 
 
 @pytest.fixture(autouse=True)
@@ -55,9 +65,11 @@ async def corpora_deleted(pool: asyncpg.Pool) -> AsyncIterator[None]:
 CORPORA: list[tuple[str, str]] = []
 
 
-async def corpus(pool: asyncpg.Pool, namespace: str, ref: str) -> None:
+async def corpus(
+    pool: asyncpg.Pool, ingestion: PostgresIngestionStore, namespace: str, ref: str
+) -> Ingestion:
     """One knowledge base with one document of two chunks, and its next version on its way in
-    with two chunks staged."""
+    with two chunks staged (leased to RUNNER)."""
     CORPORA.append((namespace, ref))
     store = PostgresKnowledgeStore(pool)
     base = BaseRow(namespace, ref, "", "hash", "hash-v1", 384, True, "fixed", 64, 0, "english", None)  # type: ignore[arg-type]
@@ -74,7 +86,6 @@ async def corpus(pool: asyncpg.Pool, namespace: str, ref: str) -> None:
         metadata={},
         chunks=chunks,
     )
-    ingestion = PostgresIngestionStore(pool)
     enqueued = await ingestion.enqueue(
         Tenant(namespace, knowledge_bases=(ref,)),
         kb_ref=ref,
@@ -87,12 +98,14 @@ async def corpus(pool: asyncpg.Pool, namespace: str, ref: str) -> None:
     )
     assert enqueued is not None
     assert enqueued.ingestion is not None
-    job = await ingestion.claim_one(enqueued.ingestion, "rls", lease_seconds=60)
+    job = await ingestion.claim_one(enqueued.ingestion, RUNNER, lease_seconds=60)
     assert job is not None
     staged = [StagedChunk(i, f"next {i}", 0, 6, ()) for i in range(2)]
-    assert await ingestion.store_extraction(
-        job, "rls", Extracted("next version", (), "text/plain", staged, 0)
+    extracted = await ingestion.store_extraction(
+        job, RUNNER, Extracted("next version", (), "text/plain", staged, 0)
     )
+    assert extracted is not None
+    return extracted
 
 
 async def counts(pool: asyncpg.Pool, tenant: Tenant | None) -> dict[str, int]:
@@ -110,12 +123,12 @@ async def counts(pool: asyncpg.Pool, tenant: Tenant | None) -> dict[str, int]:
 
 
 async def test_unpredicated_queries_see_only_the_declared_namespace_and_knowledge_bases(
-    pool: asyncpg.Pool,
+    pool: asyncpg.Pool, ingestion: PostgresIngestionStore
 ) -> None:
     ours, theirs = f"rls-{uuid.uuid4().hex[:8]}", f"rls-{uuid.uuid4().hex[:8]}"
-    await corpus(pool, ours, "kb1")
-    await corpus(pool, ours, "kb2")
-    await corpus(pool, theirs, "kb1")
+    await corpus(pool, ingestion, ours, "kb1")
+    await corpus(pool, ingestion, ours, "kb2")
+    await corpus(pool, ingestion, theirs, "kb1")
 
     assert await counts(pool, Tenant(ours, knowledge_bases=("kb1",))) == CORPUS
     assert await counts(pool, Tenant(ours, knowledge_bases=(ALL_KNOWLEDGE_BASES,))) == {
@@ -125,9 +138,11 @@ async def test_unpredicated_queries_see_only_the_declared_namespace_and_knowledg
     assert await counts(pool, None) == dict.fromkeys(TABLES, 0)
 
 
-async def test_writes_outside_the_declared_namespace_are_refused(pool: asyncpg.Pool) -> None:
+async def test_writes_outside_the_declared_namespace_are_refused(
+    pool: asyncpg.Pool, ingestion: PostgresIngestionStore
+) -> None:
     ours, theirs = f"rls-{uuid.uuid4().hex[:8]}", f"rls-{uuid.uuid4().hex[:8]}"
-    await corpus(pool, theirs, "kb1")
+    await corpus(pool, ingestion, theirs, "kb1")
     with pytest.raises(asyncpg.InsufficientPrivilegeError):
         async with tenant_transaction(pool, Tenant(ours, knowledge_bases=(ALL_KNOWLEDGE_BASES,))) as conn:
             await conn.execute(
@@ -138,6 +153,60 @@ async def test_writes_outside_the_declared_namespace_are_refused(pool: asyncpg.P
     async with tenant_transaction(pool, Tenant(ours, knowledge_bases=(ALL_KNOWLEDGE_BASES,))) as conn:
         assert await conn.execute("DELETE FROM chunks WHERE namespace = $1", theirs) == "DELETE 0"
         assert await conn.execute("DELETE FROM documents WHERE namespace = $1", theirs) == "DELETE 0"
-        for table in ("ingestion_chunks", "ingestion_content", "ingestions"):
-            assert await conn.execute(f"DELETE FROM {table} WHERE namespace = $1", theirs) == "DELETE 0"  # noqa: S608
+        assert await conn.execute("DELETE FROM ingestions WHERE namespace = $1", theirs) == "DELETE 0"
     assert await counts(pool, Tenant(theirs, knowledge_bases=("kb1",))) == CORPUS
+
+
+@pytest.mark.parametrize("table", ["ingestion_content", "ingestion_chunks"])
+async def test_the_serving_role_cannot_read_an_uploads_bytes_or_staged_chunks(
+    pool: asyncpg.Pool, ingestion: PostgresIngestionStore, table: str
+) -> None:
+    namespace = f"rls-{uuid.uuid4().hex[:8]}"
+    await corpus(pool, ingestion, namespace, "kb1")
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        async with tenant_transaction(
+            pool, Tenant(namespace, knowledge_bases=(ALL_KNOWLEDGE_BASES,))
+        ) as conn:
+            await conn.fetchval(f"SELECT count(*) FROM {table}")  # noqa: S608
+
+
+async def test_the_serving_role_cannot_write_a_lease_or_a_state(
+    pool: asyncpg.Pool, ingestion: PostgresIngestionStore
+) -> None:
+    """What the runner's functions trust of an ingestion row (its lease, state and progress)
+    the serving role cannot forge, in its own namespace either."""
+    namespace = f"rls-{uuid.uuid4().hex[:8]}"
+    job = await corpus(pool, ingestion, namespace, "kb1")
+    tenant = Tenant(namespace, knowledge_bases=(ALL_KNOWLEDGE_BASES,))
+    for statement in (
+        "UPDATE ingestions SET lease_owner = 'forger', lease_until = now() + interval '1 hour'",
+        "UPDATE ingestions SET state = 'processing', chunks_total = 0, generation = 0",
+        "UPDATE ingestions SET chunks_done = chunks_total",
+        "INSERT INTO ingestions (namespace, id, kb_ref, doc_ref, version, content_type, content_sha256, "
+        "size_bytes, lease_owner, lease_until) SELECT namespace, gen_random_uuid(), kb_ref, 'forged', 9, "
+        "content_type, content_sha256, 1, 'forger', now() + interval '1 hour' FROM ingestions",
+        "UPDATE ingestion_content SET content = 'forged'",
+        "INSERT INTO ingestion_chunks (namespace, ingestion, kb_ref, chunk_index, text, start_offset, end_offset) "
+        "SELECT namespace, id, kb_ref, 9, 'forged', 0, 6 FROM ingestions",
+    ):
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            async with tenant_transaction(pool, tenant) as conn:
+                await conn.execute(statement)
+    assert await ingestion.get(job) == job
+
+
+async def test_the_runners_functions_work_only_under_the_ingestions_namespace(
+    pool: asyncpg.Pool, ingestion: PostgresIngestionStore, database_pools: tuple[asyncpg.Pool, asyncpg.Pool]
+) -> None:
+    """Declared for another namespace, a leased ingestion's bytes and staged chunks read as
+    nothing: row-level security holds the owner's functions to the declared tenant too."""
+    ours, theirs = f"rls-{uuid.uuid4().hex[:8]}", f"rls-{uuid.uuid4().hex[:8]}"
+    job = await corpus(pool, ingestion, theirs, "kb1")
+    runner_pool = database_pools[1]
+    async with tenant_transaction(runner_pool, Tenant(ours, knowledge_bases=(ALL_KNOWLEDGE_BASES,))) as conn:
+        arguments = (theirs, uuid.UUID(job.id), RUNNER)
+        assert await conn.fetchval("SELECT ingestion_bytes($1, $2, $3)", *arguments) is None
+        assert await conn.fetch("SELECT * FROM ingestion_unembedded($1, $2, $3, 10)", *arguments) == []
+    # Declared right, the lease holder reads them.
+    assert await ingestion.content(job, RUNNER) == b"next version"
+    assert len(await ingestion.unembedded(job, RUNNER, limit=10) or []) == 2

@@ -56,6 +56,23 @@ RUNNER_CALLS = [
     ("kb_migration_clear", "$1, 'attacker', 100, 60"),
     ("cut_over_knowledge_base", "$1, 'attacker'"),
     ("claim_migration", "'attacker', 60, ARRAY['target'], 0, ARRAY[$1::uuid]"),
+    # Background ingestion's (functions/ingestion.sql), $1 an ingestion's id.
+    ("claim_ingestion", "'attacker', 60, ARRAY[$1::uuid]"),
+    ("claim_this_ingestion", "'attacks', $1::uuid, 'attacker', 60"),
+    ("renew_ingestion", "'attacks', $1::uuid, 'attacker', 60"),
+    ("runner_ingestion", "'attacks', $1::uuid"),
+    ("ingestion_failed", "'attacks', $1::uuid, 'attacker', 'x', 1"),
+    ("fail_ingestion", "'attacks', $1::uuid, 'attacker', 'x'"),
+    ("discard_ingestion", "'attacks', $1::uuid, 'attacker'"),
+    ("ingestion_bytes", "'attacks', $1::uuid, 'attacker'"),
+    ("ingestion_base", "'attacks', $1::uuid, 'attacker'"),
+    (
+        "stage_ingestion",
+        "'attacks', $1::uuid, 'attacker', 0, 'x', NULL, 'text/plain', '{}', '{}', '{}', '{}', '{}', '{}'",
+    ),
+    ("ingestion_unembedded", "'attacks', $1::uuid, 'attacker', 10"),
+    ("store_ingestion_vectors", "'attacks', $1::uuid, 'attacker', '{}', '{}'"),
+    ("finish_ingestion", "'attacks', $1::uuid, 'attacker'"),
     ("renew_migration", "$1, 'attacker', 60"),
     ("rewind_migration", "$1, 'attacker'"),
     ("migration_failed", "$1, 'attacker', 'x', 1"),
@@ -82,8 +99,8 @@ DEFINER_GRANTS = {
     "release_started_migration": SERVING,
     "change_migration_state": SERVING,
     "cancel_knowledge_base_migrations": SERVING,
-    "claim_ingestion": SERVING,  # background ingestion's claim across namespaces (0024)
     "ingestion_queue": SERVING,  # counts
+    "held_ingestion": NOBODY,  # the ingestion functions' lease check
     **{name: RUNNER for name, _ in RUNNER_CALLS},
 }
 
@@ -546,7 +563,6 @@ async def test_every_security_definer_function_is_executable_by_the_roles_the_de
         "SELECT count(*) FROM ingestions",
         "SELECT count(*) FROM ingestion_content",
         "SELECT count(*) FROM ingestion_chunks",
-        "SELECT * FROM claim_ingestion('thief', 60, NULL)",
         "SELECT * FROM ingestion_queue()",
         "SELECT count(*) FROM audit_events",
         "SELECT count(*) FROM data_subject_receipts",

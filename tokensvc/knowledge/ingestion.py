@@ -10,9 +10,10 @@ the reason at once; an embedder that fails is retried with backoff, and after `p
 failures in a row the ingestion ends FAILED with the last reason. A cutover of the base to
 another embedder meanwhile sends the ingestion back to extraction for the new pins.
 
-An upload that waits for its version (`wait_until_ready`) is enqueued already leased to this
-replica's runner and worked on at once in a task of its own (`IngestionRunner.ingest_now`):
-the caller's deadline or cancellation stops the wait, not the work.
+An upload that waits for its version (`wait_until_ready`) has this replica's runner claim it at
+once and work on it in a task of its own (`IngestionRunner.ingest_now`): the caller's deadline or
+cancellation stops the wait, not the work. The runner works as its own database role (the runner
+credential); the serving role only queues uploads and reads their state.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from tokensvc.knowledge.extraction_pool import ExtractionPool
 from tokensvc.observability.metrics import METRICS
 from tokensvc.retrieval import batch_size_of, embed_texts
 from tokensvc.storage.ingestion_records import Extracted, Ingestion, StagedChunk
-from tokensvc.storage.ports import IngestionStore, KnowledgeStore, StaleKnowledgeBases
-from tokensvc.storage.records import ALL_KNOWLEDGE_BASES, BaseRow, Tenant
+from tokensvc.storage.ports import IngestionStore, StaleKnowledgeBases
+from tokensvc.storage.records import BaseRow, DocumentRow
 
 __all__ = ["IngestionRunner", "IngestionSettings"]
 
@@ -58,7 +59,6 @@ class IngestionRunner:
     def __init__(
         self,
         store: IngestionStore,
-        knowledge: KnowledgeStore,
         embedders: EmbedderRegistry,
         extraction: ExtractionPool,
         settings: IngestionSettings | None = None,
@@ -68,13 +68,9 @@ class IngestionRunner:
         self.settings = settings or IngestionSettings()
         self.runner_id = runner_id or f"ingestion-{uuid.uuid4()}"
         self._store = store
-        self._kind = _Ingesting(store, knowledge, embedders, extraction, self.settings)
+        self._kind = _Ingesting(store, embedders, extraction, self.settings)
         self._jobs = JobRunner(self._kind, _IngestionJobs(store), self.settings, runner_id=self.runner_id)
         self._inline: set[asyncio.Task[None]] = set()
-
-    @property
-    def lease_seconds(self) -> float:
-        return self.settings.lease_seconds
 
     def wake(self) -> None:
         """Look for work now instead of at the next poll (an upload was queued here)."""
@@ -88,16 +84,27 @@ class IngestionRunner:
         """Claim one ingestion and work on it until it ends or is lost; False: none to claim."""
         return await self._jobs.step()
 
-    async def ingest_now(self, job: Ingestion) -> InvalidArgument | None:
-        """Work on `job` (enqueued leased to this runner) in a task of its own, and wait for it:
-        the refusal of its content when it was refused (the ingestion then ends FAILED). The task
-        runs outside the caller's context (its deadline, its cancellation): a caller that stops
-        waiting leaves the work to finish, here or, if this replica dies, on another one."""
-        task = asyncio.get_running_loop().create_task(self._jobs.work_on(job), context=contextvars.Context())
+    async def ingest_now(self, job: Ingestion) -> DocumentRow | InvalidArgument | None:
+        """Claim `job` and work on it in a task of its own, and wait for it: the document once
+        the version is READY, or the refusal of its content (the ingestion then ends FAILED);
+        None when another runner holds it or the work ended otherwise (the caller reads the
+        document). The task runs outside the caller's context (its deadline, its cancellation): a
+        caller that stops waiting leaves the work to finish, here or, if this replica dies, on
+        another one."""
+        claimed = await self._store.claim_one(job, self.runner_id, lease_seconds=self.settings.lease_seconds)
+        if claimed is None:
+            return None
+        self._kind.outcomes[job.id] = None  # what becomes of this one is kept for this caller
+        task = asyncio.get_running_loop().create_task(
+            self._jobs.work_on(claimed), context=contextvars.Context()
+        )
         self._inline.add(task)
         task.add_done_callback(self._inline.discard)
-        await asyncio.shield(task)
-        return self._kind.refusals.pop(job.id, None)
+        try:
+            await asyncio.shield(task)
+        finally:  # also when the caller stops waiting: the work goes on, nobody asks any more
+            outcome = self._kind.outcomes.pop(job.id, None)
+        return outcome
 
     async def close(self) -> None:
         """Stop the uploads' own ingestions (their leases expire; another runner resumes them)."""
@@ -132,18 +139,17 @@ class _Ingesting:
     def __init__(
         self,
         store: IngestionStore,
-        knowledge: KnowledgeStore,
         embedders: EmbedderRegistry,
         extraction: ExtractionPool,
         settings: IngestionSettings,
     ):
         self._store = store
-        self._knowledge = knowledge
         self._embedders = embedders
         self._extraction = extraction
         self._settings = settings
-        # Why an ingestion worked on by `ingest_now` was refused, for its waiting upload.
-        self.refusals: dict[str, InvalidArgument] = {}
+        # What became of an ingestion worked on by `ingest_now` (its document, or why it was
+        # refused), for its waiting upload; only those.
+        self.outcomes: dict[str, DocumentRow | InvalidArgument | None] = {}
 
     async def work(self, job: Ingestion, turn: JobTurn[Ingestion]) -> None:
         with _tracer.start_as_current_span("knowledge.ingest", record_exception=False) as span:
@@ -156,9 +162,9 @@ class _Ingesting:
     async def _turn(self, job: Ingestion, turn: JobTurn[Ingestion]) -> Ingestion | None:
         """One pass: what is left of extraction, embedding and the finish; the ingestion to pass
         over again (a cutover sent it back to extraction), or None when this turn is over."""
-        base = await self._base(job)
+        base = await self._store.base_of(job, turn.runner_id)
         if base is None:
-            return None  # the base was deleted: its ingestions went with it
+            return None  # the lease is lost, or the base was deleted (its ingestions went with it)
         try:
             embedder = self._embedder(base)
         except TokensvcError as exc:
@@ -174,8 +180,10 @@ class _Ingesting:
         try:
             document = await self._store.finish(embedded, turn.runner_id)
         except StaleKnowledgeBases:
-            return await self._store.get(embedded)  # PENDING again: extract for the new pins
+            return await self._store.get(embedded)  # PENDING again: for the new pins
         if document is not None:
+            if job.id in self.outcomes:
+                self.outcomes[job.id] = document
             METRICS.ingestions.labels(outcome="ready").inc()
             _log.info(
                 "document ingested",
@@ -186,11 +194,6 @@ class _Ingesting:
                 },
             )
         return None
-
-    async def _base(self, job: Ingestion) -> BaseRow | None:
-        tenant = Tenant(job.namespace, knowledge_bases=(ALL_KNOWLEDGE_BASES,))
-        bases = await self._knowledge.get_bases(tenant, [job.kb_ref])
-        return bases[0] if bases else None
 
     def _embedder(self, base: BaseRow) -> ScheduledEmbedder:
         spec = EmbedderSpec(base.embedder, base.model, base.dimension, base.normalized)
@@ -211,7 +214,8 @@ class _Ingesting:
         try:
             extraction = await self._extraction.extract(content, job.content_type, (strategy,))
         except InvalidArgument as refusal:  # PayloadTooLarge too: the content is the cause
-            self.refusals[job.id] = refusal
+            if job.id in self.outcomes:
+                self.outcomes[job.id] = refusal
             await self._store.fail(job, runner, refusal.message.removeprefix(f"{refusal.field}: "))
             METRICS.ingestions.labels(outcome="refused").inc()
             return None

@@ -107,7 +107,7 @@ class KnowledgeBases:
         *,
         audit: AuditLog,
         ingestions: IngestionStore,
-        ingestion: IngestionRunner,
+        ingestion: IngestionRunner | None,
         default_embedder: str,
         default_text_config: str = DEFAULT_TEXT_CONFIG,
         engine: RetrievalEngine | None = None,
@@ -219,7 +219,6 @@ class KnowledgeBases:
         with _tracer.start_as_current_span("knowledge.upload", record_exception=False) as span:
             span.set_attribute("tokensvc.namespace", namespace)
             span.set_attribute("tokensvc.upload.bytes", len(content))
-            runner = self._ingestion
             enqueued = await self._ingestions.enqueue(
                 _management(namespace),
                 kb_ref=kb_ref,
@@ -229,24 +228,23 @@ class KnowledgeBases:
                 size_bytes=len(content),
                 metadata=metadata,
                 content=content,
-                lease=(runner.runner_id, runner.lease_seconds) if wait else None,
             )
             if enqueued is None:
                 raise _no_base(namespace, kb_ref)
-            job = enqueued.ingestion
+            job, runner = enqueued.ingestion, self._ingestion
             if job is None:
                 return UploadResult(enqueued.document, enqueued.unchanged)
             if not wait:
-                runner.wake()
+                if runner is not None:
+                    runner.wake()
                 return UploadResult(enqueued.document, enqueued.unchanged)
-            if not enqueued.unchanged or await self._ingestions.claim_one(
-                job, runner.runner_id, lease_seconds=runner.lease_seconds
-            ):
-                refusal = await runner.ingest_now(job)
-                if refusal is not None:
-                    await self._ingestions.discard(job, runner.runner_id)
-                    raise refusal
-            document = await self._ready(namespace, kb_ref, doc_ref, job.version)
+            # At once, here (unless another replica took it first: then its result is awaited).
+            outcome = None if runner is None else await runner.ingest_now(job)
+            if isinstance(outcome, InvalidArgument):
+                assert runner is not None
+                await self._ingestions.discard(job, runner.runner_id)
+                raise outcome
+            document = outcome or await self._ready(namespace, kb_ref, doc_ref, job.version)
             span.set_attribute("tokensvc.result_count", document.chunk_count)
             return UploadResult(document, enqueued.unchanged)
 

@@ -27,7 +27,7 @@ from tokensvc.storage.ingestion_records import (
     IngestionQueue,
     StagedChunk,
 )
-from tokensvc.storage.records import DocumentRow, Tenant
+from tokensvc.storage.records import BaseRow, DocumentRow, Tenant
 
 __all__ = ["IngestionStore"]
 
@@ -127,7 +127,13 @@ class IngestionStore(Protocol):
         ...
 
     async def get(self, job: Ingestion) -> Ingestion | None:
-        """The ingestion as stored now (None once it finished, was replaced or deleted)."""
+        """The ingestion as stored now (None once it finished, was replaced or deleted), as the
+        runner reads its jobs."""
+        ...
+
+    async def base_of(self, job: Ingestion, runner: str) -> BaseRow | None:
+        """The ingestion's knowledge base as it is pinned now (None: deleted, or the lease is not
+        held)."""
         ...
 
     async def queue(self) -> IngestionQueue:

@@ -118,7 +118,7 @@ def backend(request: pytest.FixtureRequest) -> Backend:
             PostgresStatistics(pool),
             PostgresEmbeddingMigrationStore(pool, runner_pool=db.runner_pool),
             PostgresDataSubjectStore(pool),
-            PostgresIngestionStore(pool),
+            PostgresIngestionStore(pool, db.runner_pool),
         )
     memories = InProcessMemoryStore()
     knowledge = InProcessKnowledgeStore()

@@ -39,7 +39,7 @@ from tokensvc.storage.inprocess.knowledge import (
     stored_chunk,
 )
 from tokensvc.storage.ports import StaleKnowledgeBases
-from tokensvc.storage.records import ALL_KNOWLEDGE_BASES, ChunkRow, DocumentRow, Tenant
+from tokensvc.storage.records import ALL_KNOWLEDGE_BASES, BaseRow, ChunkRow, DocumentRow, Tenant
 
 __all__ = ["InProcessIngestionStore"]
 
@@ -380,6 +380,12 @@ class InProcessIngestionStore:
     async def get(self, job: Ingestion) -> Ingestion | None:
         queued = self._stored(job)
         return None if queued is None else queued.ingestion
+
+    async def base_of(self, job: Ingestion, runner: str) -> BaseRow | None:
+        base = self.tables.bases.get((job.namespace, job.kb_ref))
+        if base is None or self._held(job, runner) is None:
+            return None
+        return replace(base, document_count=0)
 
     async def queue(self) -> IngestionQueue:
         now = self._now()

@@ -41,7 +41,15 @@ from tokensvc.storage.records import (
     Tenant,
 )
 
-__all__ = ["DOC_COLUMNS", "PostgresKnowledgeStore", "chunk_columns", "document_from", "update_metadata"]
+__all__ = [
+    "BASE_SELECT",
+    "DOC_COLUMNS",
+    "PostgresKnowledgeStore",
+    "base_from",
+    "chunk_columns",
+    "document_from",
+    "update_metadata",
+]
 
 
 # A chunk's neighbours are the chunks before and after it in the same document version.
@@ -70,7 +78,7 @@ _BASE_INSERTED = (
 )
 _BASE_COLUMNS = f"{_BASE_INSERTED}, generation"
 # Reads cast the regconfig to its name.
-_BASE_SELECT = _BASE_COLUMNS.replace("text_config", "text_config::text AS text_config")
+BASE_SELECT = _BASE_COLUMNS.replace("text_config", "text_config::text AS text_config")
 DOC_COLUMNS = "namespace, kb_ref, ref, version, content_type, content_sha256, size_bytes, chunk_count, metadata, created_at"
 DOC_FIELDS = tuple(DOC_COLUMNS.split(", "))
 _BASE_FIELDS = (*_BASE_COLUMNS.split(", "), "document_count")
@@ -147,7 +155,7 @@ async def update_metadata(
     return document_from(row)
 
 
-def _base(row: asyncpg.Record) -> BaseRow:
+def base_from(row: asyncpg.Record) -> BaseRow:
     return BaseRow(**dict(row.items()))
 
 
@@ -184,17 +192,17 @@ class PostgresKnowledgeStore:
                 base.text_config,
             )
             if inserted is not None:
-                created = _base(inserted)
+                created = base_from(inserted)
             else:
                 existing = await conn.fetchrow(
-                    f"SELECT {_BASE_SELECT}, (SELECT count(*) FROM documents d WHERE d.namespace = b.namespace "
+                    f"SELECT {BASE_SELECT}, (SELECT count(*) FROM documents d WHERE d.namespace = b.namespace "
                     "AND d.kb_ref = b.ref) AS document_count FROM knowledge_bases b "
                     "WHERE namespace = $1 AND ref = $2",
                     base.namespace,
                     base.ref,
                 )
                 assert existing is not None
-                return _base(existing), False
+                return base_from(existing), False
         async with self._pool.acquire() as conn:
             await conn.execute("SELECT ensure_chunk_vector_index($1)", created.dimension)
         return created, True
@@ -202,13 +210,13 @@ class PostgresKnowledgeStore:
     async def get_bases(self, tenant: Tenant, refs: Sequence[str]) -> list[BaseRow]:
         async with tenant_transaction(self._pool, tenant) as conn:
             rows = await conn.fetch(
-                f"SELECT {_BASE_SELECT}, (SELECT count(*) FROM documents d WHERE d.namespace = b.namespace "
+                f"SELECT {BASE_SELECT}, (SELECT count(*) FROM documents d WHERE d.namespace = b.namespace "
                 "AND d.kb_ref = b.ref) AS document_count FROM knowledge_bases b "
                 "WHERE namespace = $1 AND ref = ANY($2::text[]) ORDER BY ref",
                 tenant.namespace,
                 list(refs),
             )
-        return [_base(row) for row in rows]
+        return [base_from(row) for row in rows]
 
     async def bases_for_search(
         self, tenant: Tenant, refs: Sequence[str]
@@ -218,14 +226,14 @@ class PostgresKnowledgeStore:
     async def list_bases(self, tenant: Tenant, *, after: str | None, limit: int) -> list[BaseRow]:
         async with tenant_transaction(self._pool, tenant) as conn:
             rows = await conn.fetch(
-                f"SELECT {_BASE_SELECT}, (SELECT count(*) FROM documents d WHERE d.namespace = b.namespace "
+                f"SELECT {BASE_SELECT}, (SELECT count(*) FROM documents d WHERE d.namespace = b.namespace "
                 "AND d.kb_ref = b.ref) AS document_count FROM knowledge_bases b "
                 "WHERE namespace = $1 AND ref > $2 ORDER BY ref LIMIT $3",
                 tenant.namespace,
                 after or "",
                 limit,
             )
-        return [_base(row) for row in rows]
+        return [base_from(row) for row in rows]
 
     async def delete_base(self, tenant: Tenant, ref: str) -> int | None:
         async with tenant_transaction(self._pool, tenant) as conn:

@@ -9,9 +9,8 @@
 -- moves them into `chunks` in the transaction that swaps the version (functions/ingestion.sql).
 --
 -- All three are keyed by namespace first and co-located with the knowledge bases on Citus (a
--- version's move stays on one node); a base's deletion cascades to them. Row-level security is
--- enabled, not forced: the serving role reads and writes only its declared tenant's rows, and the
--- owner's claim (across namespaces: the runner's queue is every tenant's) bypasses it.
+-- version's move stays on one node); a base's deletion cascades to them. Row-level security as
+-- on every tenant table.
 
 CREATE TABLE tokensvc.ingestions (
     namespace      text        NOT NULL,
@@ -73,11 +72,34 @@ CREATE TABLE tokensvc.ingestion_chunks (
 );
 
 ALTER TABLE tokensvc.ingestions ENABLE ROW LEVEL SECURITY;
+ALTER TABLE tokensvc.ingestions FORCE ROW LEVEL SECURITY;
 CREATE POLICY ingestions_tenant ON tokensvc.ingestions
     USING (tokensvc.kb_visible(namespace, kb_ref)) WITH CHECK (tokensvc.kb_visible(namespace, kb_ref));
+-- The queue is every tenant's: the owner's functions claim from it and count it across
+-- namespaces (functions/ingestion.sql), as the owner's sweep and statistics do for memories.
+DO $$
+BEGIN
+    EXECUTE format('CREATE POLICY ingestions_owner_queue ON tokensvc.ingestions FOR SELECT TO %I '
+                   'USING (true)', current_user);
+    EXECUTE format('CREATE POLICY ingestions_owner_claim ON tokensvc.ingestions FOR UPDATE TO %I '
+                   'USING (true) WITH CHECK (true)', current_user);
+END $$;
 ALTER TABLE tokensvc.ingestion_content ENABLE ROW LEVEL SECURITY;
+ALTER TABLE tokensvc.ingestion_content FORCE ROW LEVEL SECURITY;
 CREATE POLICY ingestion_content_tenant ON tokensvc.ingestion_content
     USING (tokensvc.kb_visible(namespace, kb_ref)) WITH CHECK (tokensvc.kb_visible(namespace, kb_ref));
 ALTER TABLE tokensvc.ingestion_chunks ENABLE ROW LEVEL SECURITY;
+ALTER TABLE tokensvc.ingestion_chunks FORCE ROW LEVEL SECURITY;
 CREATE POLICY ingestion_chunks_tenant ON tokensvc.ingestion_chunks
     USING (tokensvc.kb_visible(namespace, kb_ref)) WITH CHECK (tokensvc.kb_visible(namespace, kb_ref));
+
+-- The serving role queues an upload (its identity and bytes), replaces its metadata, reads its
+-- state and deletes it (a newer upload, a deletion); it never writes a lease, a state or a staged
+-- chunk, and never reads the bytes back. The runner role (its own credential, 0021) reaches these
+-- tables only through the owner's functions, which check its lease (functions/ingestion.sql).
+REVOKE ALL ON tokensvc.ingestions, tokensvc.ingestion_content, tokensvc.ingestion_chunks FROM {app_role};
+GRANT SELECT, DELETE ON tokensvc.ingestions TO {app_role};
+GRANT INSERT (namespace, id, kb_ref, doc_ref, version, content_type, content_sha256, size_bytes, metadata)
+    ON tokensvc.ingestions TO {app_role};
+GRANT UPDATE (metadata, updated_at) ON tokensvc.ingestions TO {app_role};
+GRANT INSERT ON tokensvc.ingestion_content TO {app_role};

@@ -1,19 +1,46 @@
--- Background ingestion's queue (migration 0024): what a runner claims across namespaces, and the
--- queue as the metrics read it. Everything else a runner does to an ingestion it does as the
--- serving role under the ingestion's tenant, each write fenced by the lease (storage/postgres/
--- ingestion.py).
+-- Background ingestion (migration 0024): what the runner role does to a queued document version,
+-- each step a function of the owner's that checks the runner's lease on the ingestion row, and
+-- the queue as the metrics read it.
+--
+-- The runner role reads no tenant table itself (issue 35, F12): it claims, leases, reads the bytes
+-- and the base's pins, stages chunks, stores vectors and finishes a version only through these
+-- functions, and only for an ingestion whose lease it holds. The serving role queues uploads: it
+-- may write an ingestion's identity (namespace, base, document, version, type, hash, size,
+-- metadata) but never its lease or state (column grants in 0024), so a lease these functions
+-- check is the runner's own; what they write goes to the ingestion's own document, which the
+-- serving role may write anyway. Every function but the claims runs in a transaction that
+-- declared the ingestion's namespace (the runner's `tenant_transaction`): row-level security
+-- holds the owner to it on the bytes, the staged chunks, the documents and the chunks.
 --
 -- Applied after the numbered migrations whenever this file changes (docs/development.md,
 -- "Changing a SQL function"): each definition is the current one, in place.
 
 
+-- The ingestion `job` of `ns`, locked, when `runner` holds its unexpired lease and it has not
+-- failed; else SQLSTATE TI001 (the caller has lost it: taken over, replaced, deleted, failed).
+CREATE OR REPLACE FUNCTION tokensvc.held_ingestion(ns text, job uuid, runner text)
+RETURNS tokensvc.ingestions LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    held tokensvc.ingestions;
+BEGIN
+    SELECT * INTO held FROM tokensvc.ingestions i
+    WHERE i.namespace = ns AND i.id = job AND i.lease_owner = runner
+      AND i.lease_until >= statement_timestamp() AND i.state <> 'failed'
+    FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'the ingestion''s lease is not held' USING ERRCODE = 'TI001';
+    END IF;
+    RETURN held;
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.held_ingestion(text,uuid,text) FROM PUBLIC, {app_role}, {runner_role};
+
 -- Takes the lease of an unfinished ingestion whose lease is free, expired or `runner`'s own,
 -- other than those in `busy`: of the namespace with the fewest ingestions leased now, the oldest
 -- first, so one namespace's queue does not hold the others back. A candidate is read first and
 -- taken by a conditional UPDATE of its row alone (a runner that took it in between wins, the next
--- candidate is tried): no SKIP LOCKED over the whole table, which Citus cannot route.
--- SECURITY DEFINER: the queue is every namespace's; the owner is not bound by the tables'
--- row-level security (enabled, not forced), the serving role is.
+-- candidate is tried): no SKIP LOCKED over the whole table, which Citus cannot route. The owner's
+-- policies (0024) show it every namespace's queue.
 CREATE OR REPLACE FUNCTION tokensvc.claim_ingestion(runner text, lease_seconds float8, busy uuid[])
 RETURNS SETOF tokensvc.ingestions LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
@@ -47,8 +74,351 @@ BEGIN
         END IF;
     END LOOP;
 END $$;
-REVOKE ALL ON FUNCTION tokensvc.claim_ingestion(text,double precision,uuid[]) FROM PUBLIC, {runner_role};
-GRANT EXECUTE ON FUNCTION tokensvc.claim_ingestion(text,double precision,uuid[]) TO {app_role};
+REVOKE ALL ON FUNCTION tokensvc.claim_ingestion(text,double precision,uuid[]) FROM PUBLIC, {app_role};
+GRANT EXECUTE ON FUNCTION tokensvc.claim_ingestion(text,double precision,uuid[]) TO {runner_role};
+
+-- Takes the lease of this ingestion when it is free, expired or `runner`'s own (an upload that
+-- waits for its version has the runner of its replica work on it at once); nothing when another
+-- runner holds it or it failed.
+CREATE OR REPLACE FUNCTION tokensvc.claim_this_ingestion(ns text, job uuid, runner text, lease_seconds float8)
+RETURNS SETOF tokensvc.ingestions LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+BEGIN
+    IF runner IS NULL OR length(runner) NOT BETWEEN 1 AND 256 OR lease_seconds IS NULL
+       OR NOT lease_seconds BETWEEN 0.001 AND 3600 THEN
+        RAISE EXCEPTION 'a claim needs a runner and a lease of up to an hour' USING ERRCODE = '22023';
+    END IF;
+    RETURN QUERY
+    UPDATE tokensvc.ingestions i
+    SET lease_owner = runner, lease_until = statement_timestamp() + make_interval(secs => lease_seconds)
+    WHERE i.namespace = ns AND i.id = job AND i.state <> 'failed'
+      AND (i.lease_owner IS NULL OR i.lease_owner = runner OR i.lease_until < statement_timestamp())
+    RETURNING i.*;
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.claim_this_ingestion(text,uuid,text,double precision) FROM PUBLIC, {app_role};
+GRANT EXECUTE ON FUNCTION tokensvc.claim_this_ingestion(text,uuid,text,double precision) TO {runner_role};
+
+-- Extends `runner`'s lease (an expired one too, when nobody took it since).
+CREATE OR REPLACE FUNCTION tokensvc.renew_ingestion(ns text, job uuid, runner text, lease_seconds float8)
+RETURNS boolean LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+BEGIN
+    IF lease_seconds IS NULL OR NOT lease_seconds BETWEEN 0.001 AND 3600 THEN
+        RAISE EXCEPTION 'a lease of up to an hour' USING ERRCODE = '22023';
+    END IF;
+    UPDATE tokensvc.ingestions i
+    SET lease_until = statement_timestamp() + make_interval(secs => lease_seconds)
+    WHERE i.namespace = ns AND i.id = job AND i.lease_owner = runner AND i.state <> 'failed';
+    RETURN FOUND;
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.renew_ingestion(text,uuid,text,double precision) FROM PUBLIC, {app_role};
+GRANT EXECUTE ON FUNCTION tokensvc.renew_ingestion(text,uuid,text,double precision) TO {runner_role};
+
+-- The ingestion as stored now (nothing once it ended: finished, replaced, deleted): the runner
+-- reads the queue's rows as the re-embedding runner reads its migrations', never the bytes, the
+-- staged chunks or a document without a lease.
+CREATE OR REPLACE FUNCTION tokensvc.runner_ingestion(ns text, job uuid)
+RETURNS SETOF tokensvc.ingestions LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+    SELECT * FROM tokensvc.ingestions i WHERE i.namespace = ns AND i.id = job
+$$;
+REVOKE ALL ON FUNCTION tokensvc.runner_ingestion(text,uuid) FROM PUBLIC, {app_role};
+GRANT EXECUTE ON FUNCTION tokensvc.runner_ingestion(text,uuid) TO {runner_role};
+
+-- Counts a consecutive failure with `reason`; at `pause_after` of them the ingestion is FAILED,
+-- its lease released and its staged chunks gone. Nothing when the lease is not held.
+CREATE OR REPLACE FUNCTION tokensvc.ingestion_failed(ns text, job uuid, runner text, why text, pause_after integer)
+RETURNS SETOF tokensvc.ingestions LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    held tokensvc.ingestions;
+    ended boolean;
+BEGIN
+    BEGIN
+        held := tokensvc.held_ingestion(ns, job, runner);
+    EXCEPTION WHEN SQLSTATE 'TI001' THEN
+        RETURN;
+    END;
+    ended := held.failures + 1 >= greatest(pause_after, 1);
+    IF ended THEN
+        DELETE FROM tokensvc.ingestion_chunks c WHERE c.namespace = ns AND c.ingestion = job;
+    END IF;
+    RETURN QUERY
+    UPDATE tokensvc.ingestions i
+    SET failures = i.failures + 1, reason = left(coalesce(why, ''), 1000), updated_at = statement_timestamp(),
+        state = CASE WHEN ended THEN 'failed' ELSE i.state END,
+        lease_owner = CASE WHEN ended THEN NULL ELSE i.lease_owner END,
+        lease_until = CASE WHEN ended THEN NULL ELSE i.lease_until END
+    WHERE i.namespace = ns AND i.id = job
+    RETURNING i.*;
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.ingestion_failed(text,uuid,text,text,integer) FROM PUBLIC, {app_role};
+GRANT EXECUTE ON FUNCTION tokensvc.ingestion_failed(text,uuid,text,text,integer) TO {runner_role};
+
+-- Ends the ingestion FAILED with `reason` now (its content is refused), its lease released and
+-- its staged chunks gone. Nothing when the lease is not held.
+CREATE OR REPLACE FUNCTION tokensvc.fail_ingestion(ns text, job uuid, runner text, why text)
+RETURNS SETOF tokensvc.ingestions LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+BEGIN
+    BEGIN
+        PERFORM tokensvc.held_ingestion(ns, job, runner);
+    EXCEPTION WHEN SQLSTATE 'TI001' THEN
+        RETURN;
+    END;
+    DELETE FROM tokensvc.ingestion_chunks c WHERE c.namespace = ns AND c.ingestion = job;
+    RETURN QUERY
+    UPDATE tokensvc.ingestions i
+    SET state = 'failed', reason = left(coalesce(why, ''), 1000), lease_owner = NULL, lease_until = NULL,
+        updated_at = statement_timestamp()
+    WHERE i.namespace = ns AND i.id = job
+    RETURNING i.*;
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.fail_ingestion(text,uuid,text,text) FROM PUBLIC, {app_role};
+GRANT EXECUTE ON FUNCTION tokensvc.fail_ingestion(text,uuid,text,text) TO {runner_role};
+
+-- Removes the ingestion and all it stored (its bytes and staged chunks cascade) when `runner`
+-- holds its unexpired lease, or it FAILED (an upload that waited for it and was told why keeps
+-- nothing).
+CREATE OR REPLACE FUNCTION tokensvc.discard_ingestion(ns text, job uuid, runner text)
+RETURNS boolean LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+BEGIN
+    DELETE FROM tokensvc.ingestions i
+    WHERE i.namespace = ns AND i.id = job
+      AND (i.state = 'failed' OR (i.lease_owner = runner AND i.lease_until >= statement_timestamp()));
+    RETURN FOUND;
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.discard_ingestion(text,uuid,text) FROM PUBLIC, {app_role};
+GRANT EXECUTE ON FUNCTION tokensvc.discard_ingestion(text,uuid,text) TO {runner_role};
+
+-- The uploaded bytes (TI001 when the lease is not held).
+CREATE OR REPLACE FUNCTION tokensvc.ingestion_bytes(ns text, job uuid, runner text)
+RETURNS bytea LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    held tokensvc.ingestions := tokensvc.held_ingestion(ns, job, runner);
+    bytes bytea;
+BEGIN
+    SELECT c.content INTO bytes FROM tokensvc.ingestion_content c WHERE c.namespace = ns AND c.ingestion = held.id;
+    RETURN bytes;
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.ingestion_bytes(text,uuid,text) FROM PUBLIC, {app_role};
+GRANT EXECUTE ON FUNCTION tokensvc.ingestion_bytes(text,uuid,text) TO {runner_role};
+
+-- The ingestion's knowledge base as pinned now (nothing: deleted), with its generation (TI001
+-- when the lease is not held).
+CREATE OR REPLACE FUNCTION tokensvc.ingestion_base(ns text, job uuid, runner text)
+RETURNS TABLE (namespace text, ref text, display_name text, embedder text, model text, dimension integer,
+               normalized boolean, chunking text, chunk_size integer, chunk_overlap integer, text_config text,
+               created_at timestamptz, generation integer)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+#variable_conflict use_column
+DECLARE
+    held tokensvc.ingestions := tokensvc.held_ingestion(ns, job, runner);
+BEGIN
+    RETURN QUERY
+    SELECT b.namespace, b.ref, b.display_name, b.embedder, b.model, b.dimension, b.normalized, b.chunking,
+           b.chunk_size, b.chunk_overlap, b.text_config::text, b.created_at, b.generation
+    FROM tokensvc.knowledge_bases b WHERE b.namespace = held.namespace AND b.ref = held.kb_ref;
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.ingestion_base(text,uuid,text) FROM PUBLIC, {app_role};
+GRANT EXECUTE ON FUNCTION tokensvc.ingestion_base(text,uuid,text) TO {runner_role};
+
+-- The extraction's result replaces whatever was staged: its text, source spans and recognised
+-- type, and its chunks without vectors, cut for the base's `generation`; the ingestion is
+-- PROCESSING with `chunks_total` set, nothing done, its failures reset. Nothing when the lease is
+-- not held.
+CREATE OR REPLACE FUNCTION tokensvc.stage_ingestion(
+    ns text, job uuid, runner text, for_generation integer, extracted text, spans jsonb, media_type text,
+    indexes integer[], texts text[], starts integer[], ends integer[], headings text[], locations text[])
+RETURNS SETOF tokensvc.ingestions LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    held tokensvc.ingestions;
+    staged bigint;
+BEGIN
+    BEGIN
+        held := tokensvc.held_ingestion(ns, job, runner);
+    EXCEPTION WHEN SQLSTATE 'TI001' THEN
+        RETURN;
+    END;
+    DELETE FROM tokensvc.ingestion_chunks c WHERE c.namespace = ns AND c.ingestion = job;
+    -- RETURNING: on Citus a shard's INSERT ... SELECT (a COPY otherwise, which row-level security
+    -- refuses).
+    WITH added AS (
+        INSERT INTO tokensvc.ingestion_chunks (namespace, ingestion, kb_ref, chunk_index, text, start_offset,
+                                               end_offset, heading_path, location)
+        SELECT ns, job, held.kb_ref, u.idx, u.text, u.s, u.e,
+               ARRAY(SELECT jsonb_array_elements_text(u.heading::jsonb)), u.location::jsonb
+        FROM unnest(indexes, texts, starts, ends, headings, locations) AS u(idx, text, s, e, heading, location)
+        RETURNING 1)
+    SELECT count(*) INTO staged FROM added;
+    UPDATE tokensvc.ingestion_content c SET text = extracted, source_spans = spans, media_type = stage_ingestion.media_type
+    WHERE c.namespace = ns AND c.ingestion = job;
+    RETURN QUERY
+    UPDATE tokensvc.ingestions i
+    SET state = 'processing', chunks_total = staged, chunks_done = 0, generation = for_generation, failures = 0,
+        reason = '', updated_at = statement_timestamp()
+    WHERE i.namespace = ns AND i.id = job
+    RETURNING i.*;
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.stage_ingestion(text,uuid,text,integer,text,jsonb,text,integer[],text[],integer[],integer[],text[],text[]) FROM PUBLIC, {app_role};
+GRANT EXECUTE ON FUNCTION tokensvc.stage_ingestion(text,uuid,text,integer,text,jsonb,text,integer[],text[],integer[],integer[],text[],text[]) TO {runner_role};
+
+-- Up to `lim` (1..4096) staged chunks without a vector, in chunk order (TI001 when the lease is
+-- not held).
+CREATE OR REPLACE FUNCTION tokensvc.ingestion_unembedded(ns text, job uuid, runner text, lim integer)
+RETURNS TABLE (chunk_index integer, text text, start_offset integer, end_offset integer, heading_path text[],
+               location jsonb)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+#variable_conflict use_column
+DECLARE
+    held tokensvc.ingestions := tokensvc.held_ingestion(ns, job, runner);
+BEGIN
+    IF lim IS NULL OR lim NOT BETWEEN 1 AND 4096 THEN
+        RAISE EXCEPTION 'a batch of 1 to 4096 chunks' USING ERRCODE = '22023';
+    END IF;
+    RETURN QUERY
+    SELECT c.chunk_index, c.text, c.start_offset, c.end_offset, c.heading_path, c.location
+    FROM tokensvc.ingestion_chunks c
+    WHERE c.namespace = ns AND c.ingestion = held.id AND c.embedding IS NULL
+    ORDER BY c.chunk_index LIMIT lim;
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.ingestion_unembedded(text,uuid,text,integer) FROM PUBLIC, {app_role};
+GRANT EXECUTE ON FUNCTION tokensvc.ingestion_unembedded(text,uuid,text,integer) TO {runner_role};
+
+-- Vectors for staged chunks (by index) and the progress in one commit; a chunk that has one
+-- already keeps it (a batch written twice counts once); the failures reset. Nothing when the
+-- lease is not held.
+CREATE OR REPLACE FUNCTION tokensvc.store_ingestion_vectors(ns text, job uuid, runner text, indexes integer[],
+                                                            vectors vector[])
+RETURNS SETOF tokensvc.ingestions LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+DECLARE
+    written integer;
+BEGIN
+    BEGIN
+        PERFORM tokensvc.held_ingestion(ns, job, runner);
+    EXCEPTION WHEN SQLSTATE 'TI001' THEN
+        RETURN;
+    END;
+    IF cardinality(indexes) IS DISTINCT FROM cardinality(vectors)
+       OR EXISTS (SELECT 1 FROM unnest(vectors) v WHERE vector_dims(v) <> vector_dims(vectors[1])) THEN
+        RAISE EXCEPTION 'one vector per chunk, all of one dimension' USING ERRCODE = '22023';
+    END IF;
+    UPDATE tokensvc.ingestion_chunks c
+    SET embedding = vectors[array_position(indexes, c.chunk_index)], dimension = vector_dims(vectors[1])
+    WHERE c.namespace = ns AND c.ingestion = job AND c.chunk_index = ANY (indexes) AND c.embedding IS NULL;
+    GET DIAGNOSTICS written = ROW_COUNT;
+    RETURN QUERY
+    UPDATE tokensvc.ingestions i
+    SET chunks_done = i.chunks_done + written, failures = 0, reason = '', updated_at = statement_timestamp()
+    WHERE i.namespace = ns AND i.id = job
+    RETURNING i.*;
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.store_ingestion_vectors(text,uuid,text,integer[],vector[]) FROM PUBLIC, {app_role};
+GRANT EXECUTE ON FUNCTION tokensvc.store_ingestion_vectors(text,uuid,text,integer[],vector[]) TO {runner_role};
+
+-- Makes the version searchable, in a transaction that holds the document's advisory lock (the one
+-- uploads take): the base FOR SHARE and the document row FOR UPDATE (document_write_state), then
+-- the document row written from the ingestion and its extraction (a new row, or the next version
+-- of the existing one, whose chunks of every generation go), its staged chunks copied into
+-- `chunks` for the base's generation, the ingestion gone (its bytes and staged chunks cascade).
+-- `migrated_version` is reset: a running re-embedding migration embeds the new version for its
+-- target in its next pass. The outcome:
+--   'ready'      the version is the document's (the document's row follows);
+--   'lost'       the lease is not held;
+--   'unfinished' not extracted yet, or a chunk without a vector;
+--   'stale'      the base cut over since the chunks were staged: they are dropped and the
+--                ingestion is PENDING again, for the new pins;
+--   'superseded' the document already has this version or a newer one (a synchronous write):
+--                the ingestion ends.
+CREATE OR REPLACE FUNCTION tokensvc.finish_ingestion(ns text, job uuid, runner text)
+RETURNS TABLE (outcome text, namespace text, kb_ref text, ref text, version bigint, content_type text,
+               content_sha256 bytea, size_bytes bigint, chunk_count integer, metadata jsonb,
+               created_at timestamptz)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+#variable_conflict use_column
+DECLARE
+    held tokensvc.ingestions;
+    doc_state record;
+    content record;
+    config regconfig;
+    copied bigint;
+BEGIN
+    BEGIN
+        held := tokensvc.held_ingestion(ns, job, runner);
+    EXCEPTION WHEN SQLSTATE 'TI001' THEN
+        RETURN QUERY SELECT 'lost'::text, NULL::text, NULL::text, NULL::text, NULL::bigint, NULL::text,
+                            NULL::bytea, NULL::bigint, NULL::integer, NULL::jsonb, NULL::timestamptz;
+        RETURN;
+    END;
+    SELECT * INTO doc_state FROM tokensvc.document_write_state(held.namespace, held.kb_ref, held.doc_ref, NULL);
+    IF held.chunks_total IS NULL OR held.generation IS NULL OR held.chunks_done < held.chunks_total THEN
+        RETURN QUERY SELECT 'unfinished'::text, NULL::text, NULL::text, NULL::text, NULL::bigint, NULL::text,
+                            NULL::bytea, NULL::bigint, NULL::integer, NULL::jsonb, NULL::timestamptz;
+        RETURN;
+    END IF;
+    IF held.generation IS DISTINCT FROM doc_state.generation THEN
+        DELETE FROM tokensvc.ingestion_chunks c WHERE c.namespace = ns AND c.ingestion = job;
+        UPDATE tokensvc.ingestions i
+        SET state = 'pending', generation = NULL, chunks_total = NULL, chunks_done = 0,
+            updated_at = statement_timestamp()
+        WHERE i.namespace = ns AND i.id = job;
+        RETURN QUERY SELECT 'stale'::text, NULL::text, NULL::text, NULL::text, NULL::bigint, NULL::text,
+                            NULL::bytea, NULL::bigint, NULL::integer, NULL::jsonb, NULL::timestamptz;
+        RETURN;
+    END IF;
+    IF doc_state.version IS NOT NULL AND doc_state.version >= held.version THEN
+        DELETE FROM tokensvc.ingestions i WHERE i.namespace = ns AND i.id = job;
+        RETURN QUERY SELECT 'superseded'::text, NULL::text, NULL::text, NULL::text, NULL::bigint, NULL::text,
+                            NULL::bytea, NULL::bigint, NULL::integer, NULL::jsonb, NULL::timestamptz;
+        RETURN;
+    END IF;
+    SELECT c.text, c.source_spans, coalesce(c.media_type, held.content_type) AS media_type INTO content
+    FROM tokensvc.ingestion_content c WHERE c.namespace = ns AND c.ingestion = job;
+    IF doc_state.version IS NULL THEN
+        INSERT INTO tokensvc.documents (namespace, kb_ref, ref, version, content_type, content_sha256, size_bytes,
+                                        chunk_count, metadata, created_at, text, source_spans)
+        VALUES (held.namespace, held.kb_ref, held.doc_ref, held.version, content.media_type, held.content_sha256,
+                held.size_bytes, held.chunks_total, held.metadata, clock_timestamp(), content.text,
+                content.source_spans);
+    ELSE
+        UPDATE tokensvc.documents d
+        SET version = held.version, content_type = content.media_type, content_sha256 = held.content_sha256,
+            size_bytes = held.size_bytes, chunk_count = held.chunks_total, metadata = held.metadata,
+            text = content.text, source_spans = content.source_spans, migrated_version = NULL,
+            migrated_chunk_count = NULL, updated_at = statement_timestamp()
+        WHERE d.namespace = held.namespace AND d.kb_ref = held.kb_ref AND d.ref = held.doc_ref;
+        DELETE FROM tokensvc.chunks c
+        WHERE c.namespace = held.namespace AND c.kb_ref = held.kb_ref AND c.doc_ref = held.doc_ref
+          AND c.version < held.version;
+    END IF;
+    SELECT b.text_config INTO config FROM tokensvc.knowledge_bases b
+    WHERE b.namespace = held.namespace AND b.ref = held.kb_ref;
+    WITH added AS (
+        INSERT INTO tokensvc.chunks (namespace, kb_ref, doc_ref, generation, version, chunk_index, text,
+                                     start_offset, end_offset, heading_path, metadata, dimension, embedding,
+                                     text_config, location)
+        SELECT s.namespace, held.kb_ref, held.doc_ref, held.generation, held.version, s.chunk_index, s.text,
+               s.start_offset, s.end_offset, s.heading_path, held.metadata, s.dimension, s.embedding, config,
+               s.location
+        FROM tokensvc.ingestion_chunks s WHERE s.namespace = ns AND s.ingestion = job
+        RETURNING 1)
+    SELECT count(*) INTO copied FROM added;
+    IF copied <> held.chunks_total THEN
+        RAISE EXCEPTION 'ingestion %: % chunks staged, % counted', job, copied, held.chunks_total;
+    END IF;
+    DELETE FROM tokensvc.ingestions i WHERE i.namespace = ns AND i.id = job;
+    RETURN QUERY
+    SELECT 'ready'::text, d.namespace, d.kb_ref, d.ref, d.version, d.content_type, d.content_sha256, d.size_bytes,
+           d.chunk_count, d.metadata, d.created_at
+    FROM tokensvc.documents d
+    WHERE d.namespace = held.namespace AND d.kb_ref = held.kb_ref AND d.ref = held.doc_ref;
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.finish_ingestion(text,uuid,text) FROM PUBLIC, {app_role};
+GRANT EXECUTE ON FUNCTION tokensvc.finish_ingestion(text,uuid,text) TO {runner_role};
 
 -- The queue across every namespace: unfinished ingestions waiting and leased now, failed ones,
 -- and the age of the oldest unfinished one in seconds (0: none), for the metrics and the

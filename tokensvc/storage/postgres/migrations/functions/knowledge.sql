@@ -50,8 +50,8 @@ END $$;
 REVOKE ALL ON FUNCTION tokensvc.expect_knowledge_bases(text[],text[],timestamp with time zone[],integer[]) FROM {runner_role};
 GRANT EXECUTE ON FUNCTION tokensvc.expect_knowledge_bases(text[],text[],timestamp with time zone[],integer[]) TO {app_role};
 
--- A base's generation, read FOR SHARE: an upload (and a migration's start) orders itself with a
--- cutover, which locks the row FOR UPDATE. The serving role may not update the table, which FOR
+-- A base's generation, read FOR SHARE: an upload, the finish of an ingested version and a
+-- migration's start order themselves with a cutover, which locks the row FOR UPDATE. The serving role may not update the table, which FOR
 -- SHARE needs; this runs as the owner under the caller's row-level security (its declared tenant).
 CREATE OR REPLACE FUNCTION tokensvc.knowledge_base_generation(ns text, kb text) RETURNS integer
 LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
@@ -61,7 +61,8 @@ REVOKE ALL ON FUNCTION tokensvc.knowledge_base_generation(text,text) FROM PUBLIC
 GRANT EXECUTE ON FUNCTION tokensvc.knowledge_base_generation(text,text) TO {app_role};
 
 -- A document write's state: its base's generation (read FOR SHARE as the owner, through
--- knowledge_base_generation) and its document row, locked FOR UPDATE by the serving role itself.
+-- knowledge_base_generation) and its document row, locked FOR UPDATE by the writer itself (the
+-- serving role, or the owner's finish_ingestion).
 -- Not as the owner: Citus opens a worker connection per role, so an owner's lock would be held by
 -- one worker backend while the serving role's UPDATE (or its chunks' foreign-key check) waited on
 -- it from another, inside the same distributed transaction: a deadlock Citus cancels. The serving
