@@ -185,13 +185,39 @@ async def test_the_serving_role_cannot_write_a_lease_or_a_state(
         "INSERT INTO ingestions (namespace, id, kb_ref, doc_ref, version, content_type, content_sha256, "
         "size_bytes, lease_owner, lease_until) SELECT namespace, gen_random_uuid(), kb_ref, 'forged', 9, "
         "content_type, content_sha256, 1, 'forger', now() + interval '1 hour' FROM ingestions",
+        "INSERT INTO ingestions (namespace, id, kb_ref, doc_ref, version, content_type, content_sha256, "
+        "size_bytes) SELECT namespace, gen_random_uuid(), kb_ref, 'forged', 9, content_type, content_sha256, 1 "
+        "FROM ingestions",
         "UPDATE ingestion_content SET content = 'forged'",
+        "INSERT INTO ingestion_content (namespace, ingestion, kb_ref, content) "
+        "SELECT namespace, gen_random_uuid(), kb_ref, 'forged' FROM ingestions",
         "INSERT INTO ingestion_chunks (namespace, ingestion, kb_ref, chunk_index, text, start_offset, end_offset) "
         "SELECT namespace, id, kb_ref, 9, 'forged', 0, 6 FROM ingestions",
     ):
         with pytest.raises(asyncpg.InsufficientPrivilegeError):
             async with tenant_transaction(pool, tenant) as conn:
                 await conn.execute(statement)
+    assert await ingestion.get(job) == job
+
+
+async def test_the_serving_roles_queue_functions_work_only_in_its_declared_tenant(
+    pool: asyncpg.Pool, ingestion: PostgresIngestionStore
+) -> None:
+    ours, theirs = f"rls-{uuid.uuid4().hex[:8]}", f"rls-{uuid.uuid4().hex[:8]}"
+    job = await corpus(pool, ingestion, theirs, "kb1")
+    async with tenant_transaction(pool, Tenant(ours, knowledge_bases=(ALL_KNOWLEDGE_BASES,))) as conn:
+        relabelled = await conn.fetch(
+            "SELECT * FROM relabel_ingestion($1, $2, '{\"forged\": true}')", theirs, uuid.UUID(job.id)
+        )
+        assert relabelled == []
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        async with tenant_transaction(pool, Tenant(ours, knowledge_bases=(ALL_KNOWLEDGE_BASES,))) as conn:
+            await conn.fetch(
+                "SELECT * FROM queue_ingestion($1, 'kb1', 'doc', $2, gen_random_uuid(), 9, 'text/plain', "
+                "'\\x00', 1, NULL, 'forged')",
+                theirs,
+                uuid.UUID(job.id),
+            )
     assert await ingestion.get(job) == job
 
 

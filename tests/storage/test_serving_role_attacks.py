@@ -100,6 +100,8 @@ DEFINER_GRANTS = {
     "change_migration_state": SERVING,
     "cancel_knowledge_base_migrations": SERVING,
     "ingestion_queue": SERVING,  # counts
+    "queue_ingestion": SERVING,  # an upload, in the declared tenant; never a lease or state
+    "relabel_ingestion": SERVING,  # a queued version's metadata, in the declared tenant
     "held_ingestion": NOBODY,  # the ingestion functions' lease check
     **{name: RUNNER for name, _ in RUNNER_CALLS},
 }

@@ -100,11 +100,7 @@ class PostgresIngestionStore:
             ):
                 if queued.metadata != metadata:
                     row = await conn.fetchrow(
-                        "UPDATE ingestions SET metadata = $3, updated_at = statement_timestamp() "
-                        f"WHERE namespace = $1 AND id = $2 RETURNING {INGESTION_COLUMNS}",
-                        ns,
-                        uuid.UUID(queued.id),
-                        metadata,
+                        "SELECT * FROM relabel_ingestion($1, $2, $3)", ns, uuid.UUID(queued.id), metadata
                     )
                     assert row is not None
                     queued = ingestion_from(row)
@@ -119,21 +115,13 @@ class PostgresIngestionStore:
                 if document.metadata != metadata:
                     document = await update_metadata(conn, keys, metadata)
                 return Enqueued(document, unchanged=True, ingestion=None)
-            version = max(searchable or 0, 0 if queued is None else queued.version) + 1
-            if queued is not None:
-                await conn.execute(
-                    "DELETE FROM ingestions WHERE namespace = $1 AND id = $2", ns, uuid.UUID(queued.id)
-                )
+            # The next version, replacing a queued or failed one: the owner's function writes it.
             row = await conn.fetchrow(
-                "WITH queued AS (INSERT INTO ingestions (namespace, id, kb_ref, doc_ref, version, content_type, "
-                "content_sha256, size_bytes, metadata) VALUES ($1, $4, $2, $3, $5, $6, $7, $8, $9) "
-                f"RETURNING {INGESTION_COLUMNS}), "
-                "bytes AS (INSERT INTO ingestion_content (namespace, ingestion, kb_ref, content) "
-                "SELECT namespace, id, kb_ref, $10 FROM queued RETURNING 1) "
-                "SELECT * FROM queued",
+                "SELECT * FROM queue_ingestion($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
                 *keys,
+                None if queued is None else uuid.UUID(queued.id),
                 uuid.uuid4(),
-                version,
+                max(searchable or 0, 0 if queued is None else queued.version) + 1,
                 content_type,
                 content_sha256,
                 size_bytes,

@@ -93,13 +93,10 @@ ALTER TABLE tokensvc.ingestion_chunks FORCE ROW LEVEL SECURITY;
 CREATE POLICY ingestion_chunks_tenant ON tokensvc.ingestion_chunks
     USING (tokensvc.kb_visible(namespace, kb_ref)) WITH CHECK (tokensvc.kb_visible(namespace, kb_ref));
 
--- The serving role queues an upload (its identity and bytes), replaces its metadata, reads its
--- state and deletes it (a newer upload, a deletion); it never writes a lease, a state or a staged
--- chunk, and never reads the bytes back. The runner role (its own credential, 0021) reaches these
--- tables only through the owner's functions, which check its lease (functions/ingestion.sql).
+-- The serving role reads an upload's state and deletes it (a newer upload, a deletion); it queues
+-- one and replaces its metadata through the owner's functions, so it never writes a lease, a
+-- state, progress or a staged chunk, and never reads the bytes back. The runner role (its own
+-- credential, 0021) reaches these tables only through the owner's functions, which check its
+-- lease (functions/ingestion.sql).
 REVOKE ALL ON tokensvc.ingestions, tokensvc.ingestion_content, tokensvc.ingestion_chunks FROM {app_role};
 GRANT SELECT, DELETE ON tokensvc.ingestions TO {app_role};
-GRANT INSERT (namespace, id, kb_ref, doc_ref, version, content_type, content_sha256, size_bytes, metadata)
-    ON tokensvc.ingestions TO {app_role};
-GRANT UPDATE (metadata, updated_at) ON tokensvc.ingestions TO {app_role};
-GRANT INSERT ON tokensvc.ingestion_content TO {app_role};

@@ -4,17 +4,60 @@
 --
 -- The runner role reads no tenant table itself (issue 35, F12): it claims, leases, reads the bytes
 -- and the base's pins, stages chunks, stores vectors and finishes a version only through these
--- functions, and only for an ingestion whose lease it holds. The serving role queues uploads: it
--- may write an ingestion's identity (namespace, base, document, version, type, hash, size,
--- metadata) but never its lease or state (column grants in 0024), so a lease these functions
--- check is the runner's own; what they write goes to the ingestion's own document, which the
--- serving role may write anyway. Every function but the claims runs in a transaction that
+-- functions, and only for an ingestion whose lease it holds. The serving role queues uploads through
+-- `queue_ingestion` and `relabel_ingestion`: it chooses an ingestion's identity (namespace, base,
+-- document, version, type, hash, size, metadata), never its lease, state or progress, so a lease
+-- these functions check is the runner's own; what they write goes to the ingestion's own
+-- document, which the serving role may write anyway. Every function but the claims runs in a transaction that
 -- declared the ingestion's namespace (the runner's `tenant_transaction`): row-level security
 -- holds the owner to it on the bytes, the staged chunks, the documents and the chunks.
 --
 -- Applied after the numbered migrations whenever this file changes (docs/development.md,
 -- "Changing a SQL function"): each definition is the current one, in place.
 
+
+-- Queues an upload (the serving role's, in its transaction under the document's advisory lock):
+-- the version's row, PENDING and unleased, with its bytes, replacing the document's queued or
+-- failed one (`replaces`). Row-level security holds it to the caller's declared namespace and
+-- bases. The serving role writes no ingestion column itself: not a lease, state or progress
+-- (and on Citus column grants do not reach the shards).
+CREATE OR REPLACE FUNCTION tokensvc.queue_ingestion(
+    ns text, kb text, doc text, replaces uuid, job uuid, new_version bigint, media_type text, sha bytea,
+    size bigint, labels jsonb, bytes bytea)
+RETURNS SETOF tokensvc.ingestions LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+BEGIN
+    IF new_version IS NULL OR new_version < 1 OR job IS NULL OR bytes IS NULL THEN
+        RAISE EXCEPTION 'an upload needs an id, a version and its bytes' USING ERRCODE = '22023';
+    END IF;
+    IF NOT tokensvc.kb_visible(ns, kb) THEN
+        RAISE EXCEPTION 'the knowledge base is outside the declared tenant' USING ERRCODE = '42501';
+    END IF;
+    IF replaces IS NOT NULL THEN
+        DELETE FROM tokensvc.ingestions i WHERE i.namespace = ns AND i.id = replaces AND i.kb_ref = kb
+          AND i.doc_ref = doc;
+    END IF;
+    RETURN QUERY
+    INSERT INTO tokensvc.ingestions (namespace, id, kb_ref, doc_ref, version, content_type, content_sha256,
+                                     size_bytes, metadata)
+    VALUES (ns, job, kb, doc, new_version, media_type, sha, size, coalesce(labels, '{}'::jsonb))
+    RETURNING *;
+    INSERT INTO tokensvc.ingestion_content (namespace, ingestion, kb_ref, content) VALUES (ns, job, kb, bytes);
+END $$;
+REVOKE ALL ON FUNCTION tokensvc.queue_ingestion(text,text,text,uuid,uuid,bigint,text,bytea,bigint,jsonb,bytea) FROM PUBLIC, {runner_role};
+GRANT EXECUTE ON FUNCTION tokensvc.queue_ingestion(text,text,text,uuid,uuid,bigint,text,bytea,bigint,jsonb,bytea) TO {app_role};
+
+-- New metadata for a queued version (the same bytes uploaded again), within the caller's declared
+-- namespace and bases.
+CREATE OR REPLACE FUNCTION tokensvc.relabel_ingestion(ns text, job uuid, labels jsonb)
+RETURNS SETOF tokensvc.ingestions LANGUAGE sql SECURITY DEFINER
+SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+    UPDATE tokensvc.ingestions i SET metadata = coalesce(labels, '{}'::jsonb), updated_at = statement_timestamp()
+    WHERE i.namespace = ns AND i.id = job AND tokensvc.kb_visible(i.namespace, i.kb_ref)
+    RETURNING *
+$$;
+REVOKE ALL ON FUNCTION tokensvc.relabel_ingestion(text,uuid,jsonb) FROM PUBLIC, {runner_role};
+GRANT EXECUTE ON FUNCTION tokensvc.relabel_ingestion(text,uuid,jsonb) TO {app_role};
 
 -- The ingestion `job` of `ns`, locked, when `runner` holds its unexpired lease and it has not
 -- failed; else SQLSTATE TI001 (the caller has lost it: taken over, replaced, deleted, failed).
