@@ -339,7 +339,8 @@ CREATE OR REPLACE FUNCTION tokensvc.store_ingestion_vectors(ns text, job uuid, r
 RETURNS SETOF tokensvc.ingestions LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
 DECLARE
-    written integer;
+    written integer := 0;
+    one integer;
 BEGIN
     BEGIN
         PERFORM tokensvc.held_ingestion(ns, job, runner);
@@ -350,10 +351,16 @@ BEGIN
        OR EXISTS (SELECT 1 FROM unnest(vectors) v WHERE vector_dims(v) <> vector_dims(vectors[1])) THEN
         RAISE EXCEPTION 'one vector per chunk, all of one dimension' USING ERRCODE = '22023';
     END IF;
-    UPDATE tokensvc.ingestion_chunks c
-    SET embedding = vectors[array_position(indexes, c.chunk_index)], dimension = vector_dims(vectors[1])
-    WHERE c.namespace = ns AND c.ingestion = job AND c.chunk_index = ANY (indexes) AND c.embedding IS NULL;
-    GET DIAGNOSTICS written = ROW_COUNT;
+    -- A row at a time, each a statement of its own: one UPDATE of the whole batch (its vectors
+    -- picked from the array) crashed a Citus coordinator (Citus 15.0devel), as the memories'
+    -- migration_store found.
+    FOR k IN 1 .. coalesce(cardinality(indexes), 0) LOOP
+        EXECUTE 'UPDATE tokensvc.ingestion_chunks c SET embedding = $1, dimension = $2 '
+                'WHERE c.namespace = $3 AND c.ingestion = $4 AND c.chunk_index = $5 AND c.embedding IS NULL'
+        USING vectors[k], vector_dims(vectors[k]), ns, job, indexes[k];
+        GET DIAGNOSTICS one = ROW_COUNT;
+        written := written + one;
+    END LOOP;
     RETURN QUERY
     UPDATE tokensvc.ingestions i
     SET chunks_done = i.chunks_done + written, failures = 0, reason = '', updated_at = statement_timestamp()
