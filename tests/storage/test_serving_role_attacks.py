@@ -68,10 +68,11 @@ RUNNER_CALLS = [
     ("ingestion_base", "'attacks', $1::uuid, 'attacker'"),
     (
         "stage_ingestion",
-        "'attacks', $1::uuid, 'attacker', 0, 'x', NULL, 'text/plain', '{}', '{}', '{}', '{}', '{}', '{}'",
+        "'attacks', $1::uuid, 'attacker', 0, NULL, 'x', NULL, 'text/plain', '{}', '{}', '{}', '{}', '{}', '{}', "
+        "'{}'",
     ),
     ("ingestion_unembedded", "'attacks', $1::uuid, 'attacker', 10"),
-    ("store_ingestion_vectors", "'attacks', $1::uuid, 'attacker', '{}', '{}'"),
+    ("store_ingestion_vectors", "'attacks', $1::uuid, 'attacker', '{}', '{}', '{}'"),
     ("finish_ingestion", "'attacks', $1::uuid, 'attacker'"),
     ("renew_migration", "$1, 'attacker', 60"),
     ("rewind_migration", "$1, 'attacker'"),

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
 
+import numpy as np
 from opentelemetry import trace
 
 from tokensvc.embedders import Demand, EmbedderRegistry, EmbedderSpec, ScheduledEmbedder, WorkClass
@@ -166,15 +167,20 @@ class _Ingesting:
         if base is None:
             return None  # the lease is lost, or the base was deleted (its ingestions went with it)
         try:
-            embedder = self._embedder(base)
+            embedder = self._embedder(_spec(base))
         except TokensvcError as exc:
             return await self._retry(job, turn, exc.message)
-        if job.chunks_total is None or job.generation != base.generation:
-            extracted = await self._extract(job, base, turn.runner_id)
+        target = self._migration_target(base)
+        migration = None if target is None else base.migration_id
+        # Staged for other pins (a cutover since), or for a migration that has ended or begun since:
+        # cut again for the base as it is now.
+        if job.chunks_total is None or job.generation != base.generation or job.migration != migration:
+            extracted = await self._extract(job, base, target, turn.runner_id)
             if extracted is None:
                 return None
             job = extracted
-        embedded = await self._embed_staged(job, embedder, turn)
+        embedders = {False: embedder, True: target[0] if target is not None else embedder}
+        embedded = await self._embed_staged(job, embedders, turn)
         if embedded is None:
             return None
         try:
@@ -195,8 +201,19 @@ class _Ingesting:
             )
         return None
 
-    def _embedder(self, base: BaseRow) -> ScheduledEmbedder:
-        spec = EmbedderSpec(base.embedder, base.model, base.dimension, base.normalized)
+    def _migration_target(self, base: BaseRow) -> tuple[ScheduledEmbedder, ChunkingStrategy] | None:
+        """The base's backfilling migration's target, when this replica has its embedder as the
+        migration pins it: an ingested version is then embedded for it too (as the runner of a
+        replica without it would have the migration do later)."""
+        spec, chunking = base.migrating_to, base.migrating_chunking
+        if spec is None or chunking is None or spec.name not in self._embedders.names:
+            return None
+        if self._embedders.get(spec.name).spec != spec:
+            return None
+        strategy = ChunkingStrategy.from_stored(chunking.kind, chunking.size, chunking.overlap)
+        return self._embedders.get(spec.name), strategy
+
+    def _embedder(self, spec: EmbedderSpec) -> ScheduledEmbedder:
         if spec.name not in self._embedders.names or self._embedders.get(spec.name).spec != spec:
             raise EmbedderUnavailable(
                 f"the knowledge base is pinned to embedder {spec.name!r} (model {spec.model!r}, "
@@ -204,37 +221,55 @@ class _Ingesting:
             )
         return self._embedders.get(spec.name)
 
-    async def _extract(self, job: Ingestion, base: BaseRow, runner: str) -> Ingestion | None:
-        """Extract and chunk the bytes for the base's pins and stage the chunks; a refusal ends
-        the ingestion FAILED."""
+    async def _extract(
+        self,
+        job: Ingestion,
+        base: BaseRow,
+        target: tuple[ScheduledEmbedder, ChunkingStrategy] | None,
+        runner: str,
+    ) -> Ingestion | None:
+        """Extract and chunk the bytes for the base's pins (and its migration's `target`) and
+        stage the chunks; a refusal ends the ingestion FAILED."""
         content = await self._store.content(job, runner)
         if content is None:
             return None
         strategy = ChunkingStrategy.from_stored(base.chunking, base.chunk_size, base.chunk_overlap)
+        strategies = (strategy,) if target is None or target[1] == strategy else (strategy, target[1])
         try:
-            extraction = await self._extraction.extract(content, job.content_type, (strategy,))
+            extraction = await self._extraction.extract(content, job.content_type, strategies)
         except InvalidArgument as refusal:  # PayloadTooLarge too: the content is the cause
             if job.id in self.outcomes:
                 self.outcomes[job.id] = refusal
             await self._store.fail(job, runner, refusal.message.removeprefix(f"{refusal.field}: "))
             METRICS.ingestions.labels(outcome="refused").inc()
             return None
+        kinds = [False] if target is None else [False, True]
         chunks = [
-            StagedChunk(c.index, c.text, c.start, c.end, tuple(c.heading_path), location)
-            for c, location in zip(extraction.chunkings[0], extraction.locations[0], strict=True)
+            StagedChunk(c.index, c.text, c.start, c.end, tuple(c.heading_path), location, target=for_target)
+            for for_target in kinds
+            # The target's chunks: its own cut, or the same chunks when it keeps the chunking.
+            for c, location in zip(
+                extraction.chunkings[-1 if for_target else 0],
+                extraction.locations[-1 if for_target else 0],
+                strict=True,
+            )
         ]
+        migration = None if target is None else base.migration_id
         return await self._store.store_extraction(
             job,
             runner,
-            Extracted(extraction.text, extraction.spans, extraction.media_type, chunks, base.generation),
+            Extracted(
+                extraction.text, extraction.spans, extraction.media_type, chunks, base.generation, migration
+            ),
         )
 
     async def _embed_staged(
-        self, job: Ingestion, embedder: ScheduledEmbedder, turn: JobTurn[Ingestion]
+        self, job: Ingestion, embedders: dict[bool, ScheduledEmbedder], turn: JobTurn[Ingestion]
     ) -> Ingestion | None:
-        """Embed the staged chunks still without a vector, a batch per commit; the ingestion
-        when none is left, None when the turn is over (lease lost, FAILED)."""
-        size = self._settings.batch_size or batch_size_of(embedder)
+        """Embed the staged chunks still without a vector, a batch per commit (the base's chunks
+        with its embedder, a migration's target chunks with the target's); the ingestion when none
+        is left, None when the turn is over (lease lost, FAILED)."""
+        size = self._settings.batch_size or batch_size_of(embedders[False])
         demand = Demand.of(WorkClass.BULK, job.namespace)  # searches and Remembers go first
         while not turn.lease.lost:
             staged = await self._store.unembedded(job, turn.runner_id, limit=size)
@@ -242,35 +277,41 @@ class _Ingesting:
                 return None
             if not staged:
                 return job
+            vectors: list[tuple[StagedChunk, np.ndarray]] = []
             try:
-                vectors = await embed_texts(embedder, [chunk.text for chunk in staged], demand)
+                for for_target in (False, True):
+                    part = [chunk for chunk in staged if chunk.target is for_target]
+                    if part:
+                        embedded = await embed_texts(embedders[for_target], [c.text for c in part], demand)
+                        vectors += zip(part, embedded, strict=True)
             except EmbedderUnavailable as exc:
                 if not await turn.failed(job, exc.message):
-                    METRICS.ingestions.labels(outcome="failed").inc()
-                    return None
+                    return None  # FAILED (`paused`), or the lease is lost
                 continue
-            stored = await self._store.store_vectors(
-                job,
-                turn.runner_id,
-                [(chunk.index, vector) for chunk, vector in zip(staged, vectors, strict=True)],
-            )
+            stored = await self._store.store_vectors(job, turn.runner_id, vectors)
             if stored is None:
                 return None
-            METRICS.ingested_chunks.labels(embedder.spec.name).inc(len(staged))
+            for chunk, _ in vectors:
+                METRICS.ingested_chunks.labels(embedders[chunk.target].spec.name).inc()
             job = stored
         return None
 
     async def _retry(self, job: Ingestion, turn: JobTurn[Ingestion], reason: str) -> Ingestion | None:
         """Count a failure and back off: the ingestion to try again, None once it FAILED."""
         if not await turn.failed(job, reason):
-            METRICS.ingestions.labels(outcome="failed").inc()
-            return None
+            return None  # FAILED (`paused`), or the lease is lost
         return job
 
     async def paused(self, job: Ingestion, reason: str) -> None:
+        """`job` ended FAILED after too many failures in a row."""
+        METRICS.ingestions.labels(outcome="failed").inc()
         _log.warning(
             "document ingestion failed after %d attempts: %s",
             job.failures,
             reason,
             extra={"namespace": job.namespace},
         )
+
+
+def _spec(base: BaseRow) -> EmbedderSpec:
+    return EmbedderSpec(base.embedder, base.model, base.dimension, base.normalized)

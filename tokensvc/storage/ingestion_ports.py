@@ -99,15 +99,19 @@ class IngestionStore(Protocol):
         ...
 
     async def store_vectors(
-        self, job: Ingestion, runner: str, vectors: Sequence[tuple[int, np.ndarray]]
+        self, job: Ingestion, runner: str, vectors: Sequence[tuple[StagedChunk, np.ndarray]]
     ) -> Ingestion | None:
-        """Vectors for staged chunks (by index) and the progress (`chunks_done`) in one commit;
-        the failures reset."""
+        """Vectors for staged chunks (each named by its kind and index) and the progress
+        (`chunks_done`) in one commit; a chunk embedded already keeps its vector (a batch written
+        twice counts once); the failures reset."""
         ...
 
     async def finish(self, job: Ingestion, runner: str) -> DocumentRow | None:
         """Make the version searchable: under the document's lock its staged chunks replace the
         previous version's chunks, its text and spans become the document's, the ingestion ends.
+        While the ingestion's `migration` still backfills, its target chunks are written for the
+        base's next generation and the version counts as migrated; otherwise they are dropped and
+        the version is not migrated (the migration embeds it in its next pass).
         Raises `StaleKnowledgeBases` when the base cut over to another generation since the
         chunks were staged: they are dropped and the ingestion is PENDING again (extracted and
         embedded anew for the new pins). None without the lease, before the extraction, or with a

@@ -34,7 +34,8 @@ _DOCUMENT_STATES = {
 class Ingestion:
     """One document version on its way in; at most one per document (a newer upload replaces
     it). `generation` is the base generation its staged chunks were cut and embedded for (None
-    until extracted); `chunks_total` is None until extracted."""
+    until extracted), `migration` the base's backfilling migration whose target chunks are staged
+    too (None: none); `chunks_total` (both kinds) is None until extracted."""
 
     id: str
     namespace: str
@@ -53,6 +54,7 @@ class Ingestion:
     failures: int
     created_at: datetime
     updated_at: datetime
+    migration: str | None = None
 
     @property
     def paused(self) -> bool:
@@ -81,7 +83,8 @@ class Ingestion:
 
 @dataclass(frozen=True)
 class StagedChunk:
-    """A chunk of a version being ingested, as the extraction cut it, before its vector."""
+    """A chunk of a version being ingested, as the extraction cut it, before its vector: for the
+    base as it is pinned, or (`target`) for its backfilling migration's target."""
 
     index: int
     text: str
@@ -89,18 +92,21 @@ class StagedChunk:
     end: int
     heading_path: tuple[str, ...]
     location: Location = NOWHERE
+    target: bool = False
 
 
 @dataclass(frozen=True)
 class Extracted:
     """What an ingestion's extraction stores: the text, where its spans come from in the original,
-    the type the bytes were recognised as, and the chunks cut for the base's `generation`."""
+    the type the bytes were recognised as, and the chunks cut for the base's `generation` (and, for
+    the backfilling `migration`, its target's)."""
 
     text: str
     spans: Sequence[SourceSpan]
     content_type: str
     chunks: Sequence[StagedChunk]
     generation: int
+    migration: str | None = None
 
 
 @dataclass(frozen=True)

@@ -78,9 +78,9 @@ def extraction(texts: Sequence[str], *, generation: int = 0) -> Extracted:
     return Extracted(text, (SourceSpan(0, len(text), page=1),), "text/markdown", staged(texts), generation)
 
 
-def vectors_of(chunks: Sequence[StagedChunk], dim: int = DIM) -> list[tuple[int, np.ndarray]]:
+def vectors_of(chunks: Sequence[StagedChunk], dim: int = DIM) -> list[tuple[StagedChunk, np.ndarray]]:
     """Chunk i along axis i mod `dim`."""
-    return [(c.index, axis(c.index % dim, dim)) for c in chunks]
+    return [(c, axis(c.index % dim, dim)) for c in chunks]
 
 
 async def leased(

@@ -9,6 +9,8 @@ queue's counts and deletions: `test_ingestion_views.py`.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -27,6 +29,7 @@ from tests.storage.conformance.ingestion_support import (
     vectors_of,
 )
 from tests.storage.conformance.support import (
+    DIM,
     axis,
     create_base,
     current_document,
@@ -39,9 +42,10 @@ from tests.storage.conformance.support import (
 from tests.storage.conformance.test_embedding_migrations import claim as claim_migration
 from tests.storage.conformance.test_knowledge_migrations import planned
 from tokensvc.storage.filter_language import Condition, Operator
-from tokensvc.storage.ingestion_records import Extracted, IngestionState
-from tokensvc.storage.ports import StaleKnowledgeBases
+from tokensvc.storage.ingestion_records import Extracted, Ingestion, IngestionState
+from tokensvc.storage.ports import IngestionStore, StaleKnowledgeBases
 from tokensvc.storage.records import DocumentState, Location, SourceSpan
+from tokensvc.storage.reembedding_records import MigrationState
 
 # --- uploads ----------------------------------------------------------------------------------
 
@@ -505,3 +509,73 @@ async def test_a_synchronous_upload_meanwhile_ends_the_ingestion_at_its_finish(
     document = await current_document(knowledge, management(ns), "kb", "doc")
     assert document is not None
     assert (document.version, document.state) == (2, DocumentState.READY)
+
+
+async def _embedded_for_both(store: IngestionStore, job: Ingestion, runner: str) -> None:
+    """Every staged chunk embedded: the base's with 8 dimensions, the target's with 4."""
+    while chunks := await store.unembedded(job, runner, limit=3):
+        vectors = [(c, axis(c.index % (4 if c.target else DIM), 4 if c.target else DIM)) for c in chunks]
+        assert await store.store_vectors(job, runner, vectors) is not None
+
+
+def _for_both(own: Sequence[str], target: Sequence[str], migration: str) -> Extracted:
+    """The base's chunks and the migration's target chunks (its own cut) of one extraction."""
+    base = extraction(own)
+    cut = [replace(c, target=True) for c in extraction(target).chunks]
+    return replace(base, chunks=[*base.chunks, *cut], migration=migration)
+
+
+async def test_a_version_finished_while_its_migration_backfills_is_written_for_the_target_too(
+    backend: Backend, kb_namespace: str
+) -> None:
+    """So a migration cuts over while uploads go on: each finished version is migrated already."""
+    ns, store, knowledge, migrations = kb_namespace, backend.ingestion, backend.knowledge, backend.migrations
+    created = await migrations.create(planned(ns, "kb"))
+    assert created is not None
+    job = await queued(store, ns, "doc", "alpha beta")
+    runner = new_runner()
+    await leased(store, job, runner)
+    base = await store.base_of(job, runner)
+    assert base is not None
+    assert (base.migration_id, base.migrating_to) == (created.id, created.target)
+
+    staged = await store.store_extraction(
+        job, runner, _for_both(["alpha", "beta"], ["alpha beta"], created.id)
+    )
+    assert staged is not None
+    assert (staged.chunks_total, staged.migration) == (3, created.id)
+    await _embedded_for_both(store, job, runner)
+    document = await store.finish(job, runner)
+
+    assert document is not None
+    assert (document.version, document.chunk_count) == (1, 2)
+    assert await searchable_texts(knowledge, ns) == {("doc", 1, "alpha"), ("doc", 1, "beta")}
+    assert await searchable_texts(knowledge, ns, generation=1, dim=4) == {("doc", 1, "alpha beta")}
+    # Nothing is left for the migration to backfill: it cuts over.
+    migration = await claim_migration(migrations, new_runner(), created.id)
+    assert await migrations.pending_documents(migration, limit=10) == []
+    assert await migrations.cut_over(migration, migration.lease_owner or "")
+
+
+async def test_target_chunks_of_a_migration_that_ended_meanwhile_are_dropped_at_the_finish(
+    backend: Backend, kb_namespace: str
+) -> None:
+    ns, store, knowledge, migrations = kb_namespace, backend.ingestion, backend.knowledge, backend.migrations
+    created = await migrations.create(planned(ns, "kb"))
+    assert created is not None
+    job = await queued(store, ns, "doc", "alpha beta")
+    runner = new_runner()
+    await leased(store, job, runner)
+    await store.store_extraction(job, runner, _for_both(["alpha", "beta"], ["alpha beta"], created.id))
+    await _embedded_for_both(store, job, runner)
+    cancelled = await migrations.transition(
+        created.id, expect=[MigrationState.BACKFILLING], state=MigrationState.CANCELLING
+    )
+    assert cancelled is not None
+
+    document = await store.finish(job, runner)
+
+    assert document is not None
+    assert document.chunk_count == 2
+    assert await searchable_texts(knowledge, ns) == {("doc", 1, "alpha"), ("doc", 1, "beta")}
+    assert await searchable_texts(knowledge, ns, generation=1, dim=4) == set()

@@ -250,7 +250,7 @@ class InProcessIngestionStore:
                 text=extracted.text,
                 spans=tuple(extracted.spans),
                 media_type=extracted.content_type,
-                staged={c.index: (c, None) for c in extracted.chunks},
+                staged={(c.target, c.index): (c, None) for c in extracted.chunks},
             )
             return self._save(
                 staged,
@@ -258,6 +258,7 @@ class InProcessIngestionStore:
                 chunks_total=len(extracted.chunks),
                 chunks_done=0,
                 generation=extracted.generation,
+                migration=extracted.migration,
                 failures=0,
                 reason="",
             )
@@ -266,11 +267,11 @@ class InProcessIngestionStore:
         queued = self._held(job, runner)
         if queued is None:
             return None
-        waiting = sorted(index for index, (_, vector) in queued.staged.items() if vector is None)
-        return [queued.staged[index][0] for index in waiting[:limit]]
+        waiting = sorted(key for key, (_, vector) in queued.staged.items() if vector is None)
+        return [queued.staged[key][0] for key in waiting[:limit]]
 
     async def store_vectors(
-        self, job: Ingestion, runner: str, vectors: Sequence[tuple[int, np.ndarray]]
+        self, job: Ingestion, runner: str, vectors: Sequence[tuple[StagedChunk, np.ndarray]]
     ) -> Ingestion | None:
         async with self.tables.lock:
             queued = self._held(job, runner)
@@ -280,9 +281,10 @@ class InProcessIngestionStore:
             staged = dict(queued.staged)
             written = 0
             # Each chunk once: a batch written again (a retry after a lost reply) changes nothing.
-            for index, vector in vectors:
-                if index in staged and staged[index][1] is None:
-                    staged[index] = (staged[index][0], _stored_vector(vector))
+            for chunk, vector in vectors:
+                key = (chunk.target, chunk.index)
+                if key in staged and staged[key][1] is None:
+                    staged[key] = (staged[key][0], _stored_vector(vector))
                     written += 1
             return self._save(
                 replace(queued, staged=staged),
@@ -313,6 +315,7 @@ class InProcessIngestionStore:
                     replace(queued, staged={}),
                     state=IngestionState.PENDING,
                     generation=None,
+                    migration=None,
                     chunks_total=None,
                     chunks_done=0,
                 )
@@ -323,12 +326,16 @@ class InProcessIngestionStore:
 
     def _swap_version(self, queued: QueuedVersion) -> DocumentRow:
         """The version becomes the document's: its chunks replace the previous version's (of
-        every generation), its text and spans the document's, and the ingestion ends."""
+        every generation), its text and spans the document's, and the ingestion ends. Its target
+        chunks are the next generation's while its migration still backfills (the version is then
+        migrated already), else dropped."""
         held = queued.ingestion
         assert held.generation is not None
-        assert held.chunks_total is not None
         key = _key(held)
         previous = self.tables.documents.get(key)
+        migrating = self.tables.migrating.get((held.namespace, held.kb_ref))
+        dual = held.migration is not None and migrating is not None and migrating[0] == held.migration
+        own = [(c, v) for (target, _), (c, v) in sorted(queued.staged.items()) if not target]
         document = DocumentRow(
             namespace=held.namespace,
             kb_ref=held.kb_ref,
@@ -337,22 +344,28 @@ class InProcessIngestionStore:
             content_type=queued.media_type or held.content_type,
             content_sha256=held.content_sha256,
             size_bytes=held.size_bytes,
-            chunk_count=held.chunks_total,
+            chunk_count=len(own),
             metadata=dict(held.metadata),
             # The document's creation: its first version's (an update keeps it).
             created_at=self._now() if previous is None else previous.document.created_at,
         )
-        chunks = tuple(
-            stored_chunk(
-                document, ChunkRow(c.index, c.text, c.start, c.end, c.heading_path, vector, c.location)
+
+        def stored(target: bool) -> tuple[Any, ...]:
+            return tuple(
+                stored_chunk(
+                    document, ChunkRow(c.index, c.text, c.start, c.end, c.heading_path, v, c.location)
+                )
+                for (is_target, _), (c, v) in sorted(queued.staged.items())
+                if is_target == target and v is not None
             )
-            for c, vector in (queued.staged[index] for index in sorted(queued.staged))
-            if vector is not None
-        )
-        # Not migrated yet: a running re-embedding migration embeds it for its target anew.
-        self.tables.documents[key] = DocumentVersion(
-            document, {held.generation: chunks}, queued.text, None, queued.spans
-        )
+
+        chunks = {held.generation: stored(False)}
+        migrated = None
+        if dual:
+            chunks[held.generation + 1] = stored(True)
+            migrated = len(chunks[held.generation + 1])
+        # Without target chunks not migrated yet: a running migration embeds it in its next pass.
+        self.tables.documents[key] = DocumentVersion(document, chunks, queued.text, migrated, queued.spans)
         del self.tables.ingestions[key]
         return _copy(document)
 
@@ -385,7 +398,13 @@ class InProcessIngestionStore:
         base = self.tables.bases.get((job.namespace, job.kb_ref))
         if base is None or self._held(job, runner) is None:
             return None
-        return replace(base, document_count=0)
+        base = replace(base, document_count=0)
+        migrating = self.tables.migrating.get((job.namespace, job.kb_ref))
+        if migrating is None:
+            return base
+        return replace(
+            base, migration_id=migrating[0], migrating_to=migrating[1], migrating_chunking=migrating[2]
+        )
 
     async def queue(self) -> IngestionQueue:
         now = self._now()

@@ -78,8 +78,8 @@ class DocumentVersion:
 class QueuedVersion:
     """A document's version on its way in (`tokensvc.storage.inprocess.ingestion`): the
     ingestion as a reader sees it, its lease, the uploaded bytes, what the extraction stored
-    (text, spans, the recognised type) and the staged chunks by index, each with its vector once
-    embedded. Replaced whole, never edited in place."""
+    (text, spans, the recognised type) and the staged chunks by (target, index), each with its
+    vector once embedded. Replaced whole, never edited in place."""
 
     ingestion: Ingestion
     content: bytes
@@ -88,7 +88,7 @@ class QueuedVersion:
     text: str | None = None
     spans: tuple[SourceSpan, ...] = ()
     media_type: str | None = None
-    staged: Mapping[int, tuple[StagedChunk, np.ndarray | None]] = field(default_factory=dict)
+    staged: Mapping[tuple[bool, int], tuple[StagedChunk, np.ndarray | None]] = field(default_factory=dict)
 
 
 def _visible(tenant: Tenant, namespace: str, kb_ref: str) -> bool:

@@ -29,7 +29,12 @@ from tokensvc.storage.ingestion_records import (
 from tokensvc.storage.ports import StaleKnowledgeBases
 from tokensvc.storage.postgres.errors import translate_errors
 from tokensvc.storage.postgres.ingestion_rows import INGESTION_COLUMNS, ingestion_from
-from tokensvc.storage.postgres.knowledge import DOC_FIELDS, base_from, document_from, update_metadata
+from tokensvc.storage.postgres.knowledge import (
+    DOC_FIELDS,
+    base_with_migration,
+    document_from,
+    update_metadata,
+)
 from tokensvc.storage.postgres.locations import location_from, location_json, spans_json
 from tokensvc.storage.postgres.tenant import tenant_transaction
 from tokensvc.storage.records import ALL_KNOWLEDGE_BASES, BaseRow, DocumentRow, Tenant
@@ -171,19 +176,21 @@ class PostgresIngestionStore:
         rows = await self._leased(
             job, "SELECT *, 0::bigint AS document_count FROM ingestion_base($1, $2, $3)", runner
         )
-        return None if not rows else base_from(rows[0])
+        return None if not rows else base_with_migration(rows[0])
 
     async def store_extraction(self, job: Ingestion, runner: str, extracted: Extracted) -> Ingestion | None:
         chunks = extracted.chunks
         return await self._one(
             job,
-            "stage_ingestion($1, $2, $3, $4, $5, $6::jsonb, $7, $8::int[], $9::text[], $10::int[], $11::int[], "
-            "$12::text[], $13::text[])",
+            "stage_ingestion($1, $2, $3, $4, $5::uuid, $6, $7::jsonb, $8, $9::boolean[], $10::int[], $11::text[], "
+            "$12::int[], $13::int[], $14::text[], $15::text[])",
             runner,
             extracted.generation,
+            extracted.migration,
             extracted.text,
             spans_json(extracted.spans),
             extracted.content_type,
+            [c.target for c in chunks],
             [c.index for c in chunks],
             [c.text for c in chunks],
             [c.start for c in chunks],
@@ -205,18 +212,20 @@ class PostgresIngestionStore:
                 row["end_offset"],
                 tuple(row["heading_path"]),
                 location_from(row["location"]),
+                target=row["target"],
             )
             for row in rows
         ]
 
     async def store_vectors(
-        self, job: Ingestion, runner: str, vectors: Sequence[tuple[int, np.ndarray]]
+        self, job: Ingestion, runner: str, vectors: Sequence[tuple[StagedChunk, np.ndarray]]
     ) -> Ingestion | None:
         return await self._one(
             job,
-            "store_ingestion_vectors($1, $2, $3, $4::int[], $5::vector[])",
+            "store_ingestion_vectors($1, $2, $3, $4::boolean[], $5::int[], $6::vector[])",
             runner,
-            [index for index, _ in vectors],
+            [chunk.target for chunk, _ in vectors],
+            [chunk.index for chunk, _ in vectors],
             [Vector(vector) for _, vector in vectors],
         )
 

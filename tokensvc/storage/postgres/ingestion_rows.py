@@ -13,7 +13,7 @@ __all__ = ["INGESTION_COLUMNS", "ingestion_from"]
 
 INGESTION_COLUMNS = (
     "namespace, id, kb_ref, doc_ref, version, content_type, content_sha256, size_bytes, metadata, state, "
-    "chunks_done, chunks_total, generation, reason, failures, created_at, updated_at"
+    "chunks_done, chunks_total, generation, reason, failures, created_at, updated_at, migration"
 )
 
 
@@ -39,4 +39,5 @@ def ingestion_from(row: asyncpg.Record | dict[str, Any], prefix: str = "") -> In
         failures=get("failures"),
         created_at=get("created_at"),
         updated_at=get("updated_at"),
+        migration=None if get("migration") is None else str(get("migration")),
     )

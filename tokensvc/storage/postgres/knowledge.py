@@ -155,6 +155,24 @@ async def update_metadata(
     return document_from(row)
 
 
+def base_with_migration(row: asyncpg.Record) -> BaseRow:
+    """A base read with its backfilling migration's columns (`m_*`, NULL: none), which an upload
+    (an ingestion) writes target chunks for too."""
+    base = BaseRow(**{name: row[name] for name in _BASE_FIELDS})
+    if row["m_id"] is None:
+        return base
+    return replace(
+        base,
+        migration_id=str(row["m_id"]),
+        migrating_to=EmbedderSpec(
+            row["m_to_embedder"], row["m_to_model"], row["m_to_dimension"], row["m_to_normalized"]
+        ),
+        migrating_chunking=ChunkingSpec(
+            row["m_to_chunking"], row["m_to_chunk_size"], row["m_to_chunk_overlap"]
+        ),
+    )
+
+
 def base_from(row: asyncpg.Record) -> BaseRow:
     return BaseRow(**dict(row.items()))
 
@@ -279,18 +297,7 @@ class PostgresKnowledgeStore:
             )
         if row is None:
             return None, None
-        base = BaseRow(**{name: row[name] for name in _BASE_FIELDS})
-        if row["m_id"] is not None:
-            base = replace(
-                base,
-                migration_id=str(row["m_id"]),
-                migrating_to=EmbedderSpec(
-                    row["m_to_embedder"], row["m_to_model"], row["m_to_dimension"], row["m_to_normalized"]
-                ),
-                migrating_chunking=ChunkingSpec(
-                    row["m_to_chunking"], row["m_to_chunk_size"], row["m_to_chunk_overlap"]
-                ),
-            )
+        base = base_with_migration(row)
         document = None if row["d_ref"] is None else document_from({c: row[f"d_{c}"] for c in DOC_FIELDS})
         if row["i_id"] is not None:
             document = ingestion_from(row, "i_").as_document(None if document is None else document.version)

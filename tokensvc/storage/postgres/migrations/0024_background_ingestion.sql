@@ -23,8 +23,12 @@ CREATE TABLE tokensvc.ingestions (
     size_bytes     bigint      NOT NULL,
     metadata       jsonb       NOT NULL DEFAULT '{}'::jsonb,
     state          text        NOT NULL DEFAULT 'pending' CHECK (state IN ('pending', 'processing', 'failed')),
-    -- The base generation the staged chunks were cut and embedded for (NULL: not extracted).
+    -- The base generation the staged chunks were cut and embedded for (NULL: not extracted), and
+    -- the base's backfilling re-embedding migration whose target chunks are staged too (NULL:
+    -- none), so the finished version is migrated already and the migration can cut over while
+    -- uploads go on.
     generation     integer,
+    migration      uuid,
     chunks_total   integer     CHECK (chunks_total >= 0),
     chunks_done    integer     NOT NULL DEFAULT 0 CHECK (chunks_done >= 0),
     reason         text        NOT NULL DEFAULT '',
@@ -57,6 +61,8 @@ CREATE TABLE tokensvc.ingestion_chunks (
     namespace    text    NOT NULL,
     ingestion    uuid    NOT NULL,
     kb_ref       text    NOT NULL,
+    -- A chunk for the migration's target (the base's next generation), or for the base as it is.
+    target       boolean NOT NULL DEFAULT false,
     chunk_index  integer NOT NULL,
     text         text    NOT NULL,
     start_offset integer NOT NULL,
@@ -65,7 +71,7 @@ CREATE TABLE tokensvc.ingestion_chunks (
     location     jsonb,
     dimension    integer,
     embedding    vector,
-    PRIMARY KEY (namespace, ingestion, chunk_index),
+    PRIMARY KEY (namespace, ingestion, target, chunk_index),
     FOREIGN KEY (namespace, ingestion) REFERENCES tokensvc.ingestions ON DELETE CASCADE,
     CHECK ((embedding IS NULL) = (dimension IS NULL)),
     CHECK (embedding IS NULL OR vector_dims(embedding) = dimension)

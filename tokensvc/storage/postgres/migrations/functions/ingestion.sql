@@ -249,12 +249,15 @@ END $$;
 REVOKE ALL ON FUNCTION tokensvc.ingestion_bytes(text,uuid,text) FROM PUBLIC, {app_role};
 GRANT EXECUTE ON FUNCTION tokensvc.ingestion_bytes(text,uuid,text) TO {runner_role};
 
--- The ingestion's knowledge base as pinned now (nothing: deleted), with its generation (TI001
--- when the lease is not held).
+-- The ingestion's knowledge base as pinned now (nothing: deleted), with its generation and its
+-- backfilling re-embedding migration, if any: its id, target embedder and chunking (TI001 when the
+-- lease is not held).
 CREATE OR REPLACE FUNCTION tokensvc.ingestion_base(ns text, job uuid, runner text)
 RETURNS TABLE (namespace text, ref text, display_name text, embedder text, model text, dimension integer,
                normalized boolean, chunking text, chunk_size integer, chunk_overlap integer, text_config text,
-               created_at timestamptz, generation integer)
+               created_at timestamptz, generation integer, m_id uuid, m_to_embedder text, m_to_model text,
+               m_to_dimension integer, m_to_normalized boolean, m_to_chunking text, m_to_chunk_size integer,
+               m_to_chunk_overlap integer)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
 #variable_conflict use_column
 DECLARE
@@ -262,19 +265,25 @@ DECLARE
 BEGIN
     RETURN QUERY
     SELECT b.namespace, b.ref, b.display_name, b.embedder, b.model, b.dimension, b.normalized, b.chunking,
-           b.chunk_size, b.chunk_overlap, b.text_config::text, b.created_at, b.generation
-    FROM tokensvc.knowledge_bases b WHERE b.namespace = held.namespace AND b.ref = held.kb_ref;
+           b.chunk_size, b.chunk_overlap, b.text_config::text, b.created_at, b.generation, m.id, m.to_embedder,
+           m.to_model, m.to_dimension, m.to_normalized, m.to_chunking, m.to_chunk_size, m.to_chunk_overlap
+    FROM tokensvc.knowledge_bases b
+    LEFT JOIN tokensvc.embedding_migrations m
+      ON m.namespace = b.namespace AND m.kb_ref = b.ref AND m.state = 'backfilling'
+    WHERE b.namespace = held.namespace AND b.ref = held.kb_ref;
 END $$;
 REVOKE ALL ON FUNCTION tokensvc.ingestion_base(text,uuid,text) FROM PUBLIC, {app_role};
 GRANT EXECUTE ON FUNCTION tokensvc.ingestion_base(text,uuid,text) TO {runner_role};
 
 -- The extraction's result replaces whatever was staged: its text, source spans and recognised
--- type, and its chunks without vectors, cut for the base's `generation`; the ingestion is
--- PROCESSING with `chunks_total` set, nothing done, its failures reset. Nothing when the lease is
--- not held.
+-- type, and its chunks without vectors, cut for the base's `generation` and, where `targets` says
+-- so, for the target of the backfilling migration `for_migration`; the ingestion is PROCESSING
+-- with `chunks_total` set (both kinds), nothing done, its failures reset. Nothing when the lease
+-- is not held.
 CREATE OR REPLACE FUNCTION tokensvc.stage_ingestion(
-    ns text, job uuid, runner text, for_generation integer, extracted text, spans jsonb, media_type text,
-    indexes integer[], texts text[], starts integer[], ends integer[], headings text[], locations text[])
+    ns text, job uuid, runner text, for_generation integer, for_migration uuid, extracted text, spans jsonb,
+    media_type text, targets boolean[], indexes integer[], texts text[], starts integer[], ends integer[],
+    headings text[], locations text[])
 RETURNS SETOF tokensvc.ingestions LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
 DECLARE
@@ -290,30 +299,31 @@ BEGIN
     -- RETURNING: on Citus a shard's INSERT ... SELECT (a COPY otherwise, which row-level security
     -- refuses).
     WITH added AS (
-        INSERT INTO tokensvc.ingestion_chunks (namespace, ingestion, kb_ref, chunk_index, text, start_offset,
+        INSERT INTO tokensvc.ingestion_chunks (namespace, ingestion, kb_ref, target, chunk_index, text, start_offset,
                                                end_offset, heading_path, location)
-        SELECT ns, job, held.kb_ref, u.idx, u.text, u.s, u.e,
+        SELECT ns, job, held.kb_ref, u.target, u.idx, u.text, u.s, u.e,
                ARRAY(SELECT jsonb_array_elements_text(u.heading::jsonb)), u.location::jsonb
-        FROM unnest(indexes, texts, starts, ends, headings, locations) AS u(idx, text, s, e, heading, location)
+        FROM unnest(targets, indexes, texts, starts, ends, headings, locations)
+             AS u(target, idx, text, s, e, heading, location)
         RETURNING 1)
     SELECT count(*) INTO staged FROM added;
     UPDATE tokensvc.ingestion_content c SET text = extracted, source_spans = spans, media_type = stage_ingestion.media_type
     WHERE c.namespace = ns AND c.ingestion = job;
     RETURN QUERY
     UPDATE tokensvc.ingestions i
-    SET state = 'processing', chunks_total = staged, chunks_done = 0, generation = for_generation, failures = 0,
-        reason = '', updated_at = statement_timestamp()
+    SET state = 'processing', chunks_total = staged, chunks_done = 0, generation = for_generation,
+        migration = for_migration, failures = 0, reason = '', updated_at = statement_timestamp()
     WHERE i.namespace = ns AND i.id = job
     RETURNING i.*;
 END $$;
-REVOKE ALL ON FUNCTION tokensvc.stage_ingestion(text,uuid,text,integer,text,jsonb,text,integer[],text[],integer[],integer[],text[],text[]) FROM PUBLIC, {app_role};
-GRANT EXECUTE ON FUNCTION tokensvc.stage_ingestion(text,uuid,text,integer,text,jsonb,text,integer[],text[],integer[],integer[],text[],text[]) TO {runner_role};
+REVOKE ALL ON FUNCTION tokensvc.stage_ingestion(text,uuid,text,integer,uuid,text,jsonb,text,boolean[],integer[],text[],integer[],integer[],text[],text[]) FROM PUBLIC, {app_role};
+GRANT EXECUTE ON FUNCTION tokensvc.stage_ingestion(text,uuid,text,integer,uuid,text,jsonb,text,boolean[],integer[],text[],integer[],integer[],text[],text[]) TO {runner_role};
 
--- Up to `lim` (1..4096) staged chunks without a vector, in chunk order (TI001 when the lease is
--- not held).
+-- Up to `lim` (1..4096) staged chunks without a vector, the base's first, each in chunk order
+-- (TI001 when the lease is not held).
 CREATE OR REPLACE FUNCTION tokensvc.ingestion_unembedded(ns text, job uuid, runner text, lim integer)
-RETURNS TABLE (chunk_index integer, text text, start_offset integer, end_offset integer, heading_path text[],
-               location jsonb)
+RETURNS TABLE (target boolean, chunk_index integer, text text, start_offset integer, end_offset integer,
+               heading_path text[], location jsonb)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
 #variable_conflict use_column
 DECLARE
@@ -323,19 +333,19 @@ BEGIN
         RAISE EXCEPTION 'a batch of 1 to 4096 chunks' USING ERRCODE = '22023';
     END IF;
     RETURN QUERY
-    SELECT c.chunk_index, c.text, c.start_offset, c.end_offset, c.heading_path, c.location
+    SELECT c.target, c.chunk_index, c.text, c.start_offset, c.end_offset, c.heading_path, c.location
     FROM tokensvc.ingestion_chunks c
     WHERE c.namespace = ns AND c.ingestion = held.id AND c.embedding IS NULL
-    ORDER BY c.chunk_index LIMIT lim;
+    ORDER BY c.target, c.chunk_index LIMIT lim;
 END $$;
 REVOKE ALL ON FUNCTION tokensvc.ingestion_unembedded(text,uuid,text,integer) FROM PUBLIC, {app_role};
 GRANT EXECUTE ON FUNCTION tokensvc.ingestion_unembedded(text,uuid,text,integer) TO {runner_role};
 
--- Vectors for staged chunks (by index) and the progress in one commit; a chunk that has one
--- already keeps it (a batch written twice counts once); the failures reset. Nothing when the
+-- Vectors for staged chunks (by kind and index) and the progress in one commit; a chunk that has
+-- one already keeps it (a batch written twice counts once); the failures reset. Nothing when the
 -- lease is not held.
-CREATE OR REPLACE FUNCTION tokensvc.store_ingestion_vectors(ns text, job uuid, runner text, indexes integer[],
-                                                            vectors vector[])
+CREATE OR REPLACE FUNCTION tokensvc.store_ingestion_vectors(ns text, job uuid, runner text, targets boolean[],
+                                                            indexes integer[], vectors vector[])
 RETURNS SETOF tokensvc.ingestions LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
 DECLARE
@@ -348,16 +358,17 @@ BEGIN
         RETURN;
     END;
     IF cardinality(indexes) IS DISTINCT FROM cardinality(vectors)
-       OR EXISTS (SELECT 1 FROM unnest(vectors) v WHERE vector_dims(v) <> vector_dims(vectors[1])) THEN
-        RAISE EXCEPTION 'one vector per chunk, all of one dimension' USING ERRCODE = '22023';
+       OR cardinality(indexes) IS DISTINCT FROM cardinality(targets) THEN
+        RAISE EXCEPTION 'one kind and one vector per chunk' USING ERRCODE = '22023';
     END IF;
     -- A row at a time, each a statement of its own: one UPDATE of the whole batch (its vectors
     -- picked from the array) crashed a Citus coordinator (Citus 15.0devel), as the memories'
     -- migration_store found.
     FOR k IN 1 .. coalesce(cardinality(indexes), 0) LOOP
         EXECUTE 'UPDATE tokensvc.ingestion_chunks c SET embedding = $1, dimension = $2 '
-                'WHERE c.namespace = $3 AND c.ingestion = $4 AND c.chunk_index = $5 AND c.embedding IS NULL'
-        USING vectors[k], vector_dims(vectors[k]), ns, job, indexes[k];
+                'WHERE c.namespace = $3 AND c.ingestion = $4 AND c.target = $5 AND c.chunk_index = $6 '
+                'AND c.embedding IS NULL'
+        USING vectors[k], vector_dims(vectors[k]), ns, job, targets[k], indexes[k];
         GET DIAGNOSTICS one = ROW_COUNT;
         written := written + one;
     END LOOP;
@@ -367,16 +378,18 @@ BEGIN
     WHERE i.namespace = ns AND i.id = job
     RETURNING i.*;
 END $$;
-REVOKE ALL ON FUNCTION tokensvc.store_ingestion_vectors(text,uuid,text,integer[],vector[]) FROM PUBLIC, {app_role};
-GRANT EXECUTE ON FUNCTION tokensvc.store_ingestion_vectors(text,uuid,text,integer[],vector[]) TO {runner_role};
+REVOKE ALL ON FUNCTION tokensvc.store_ingestion_vectors(text,uuid,text,boolean[],integer[],vector[]) FROM PUBLIC, {app_role};
+GRANT EXECUTE ON FUNCTION tokensvc.store_ingestion_vectors(text,uuid,text,boolean[],integer[],vector[]) TO {runner_role};
 
 -- Makes the version searchable, in a transaction that holds the document's advisory lock (the one
--- uploads take): the base FOR SHARE and the document row FOR UPDATE (document_write_state), then
--- the document row written from the ingestion and its extraction (a new row, or the next version
--- of the existing one, whose chunks of every generation go), its staged chunks copied into
--- `chunks` for the base's generation, the ingestion gone (its bytes and staged chunks cascade).
--- `migrated_version` is reset: a running re-embedding migration embeds the new version for its
--- target in its next pass. The outcome:
+-- uploads take): the base FOR SHARE and the document row FOR UPDATE (document_write_state, which
+-- also says whether the ingestion's migration still backfills), then the document row written
+-- from the ingestion and its extraction (a new row, or the next version of the existing one,
+-- whose chunks of every generation go), its staged chunks copied into `chunks` for the base's
+-- generation and, while its migration backfills, its target chunks for the next generation (the
+-- version is then migrated already: a migration cuts over while uploads go on), the ingestion
+-- gone (its bytes and staged chunks cascade). Without target chunks the version is marked not
+-- migrated, and a running migration embeds it in its next pass. The outcome:
 --   'ready'      the version is the document's (the document's row follows);
 --   'lost'       the lease is not held;
 --   'unfinished' not extracted yet, or a chunk without a vector;
@@ -395,51 +408,60 @@ DECLARE
     doc_state record;
     content record;
     config regconfig;
+    own_chunks bigint;
+    target_chunks bigint;
     copied bigint;
+    result text;
 BEGIN
     BEGIN
         held := tokensvc.held_ingestion(ns, job, runner);
     EXCEPTION WHEN SQLSTATE 'TI001' THEN
-        RETURN QUERY SELECT 'lost'::text, NULL::text, NULL::text, NULL::text, NULL::bigint, NULL::text,
-                            NULL::bytea, NULL::bigint, NULL::integer, NULL::jsonb, NULL::timestamptz;
-        RETURN;
+        result := 'lost';
     END;
-    SELECT * INTO doc_state FROM tokensvc.document_write_state(held.namespace, held.kb_ref, held.doc_ref, NULL);
-    IF held.chunks_total IS NULL OR held.generation IS NULL OR held.chunks_done < held.chunks_total THEN
-        RETURN QUERY SELECT 'unfinished'::text, NULL::text, NULL::text, NULL::text, NULL::bigint, NULL::text,
-                            NULL::bytea, NULL::bigint, NULL::integer, NULL::jsonb, NULL::timestamptz;
+    IF result IS NULL THEN
+        SELECT * INTO doc_state FROM tokensvc.document_write_state(held.namespace, held.kb_ref, held.doc_ref,
+                                                                    held.migration);
+        IF held.chunks_total IS NULL OR held.generation IS NULL OR held.chunks_done < held.chunks_total THEN
+            result := 'unfinished';
+        ELSIF held.generation IS DISTINCT FROM doc_state.generation THEN
+            DELETE FROM tokensvc.ingestion_chunks c WHERE c.namespace = ns AND c.ingestion = job;
+            UPDATE tokensvc.ingestions i
+            SET state = 'pending', generation = NULL, migration = NULL, chunks_total = NULL, chunks_done = 0,
+                updated_at = statement_timestamp()
+            WHERE i.namespace = ns AND i.id = job;
+            result := 'stale';
+        ELSIF doc_state.version IS NOT NULL AND doc_state.version >= held.version THEN
+            DELETE FROM tokensvc.ingestions i WHERE i.namespace = ns AND i.id = job;
+            result := 'superseded';
+        END IF;
+    END IF;
+    IF result IS NOT NULL THEN
+        RETURN QUERY SELECT result, NULL::text, NULL::text, NULL::text, NULL::bigint, NULL::text, NULL::bytea,
+                            NULL::bigint, NULL::integer, NULL::jsonb, NULL::timestamptz;
         RETURN;
     END IF;
-    IF held.generation IS DISTINCT FROM doc_state.generation THEN
-        DELETE FROM tokensvc.ingestion_chunks c WHERE c.namespace = ns AND c.ingestion = job;
-        UPDATE tokensvc.ingestions i
-        SET state = 'pending', generation = NULL, chunks_total = NULL, chunks_done = 0,
-            updated_at = statement_timestamp()
-        WHERE i.namespace = ns AND i.id = job;
-        RETURN QUERY SELECT 'stale'::text, NULL::text, NULL::text, NULL::text, NULL::bigint, NULL::text,
-                            NULL::bytea, NULL::bigint, NULL::integer, NULL::jsonb, NULL::timestamptz;
-        RETURN;
-    END IF;
-    IF doc_state.version IS NOT NULL AND doc_state.version >= held.version THEN
-        DELETE FROM tokensvc.ingestions i WHERE i.namespace = ns AND i.id = job;
-        RETURN QUERY SELECT 'superseded'::text, NULL::text, NULL::text, NULL::text, NULL::bigint, NULL::text,
-                            NULL::bytea, NULL::bigint, NULL::integer, NULL::jsonb, NULL::timestamptz;
-        RETURN;
+    SELECT count(*) FILTER (WHERE NOT c.target), count(*) FILTER (WHERE c.target)
+      INTO own_chunks, target_chunks
+      FROM tokensvc.ingestion_chunks c WHERE c.namespace = ns AND c.ingestion = job;
+    IF NOT doc_state.dual_write THEN
+        target_chunks := NULL;  -- its migration ended or paused: the target chunks are dropped
     END IF;
     SELECT c.text, c.source_spans, coalesce(c.media_type, held.content_type) AS media_type INTO content
     FROM tokensvc.ingestion_content c WHERE c.namespace = ns AND c.ingestion = job;
     IF doc_state.version IS NULL THEN
         INSERT INTO tokensvc.documents (namespace, kb_ref, ref, version, content_type, content_sha256, size_bytes,
-                                        chunk_count, metadata, created_at, text, source_spans)
+                                        chunk_count, metadata, created_at, text, source_spans, migrated_version,
+                                        migrated_chunk_count)
         VALUES (held.namespace, held.kb_ref, held.doc_ref, held.version, content.media_type, held.content_sha256,
-                held.size_bytes, held.chunks_total, held.metadata, clock_timestamp(), content.text,
-                content.source_spans);
+                held.size_bytes, own_chunks, held.metadata, clock_timestamp(), content.text, content.source_spans,
+                CASE WHEN target_chunks IS NOT NULL THEN held.version END, target_chunks);
     ELSE
         UPDATE tokensvc.documents d
         SET version = held.version, content_type = content.media_type, content_sha256 = held.content_sha256,
-            size_bytes = held.size_bytes, chunk_count = held.chunks_total, metadata = held.metadata,
-            text = content.text, source_spans = content.source_spans, migrated_version = NULL,
-            migrated_chunk_count = NULL, updated_at = statement_timestamp()
+            size_bytes = held.size_bytes, chunk_count = own_chunks, metadata = held.metadata,
+            text = content.text, source_spans = content.source_spans,
+            migrated_version = CASE WHEN target_chunks IS NOT NULL THEN held.version END,
+            migrated_chunk_count = target_chunks, updated_at = statement_timestamp()
         WHERE d.namespace = held.namespace AND d.kb_ref = held.kb_ref AND d.ref = held.doc_ref;
         DELETE FROM tokensvc.chunks c
         WHERE c.namespace = held.namespace AND c.kb_ref = held.kb_ref AND c.doc_ref = held.doc_ref
@@ -451,14 +473,15 @@ BEGIN
         INSERT INTO tokensvc.chunks (namespace, kb_ref, doc_ref, generation, version, chunk_index, text,
                                      start_offset, end_offset, heading_path, metadata, dimension, embedding,
                                      text_config, location)
-        SELECT s.namespace, held.kb_ref, held.doc_ref, held.generation, held.version, s.chunk_index, s.text,
-               s.start_offset, s.end_offset, s.heading_path, held.metadata, s.dimension, s.embedding, config,
-               s.location
-        FROM tokensvc.ingestion_chunks s WHERE s.namespace = ns AND s.ingestion = job
+        SELECT s.namespace, held.kb_ref, held.doc_ref, held.generation + s.target::integer, held.version,
+               s.chunk_index, s.text, s.start_offset, s.end_offset, s.heading_path, held.metadata, s.dimension,
+               s.embedding, config, s.location
+        FROM tokensvc.ingestion_chunks s
+        WHERE s.namespace = ns AND s.ingestion = job AND (NOT s.target OR target_chunks IS NOT NULL)
         RETURNING 1)
     SELECT count(*) INTO copied FROM added;
-    IF copied <> held.chunks_total THEN
-        RAISE EXCEPTION 'ingestion %: % chunks staged, % counted', job, copied, held.chunks_total;
+    IF copied <> own_chunks + coalesce(target_chunks, 0) THEN
+        RAISE EXCEPTION 'ingestion %: % chunks copied, % staged', job, copied, own_chunks + coalesce(target_chunks, 0);
     END IF;
     DELETE FROM tokensvc.ingestions i WHERE i.namespace = ns AND i.id = job;
     RETURN QUERY
