@@ -348,6 +348,16 @@ async def check_knowledge(
 ) -> tuple[dict[str, tuple[int, str]], int]:
     """Consistency, versions and search after a restart; (ref -> stored (version, sha256), passages checked)."""
     async with superuser(state) as conn:
+        # An upload the crash interrupted may have been stored: the restarted service ingests it
+        # in the background (and it then becomes the document's version), so the check waits
+        # until nothing is left on its way in.
+        began = time.monotonic()
+        while await conn.fetchval(
+            "SELECT count(*) FROM ingestions WHERE namespace = 'default' AND kb_ref = $1 AND state <> 'failed'",
+            kb_ref,
+        ):
+            assert time.monotonic() - began < 180, "the interrupted uploads were never ingested"
+            await asyncio.sleep(0.2)
         violations = await knowledge_violations(conn)
         rows = await conn.fetch(
             "SELECT ref, version, encode(content_sha256, 'hex') AS sha FROM documents "
