@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
+from tests.knowledge.test_knowledge_bases_unit import launcher
 from tokensvc.audit import AuditLog
 from tokensvc.embedders import EmbedderRegistry, EmbedderSpec, HashEmbedder, Vectors
 from tokensvc.errors import EmbedderUnavailable, InvalidArgument, NotFound
@@ -171,7 +172,7 @@ async def test_an_embedder_that_fails_is_retried_then_the_version_fails_and_the_
     assert reason == "the embedding server answered 503"
     assert setup.embedder.calls - calls == 3
     passages = await setup.kbs.search(
-        _launcher(), [], query="word1", top_k=3, min_score=None, filter_=None, mode=SearchMode.TEXT
+        launcher("kb"), [], query="word1", top_k=3, min_score=None, filter_=None, mode=SearchMode.TEXT
     )
     assert {p.version for p in passages} == {2}
 
@@ -228,23 +229,3 @@ async def test_an_upload_that_stops_waiting_leaves_the_work_to_finish(extraction
         await asyncio.sleep(0.01)
     assert await setup.document() == (DocumentState.READY, 1, 10, 10, 1, "")
     await setup.runner.close()
-
-
-def _launcher() -> object:
-    from tokensvc.auth.scope import TenantScope
-
-    return TenantScope(
-        namespace=NS,
-        agent="reader",
-        bucket_id="v1.aaaa",
-        previous_bucket_ids=(),
-        agent_bucket_id="v1.aaaa",
-        per_user=False,
-        registry=None,
-        long_term_memory=False,
-        knowledge_bases=("kb",),
-        run_id="run-1",
-        jti="jti-1",
-        issued_at=0,
-        expires_at=0,
-    )
