@@ -216,6 +216,8 @@ def settings_for(dsn: str, paths: EmbeddedPaths, root: Path, dev: DevPaths, **ov
         "database_credential_dir": str(paths.credential_dir("app")),
         "database_owner_credential_dir": str(paths.credential_dir("owner")),
         "database_rotator_credential_dir": str(paths.credential_dir("rotator")),
+        # The background runners' own credential (re-embedding, ingestion: migration 0021).
+        "database_runner_credential_dir": str(paths.credential_dir("runner")),
         "tls_cert_file": str(dev.server_cert),
         "tls_key_file": str(dev.server_key),
         "tls_client_ca_file": str(dev.ca_cert),
