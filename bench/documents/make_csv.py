@@ -29,7 +29,9 @@ def main() -> None:
     parser.add_argument("--iso-dir", type=Path, default=Path("/usr/share/iso-codes/json"))
     parser.add_argument("--out", type=Path, default=HERE / "iso-3166-2-subdivisions.csv")
     args = parser.parse_args()
-    countries = {c["alpha_2"]: c["name"] for c in json.loads((args.iso_dir / "iso_3166-1.json").read_text())["3166-1"]}
+    countries = {
+        c["alpha_2"]: c["name"] for c in json.loads((args.iso_dir / "iso_3166-1.json").read_text())["3166-1"]
+    }
     subdivisions = json.loads((args.iso_dir / "iso_3166-2.json").read_text())["3166-2"]
     with args.out.open("w", newline="", encoding="utf-8") as out:
         writer = csv.writer(out)
