@@ -58,6 +58,8 @@ bench: install  ## Benchmarks (bench/, docs/benchmarks.md); BENCH_ARGS=--quick /
 	$(PY) -m bench.cpu --workers 1 2 --rounds 3 --out bench/results/cpu-workers.json $(CPU_ARGS)
 	$(PY) -m bench.noisy $(NOISY_ARGS)
 	$(PY) -m bench.quality $(QUALITY_ARGS)
+	$(PY) -m bench.ingestion $(INGESTION_ARGS)
+	$(PY) -m bench.knowledge_scale $(SCALE_ARGS)
 
 bench-quality: install  ## Retrieval quality alone: LoCoMo recall, the knowledge-base question set (bench/quality.py).
 	$(PY) -m pip install --quiet -e '.[bench]'
