@@ -184,9 +184,12 @@ class TokenCounter:
         return self._model.token_count(text, False)
 
 
-def token_stats(pieces: Sequence[Piece], counter: TokenCounter | None) -> dict[str, Any]:
-    """Mean tokens per embedded text and the share past the model's window (and past the
-    embedder's character cut, beyond which a text's tail is not embedded at all)."""
+def token_stats(
+    pieces: Sequence[Piece], counter: TokenCounter | None, formats: dict[str, str]
+) -> dict[str, Any]:
+    """Mean tokens per embedded text and the share past the model's window, overall and per
+    format (`formats`: document -> format), and the share past the embedder's character cut
+    (beyond which a text's tail is not embedded at all)."""
     stats: dict[str, Any] = {
         "chunks": len(pieces),
         "over_document_chars": round(
@@ -195,12 +198,20 @@ def token_stats(pieces: Sequence[Piece], counter: TokenCounter | None) -> dict[s
     }
     if counter is not None and pieces:
         tokens = [counter.passage_tokens(p.embedded) for p in pieces]
-        stats["mean_tokens"] = round(sum(tokens) / len(tokens), 1)
-        stats[f"over_{E5_WINDOW_TOKENS}_tokens"] = round(
-            sum(t > E5_WINDOW_TOKENS for t in tokens) / len(tokens), 4
-        )
+        stats.update(_token_shares(tokens))
         stats["max_tokens"] = max(tokens)
+        by_format: dict[str, list[int]] = {}
+        for piece, count in zip(pieces, tokens, strict=True):
+            by_format.setdefault(formats[piece.doc], []).append(count)
+        stats["tokens_by_format"] = {fmt: _token_shares(counts) for fmt, counts in sorted(by_format.items())}
     return stats
+
+
+def _token_shares(tokens: Sequence[int]) -> dict[str, float]:
+    return {
+        "mean_tokens": round(sum(tokens) / len(tokens), 1),
+        f"over_{E5_WINDOW_TOKENS}_tokens": round(sum(t > E5_WINDOW_TOKENS for t in tokens) / len(tokens), 4),
+    }
 
 
 # --- vectors and exact search ------------------------------------------------------------------

@@ -203,10 +203,9 @@ def scored(corpus: Corpus, outcomes: dict[int, Outcome], citations: bool = True)
     by_format: dict[str, list[Outcome]] = {}
     for q in corpus.questions:
         by_format.setdefault(corpus.format(q), []).append(outcomes[q.number])
-    order = sorted(by_format, key=lambda f: (FORMATS.index(f) if f in FORMATS else len(FORMATS), f))
     return {
         **summary(list(outcomes.values()), citations),
-        "by_format": {f: summary(by_format[f], citations) for f in order},
+        "by_format": {f: summary(by_format[f], citations) for f in _in_order(by_format)},
         "missed@5": [number for number, o in outcomes.items() if o.rank is None],
         "ranks": {number: o.rank for number, o in outcomes.items()},
         **({"miscited": _miscited(corpus, outcomes)} if citations else {}),
@@ -220,6 +219,11 @@ def _miscited(corpus: Corpus, outcomes: dict[int, Outcome]) -> list[dict[str, An
         for q in corpus.questions
         if outcomes[q.number].miscited
     ]
+
+
+def _in_order(formats: Any) -> list[str]:
+    """Formats in FORMATS order, any other after them by name."""
+    return sorted(formats, key=lambda f: (FORMATS.index(f) if f in FORMATS else len(FORMATS), f))
 
 
 def judged(corpus: Corpus, returned: Sequence[Sequence[Retrieved]]) -> dict[int, Outcome]:
@@ -321,7 +325,7 @@ async def measure_study(corpus: Corpus, cache: VectorCache) -> dict[str, Any]:
             variants[name] = {
                 "chunk_size": size,
                 "heading_prefix": heading_prefix,
-                **token_stats(pieces, counter),
+                **token_stats(pieces, counter, {name: format_of(d) for name, d in corpus.documents.items()}),
                 **scored(corpus, judged(corpus, returned), citations=False),
                 "seconds": round(time.perf_counter() - began, 1),
             }
@@ -349,7 +353,7 @@ async def run_document_quality(
         "questions": len(corpus.questions),
         "questions_by_format": {
             f: sum(corpus.format(q) == f for q in corpus.questions)
-            for f in sorted({corpus.format(q) for q in corpus.questions})
+            for f in _in_order({corpus.format(q) for q in corpus.questions})
         },
         "documents": {
             name: {"format": format_of(d), "characters": len(d.text), "spans": len(d.spans)}
@@ -384,8 +388,7 @@ def _cell(value: float | None) -> str:
 
 
 def _formats(results: dict[str, Any]) -> list[str]:
-    present = results["questions_by_format"]
-    return [f for f in FORMATS if f in present] + sorted(set(present) - set(FORMATS))
+    return _in_order(results["questions_by_format"])
 
 
 def tables(results: dict[str, Any]) -> str:

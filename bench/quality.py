@@ -162,6 +162,25 @@ def _knowledge_rows(knowledge: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _document_rows(documents: dict[str, Any], formats: list[str]) -> list[list[str]]:
+    systems = [(f"tokensvc {mode}", m) for mode, m in documents["service"]["modes"].items()]
+    systems.append(("LangChain (loaders, 1000/200 splitter, exact cosine)", documents["peer"]))
+    return [
+        [name, _f(m["hit@1"]), _f(m["hit@5"]), _f(m["mrr@5"]), _f(m["cited@1"]), _f(m["cited_when_hit"])]
+        + [_f(m["by_format"].get(f, {}).get("hit@5")) for f in formats]
+        for name, m in systems
+    ]
+
+
+def _study_rows(study: dict[str, Any]) -> list[list[str]]:
+    window = study["window_tokens"]
+    return [
+        [name, str(v["chunks"]), _f(v.get("mean_tokens"), 0), _f(v.get(f"over_{window}_tokens"), 3),
+         _f(v["hit@1"]), _f(v["hit@5"])]
+        for name, v in study["variants"].items()
+    ]  # fmt: skip
+
+
 def generated_section(results: dict[str, Any]) -> str:
     locomo = results["locomo"]
     data = locomo["dataset"]
@@ -226,6 +245,36 @@ def generated_section(results: dict[str, Any]) -> str:
             f"naming an identifier) whose answer is one known chunk; top {knowledge['top_k']}.",
             _table(["chunking", "chunks", "mode", "hit@1", "hit@5", "MRR@5"], _knowledge_rows(knowledge)),
         ]
+    documents = results.get("documents")
+    if documents:
+        formats = list(documents["questions_by_format"])
+        parts += [
+            f"**Third-party documents** ({len(documents['documents'])} files, {documents['questions']} questions"
+            " in bench/document_questions.toml: "
+            + ", ".join(f"{n} {f}" for f, n in documents["questions_by_format"].items())
+            + f"); top {documents['top_k']}; hit@5 per format; cited = the passage's page, slide or row"
+            " covers the answer's (first passage; hitting passages).",
+            _table(
+                ["system", "hit@1", "hit@5", "MRR@5", "cited@1", "cited when hit", *formats],
+                _document_rows(documents, formats),
+            ),
+        ]
+        if "study" in documents:
+            parts += [
+                "**Chunk size** (the service's markdown chunker, vector search, exact; e5 tokens with the"
+                " `passage: ` prefix):",
+                _table(
+                    [
+                        "variant",
+                        "chunks",
+                        "mean tokens",
+                        f"> {documents['study']['window_tokens']}",
+                        "hit@1",
+                        "hit@5",
+                    ],
+                    _study_rows(documents["study"]),
+                ),
+            ]
     return "\n\n".join(parts)
 
 
