@@ -31,7 +31,8 @@ own spans do not give for the answer's start (a wrong question, or a locator bug
 `--quick` skips documents over 100,000 extracted characters and asks at most two questions per
 document. `run_document_quality(env)` measures against a running `bench.env` service (as
 bench/quality.py does); alone, the command starts its own world and writes
-bench/results/document-quality.json, then prints the tables.
+bench/results/document-quality.json (rewritten after each part, so an interrupted run keeps what
+it measured), then prints the tables.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,10 +84,11 @@ ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = ROOT / "bench" / "document_questions.toml"
 OUTPUT = ROOT / "bench" / "results" / "document-quality.json"
 FORMATS = ("pdf", "docx", "pptx", "xlsx", "csv", "jsonl")
-STUDY_SIZES = (128, 192, 256)
+STUDY_SIZES = (256, 192, 128)  # the default first: it checks the study against the service
 QUICK_MAX_CHARS = 100_000
 QUICK_PER_DOCUMENT = 2
 CONCURRENCY = 8
+Saver = Callable[[], None]
 
 
 # --- questions, documents and truths -----------------------------------------------------------
@@ -312,9 +314,11 @@ async def measure_peer(corpus: Corpus, cache: VectorCache) -> dict[str, Any]:
     }
 
 
-async def measure_study(corpus: Corpus, cache: VectorCache) -> dict[str, Any]:
+async def measure_study(corpus: Corpus, cache: VectorCache, study: dict[str, Any], saved: Saver) -> None:
+    """Every variant into `study`, saved after each."""
     counter = TokenCounter() if cache.counts_e5_tokens else None
-    variants = {}
+    variants: dict[str, Any] = {}
+    study.update(window_tokens=E5_WINDOW_TOKENS, variants=variants)
     for size in STUDY_SIZES:
         for heading_prefix in (False, True):
             name = f"{size}{'+headings' if heading_prefix else ''}"
@@ -329,7 +333,7 @@ async def measure_study(corpus: Corpus, cache: VectorCache) -> dict[str, Any]:
                 **scored(corpus, judged(corpus, returned), citations=False),
                 "seconds": round(time.perf_counter() - began, 1),
             }
-    return {"window_tokens": E5_WINDOW_TOKENS, "variants": variants}
+            saved()
 
 
 def agreement(ours: dict[str, Any], theirs: dict[str, Any]) -> float:
@@ -343,9 +347,15 @@ def agreement(ours: dict[str, Any], theirs: dict[str, Any]) -> float:
 
 
 async def run_document_quality(
-    env: BenchEnv, *, questions_file: Path = QUESTIONS, quick: bool = False, study: bool = True
+    env: BenchEnv,
+    *,
+    questions_file: Path = QUESTIONS,
+    quick: bool = False,
+    study: bool = True,
+    checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Measure against `env`'s running service (see the module docstring)."""
+    """Measure against `env`'s running service (see the module docstring); `checkpoint` gets the
+    results so far after each part (the service, the peer, each study variant)."""
     began = time.perf_counter()
     corpus = load_corpus(questions_file, quick)
     results: dict[str, Any] = {
@@ -364,19 +374,28 @@ async def run_document_quality(
         "quick": quick,
         "truth_disagreements": truth_disagreements(corpus),
     }
+
+    def saved() -> None:
+        results["seconds"] = round(time.perf_counter() - began, 1)
+        if checkpoint is not None:
+            checkpoint(results)
+
     results["service"], embedder_name = await measure_service(env, corpus)
+    saved()
     assert env.service is not None
     assert env.service.embedders is not None
     cache = VectorCache(env.service.embedders.get(embedder_name))
     results["peer"] = await measure_peer(corpus, cache)
+    saved()
     if study:
-        results["study"] = await measure_study(corpus, cache)
+        results["study"] = {}
+        await measure_study(corpus, cache, results["study"], saved)
         vector = results["service"]["modes"].get("vector")
         if vector and str(DEFAULT_CHUNK_SIZE) in results["study"]["variants"]:
             own = results["study"]["variants"][str(DEFAULT_CHUNK_SIZE)]
             results["study"]["default_agrees_with_service_vector"] = agreement(own, vector)
     results["texts_embedded_offline"] = cache.embedded_texts
-    results["seconds"] = round(time.perf_counter() - began, 1)
+    saved()
     return results
 
 
@@ -453,12 +472,21 @@ def tables(results: dict[str, Any]) -> str:
 # --- the command -------------------------------------------------------------------------------
 
 
+def write(results: dict[str, Any], output: Path) -> None:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     began = time.perf_counter()
     async with bench_env() as env:
         await env.start_service()
         results = await run_document_quality(
-            env, questions_file=args.questions, quick=args.quick, study=args.study
+            env,
+            questions_file=args.questions,
+            quick=args.quick,
+            study=args.study,
+            checkpoint=lambda partial: write(partial, args.output),
         )
     results["seconds_with_setup"] = round(time.perf_counter() - began, 1)
     return results
@@ -475,8 +503,7 @@ def main() -> None:
     if not args.questions.is_file():
         parser.error(f"--questions {args.questions}: no such file")
     results = asyncio.run(run(args))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    write(results, args.output)
     print(json.dumps(results, indent=1, ensure_ascii=False) if args.json else tables(results))
     log(f"wrote {args.output}")
     sys.exit(0)
