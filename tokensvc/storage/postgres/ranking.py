@@ -145,17 +145,19 @@ def _bm25_parts(corpus: Corpus, where: str, p: _Params, query: CandidateQuery, k
     b = p.add(query.bm25_b)
     return [
         f"terms AS (SELECT DISTINCT lexeme FROM unnest(to_tsvector({cfg}::regconfig, {raw})))",
-        f"matched AS (SELECT {key}, content_tsv FROM {corpus.table} WHERE {where} "
+        # Each matched row's tsvector is read once, here: a long row's is stored out of line, and
+        # reading it again per use cost more than the ranking (10k matches: 70 of 200 ms). Only
+        # the query's lexemes are kept: marked with weight A (every stored lexeme is D,
+        # to_tsvector's default) and kept by ts_filter, so the other ~90 % of each row's lexemes
+        # are never expanded into (lexeme, positions, weights) rows.
+        f"matched AS (SELECT {key}, length(content_tsv) AS dl, ts_filter(setweight(content_tsv, 'A', "
+        f"(SELECT array_agg(lexeme) FROM terms)), '{{a}}') AS hits FROM {corpus.table} WHERE {where} "
         f"AND content_tsv @@ websearch_to_tsquery({cfg}::regconfig, {alternatives}) LIMIT {MAX_TEXT_MATCHES})",
-        # Only the query's lexemes are unnested: marked with weight A (every stored lexeme is D,
-        # to_tsvector's default) and kept by ts_filter, so the other ~90 % of each matched row's
-        # lexemes are never expanded into (lexeme, positions, weights) rows.
-        f"postings AS (SELECT {_cols('m', corpus.key)}, u.lexeme, cardinality(u.positions) AS tf, "
-        "length(m.content_tsv) AS dl FROM matched m CROSS JOIN LATERAL unnest(ts_filter(setweight("
-        "m.content_tsv, 'A', (SELECT array_agg(lexeme) FROM terms)), '{a}')) u)",
+        f"postings AS (SELECT {_cols('m', corpus.key)}, u.lexeme, cardinality(u.positions) AS tf, m.dl "
+        "FROM matched m CROSS JOIN LATERAL unnest(m.hits) u)",
         "df AS (SELECT lexeme, count(*) AS n FROM postings GROUP BY lexeme)",
         f"stats AS (SELECT greatest({n}::float8, count(*)) AS n, "
-        "coalesce(avg(length(content_tsv)), 1)::float8 AS avgdl FROM matched)",
+        "coalesce(avg(dl), 1)::float8 AS avgdl FROM matched)",
         f"bm25 AS (SELECT {_cols('p', corpus.key)}, sum(ln(1 + (s.n - df.n + 0.5) / (df.n + 0.5)) "
         f"* p.tf * ({k1}::float8 + 1) / (p.tf + {k1}::float8 * (1 - {b}::float8 + {b}::float8 "
         f"* p.dl / s.avgdl))) AS score FROM postings p JOIN df USING (lexeme) CROSS JOIN stats s "
@@ -199,7 +201,8 @@ def candidate_statement(corpus: Corpus, where: str, params: list[Any], query: Ca
     parts.append(f"pool AS ({' UNION '.join(pool)})")
 
     text_score = "coalesce(b.score, 0)" if query.text is not None else "0::float8"
-    joins = [f"JOIN {_scoped(corpus, where)} m USING ({key})"]
+    fetched = _scoped(corpus, where) if query.exact else _fetched(corpus, where, "pool", corpus.key)
+    joins = [f"JOIN {fetched} m USING ({key})"]
     if query.text is not None:
         joins.append(f"LEFT JOIN bm25 b USING ({key})")
         joins.append(f"LEFT JOIN by_text t USING ({key})")
@@ -264,6 +267,19 @@ def _scoped(corpus: Corpus, where: str) -> str:
     return f"(SELECT * FROM {corpus.table} WHERE {where})"
 
 
+def _fetched(corpus: Corpus, where: str, outer: str, columns: Sequence[str]) -> str:
+    """The corpus's row whose key is `outer`'s `columns`, looked up by key (LATERAL): an approximate
+    search's statement runs with nested loops off (`search_settings`), and this is the one join
+    that must stay one: the others read the statement's own small CTEs, which the planner, blind
+    to their sizes, would otherwise rescan per row (`bm25` holds up to MAX_TEXT_MATCHES rows: 50
+    candidates x 10k rows was half of a 100k-chunk search). OFFSET 0 keeps it from being flattened
+    into a plain join."""
+    match = " AND ".join(
+        f"{name} = {outer}.{column}" for name, column in zip(corpus.key, columns, strict=True)
+    )
+    return f"LATERAL (SELECT * FROM {corpus.table} WHERE {where} AND {match} OFFSET 0)"
+
+
 def _linked_neighbours(corpus: Corpus, where: str, joins: list[str], vector_score: str, *, text: bool) -> str:
     """Neighbour columns from `links` (approximate scans: rows fetched by key); appends joins."""
     joins.append(f"JOIN links l USING ({', '.join(corpus.key)})")
@@ -272,7 +288,8 @@ def _linked_neighbours(corpus: Corpus, where: str, joins: list[str], vector_scor
         on = " AND ".join(
             [*(f"{alias}.{c} = l.{c}" for c in corpus.partition), f"{alias}.{corpus.local} = l.{side}_local"]
         )
-        joins.append(f"LEFT JOIN {_scoped(corpus, where)} {alias} ON {on}")
+        neighbour = [*corpus.partition, f"{side}_local"]
+        joins.append(f"LEFT JOIN {_fetched(corpus, where, 'l', neighbour)} {alias} ON true")
         text_of = "0::float8"
         if text:
             joins.append(f"LEFT JOIN bm25 {alias}b ON {on.replace(f'{alias}.', f'{alias}b.')}")
@@ -331,7 +348,7 @@ def _links(corpus: Corpus, where: str, *, exact: bool) -> str:
     ]
     return (
         f"links AS (SELECT {_cols('m', corpus.key)}, {', '.join(lookups)} "
-        f"FROM pool c JOIN {_scoped(corpus, where)} m USING ({key}))"
+        f"FROM pool c JOIN {_fetched(corpus, where, 'c', corpus.key)} m USING ({key}))"
     )
 
 
@@ -346,10 +363,16 @@ def search_settings(query: CandidateQuery) -> dict[str, str] | None:
     PostgreSQL would switch a prepared statement to a generic plan, which for the BM25 parts is
     slower than planning anew (a 419-row bucket: text 2.2 -> 1.3 ms, hybrid 4.3 -> 3.9 ms).
     """
-    custom = {} if plain_vector(query) else {"plan_cache_mode": "force_custom_plan"}
+    if plain_vector(query):
+        return (
+            None
+            if query.exact
+            else hnsw_settings(ef_search=query.ef_search, max_scan_tuples=query.max_scan_tuples)
+        )
+    custom = {"enable_nestloop": "off", "plan_cache_mode": "force_custom_plan"}
     if not query.exact:
         return {**hnsw_settings(ef_search=query.ef_search, max_scan_tuples=query.max_scan_tuples), **custom}
-    return {"enable_nestloop": "off", **custom} if custom else None
+    return custom
 
 
 def plain_vector(query: CandidateQuery) -> bool:

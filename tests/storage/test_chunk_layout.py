@@ -1,0 +1,61 @@
+"""Where a chunk's bytes live (migration 0025): its vector stays in the row, so an exact search,
+which computes every chunk's distance, reads no TOAST; the text and tsvector go out of line."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+import numpy as np
+import pytest
+
+from tests.storage.conformance.support import create_base, management, new_namespace, random_unit, upload
+from tests.storage.test_memory_rls import open_pool
+from tests.support import SharedDatabase, superuser
+from tokensvc.auth.devpki import DevPaths
+from tokensvc.knowledge.chunking import ChunkingStrategy, chunk_document
+from tokensvc.knowledge.formats import extract_document
+from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
+
+MANUAL = Path(__file__).parents[1] / "knowledge" / "fixtures" / "documents" / "r-intro.pdf"
+
+
+@pytest.fixture(scope="module")
+async def pool(
+    database: SharedDatabase, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[asyncpg.Pool]:
+    db, pool = await open_pool(database, dev, tmp_path_factory)
+    try:
+        yield pool
+    finally:
+        await db.close()
+
+
+async def test_the_chunks_of_a_real_manual_keep_their_vectors_in_the_row(
+    pool: asyncpg.Pool, database: SharedDatabase
+) -> None:
+    # 256-word chunks of a third-party PDF manual: rows past the 2 kB toast threshold.
+    text = extract_document(MANUAL.read_bytes(), "application/pdf").text
+    chunks = chunk_document(text, ChunkingStrategy.from_stored("markdown", 256, 0))
+    texts = [chunk.text for chunk in chunks[:60]]
+    store = PostgresKnowledgeStore(pool)
+    namespace = new_namespace()
+    await create_base(store, namespace, "kb")
+    rng = np.random.default_rng(25)
+    await upload(store, namespace, "kb", "r-intro", texts, vectors=[random_unit(rng) for _ in texts])
+    try:
+        async with superuser(database) as conn:
+            # pg_column_toast_chunk_id: the value's TOAST id when it is stored out of line, else NULL.
+            stored = await conn.fetchrow(
+                "SELECT count(*) AS chunks, "
+                "count(pg_column_toast_chunk_id(embedding)) AS vectors_out_of_line, "
+                "count(pg_column_toast_chunk_id(content_tsv)) + count(pg_column_toast_chunk_id(text)) "
+                "AS texts_out_of_line FROM tokensvc.chunks WHERE namespace = $1",
+                namespace,
+            )
+    finally:
+        await store.delete_base(management(namespace), "kb")
+    assert stored["chunks"] == len(texts) == 60
+    assert stored["texts_out_of_line"] > 0, "the rows were small enough to stay whole: no layout was tested"
+    assert stored["vectors_out_of_line"] == 0
