@@ -192,14 +192,17 @@ async def retrying(call: Callable[[], Awaitable[_T]]) -> _T:
     raise AssertionError("unreachable")
 
 
-async def upload(clients: Clients, kb_ref: str, name: str, text: str) -> int:
-    """Upload one document's text as text/markdown; the chunk count the server reports."""
-    content = text.encode("utf-8")
+async def upload(
+    clients: Clients, kb_ref: str, name: str, text: str | bytes, content_type: str = CONTENT_TYPE
+) -> int:
+    """Upload one document (its text as text/markdown, or its bytes as `content_type`) and wait
+    until it is READY; the chunk count the server reports."""
+    content = text.encode("utf-8") if isinstance(text, str) else text
     header = knowledge_pb2.UploadDocumentHeader(
         namespace=NAMESPACE,
         knowledge_base_ref=kb_ref,
         document_ref=doc_ref(name),
-        content_type=CONTENT_TYPE,
+        content_type=content_type,
         wait_until_ready=True,
     )
     messages = [knowledge_pb2.UploadDocumentRequest(header=header)]

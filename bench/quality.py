@@ -1,7 +1,7 @@
 """`make bench`, retrieval quality: LoCoMo memory recall and the knowledge-base question set.
 
     .venv/bin/python -m bench.quality [--data PATH] [--quick] [--no-peer] [--mem0-python PATH]
-        [--no-knowledge] [--no-docs] [--report-only]
+        [--no-knowledge] [--no-documents] [--no-study] [--no-docs] [--report-only]
 
 One throwaway world (bench/env.py) on the service's defaults (the embedded multilingual-e5-small),
 then, in order:
@@ -11,7 +11,11 @@ then, in order:
    latency with the query embedding included next to the service's embedder alone, Remember
    throughput next to the embedder's own batched throughput;
 2. knowledge bases (bench/knowledge_quality.py): this project's docs chunked with each strategy,
-   84 hand-written questions whose answer is one known `doc#chunk`, hit@1/hit@5 per mode.
+   84 hand-written questions whose answer is one known `doc#chunk`, hit@1/hit@5 per mode;
+3. third-party documents (bench/document_quality.py): PDF, DOCX, PPTX, XLSX, CSV and JSON Lines
+   with hand-written questions (bench/document_questions.toml), hit@k and citation correctness per
+   mode and format next to a LangChain pipeline on the same vectors, and the chunk-size study
+   (`--no-study` skips it; `--quick` asks a subset over the smaller documents).
 
 Results go to bench/results/quality.json and the summary to docs/benchmarks.md (between the
 quality markers) with the plot docs/benchmarks-quality.png. `--report-only` re-renders both from
@@ -28,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.document_quality import QUESTIONS as DOCUMENT_QUESTIONS
+from bench.document_quality import run_document_quality
 from bench.env import bench_env
 from bench.knowledge_quality import run_knowledge_quality
 from bench.locomo import CATEGORIES, DEFAULT_DATA, run_locomo
@@ -61,6 +67,13 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         if not args.no_knowledge:
             log("knowledge bases: this project's docs, every chunking strategy")
             results["knowledge"] = await run_knowledge_quality(env)
+        if args.no_documents:
+            pass
+        elif not DOCUMENT_QUESTIONS.is_file():
+            log(f"documents: skipped, no {DOCUMENT_QUESTIONS.name} yet")
+        else:
+            log("documents: third-party files of every format, the LangChain peer, the chunk-size study")
+            results["documents"] = await run_document_quality(env, quick=args.quick, study=not args.no_study)
     results["seconds"] = round(time.perf_counter() - began, 1)
     return results
 
@@ -149,6 +162,25 @@ def _knowledge_rows(knowledge: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _document_rows(documents: dict[str, Any], formats: list[str]) -> list[list[str]]:
+    systems = [(f"tokensvc {mode}", m) for mode, m in documents["service"]["modes"].items()]
+    systems.append(("LangChain (loaders, 1000/200 splitter, exact cosine)", documents["peer"]))
+    return [
+        [name, _f(m["hit@1"]), _f(m["hit@5"]), _f(m["mrr@5"]), _f(m["cited@1"]), _f(m["cited_when_hit"])]
+        + [_f(m["by_format"].get(f, {}).get("hit@5")) for f in formats]
+        for name, m in systems
+    ]
+
+
+def _study_rows(study: dict[str, Any]) -> list[list[str]]:
+    window = study["window_tokens"]
+    return [
+        [name, str(v["chunks"]), _f(v.get("mean_tokens"), 0), _f(v.get(f"over_{window}_tokens"), 3),
+         _f(v["hit@1"]), _f(v["hit@5"])]
+        for name, v in study["variants"].items()
+    ]  # fmt: skip
+
+
 def generated_section(results: dict[str, Any]) -> str:
     locomo = results["locomo"]
     data = locomo["dataset"]
@@ -213,6 +245,36 @@ def generated_section(results: dict[str, Any]) -> str:
             f"naming an identifier) whose answer is one known chunk; top {knowledge['top_k']}.",
             _table(["chunking", "chunks", "mode", "hit@1", "hit@5", "MRR@5"], _knowledge_rows(knowledge)),
         ]
+    documents = results.get("documents")
+    if documents:
+        formats = list(documents["questions_by_format"])
+        parts += [
+            f"**Third-party documents** ({len(documents['documents'])} files, {documents['questions']} questions"
+            " in bench/document_questions.toml: "
+            + ", ".join(f"{n} {f}" for f, n in documents["questions_by_format"].items())
+            + f"); top {documents['top_k']}; hit@5 per format; cited = the passage's page, slide or row"
+            " covers the answer's (first passage; hitting passages).",
+            _table(
+                ["system", "hit@1", "hit@5", "MRR@5", "cited@1", "cited when hit", *formats],
+                _document_rows(documents, formats),
+            ),
+        ]
+        if "study" in documents:
+            parts += [
+                "**Chunk size** (the service's markdown chunker, vector search, exact; e5 tokens with the"
+                " `passage: ` prefix):",
+                _table(
+                    [
+                        "variant",
+                        "chunks",
+                        "mean tokens",
+                        f"> {documents['study']['window_tokens']}",
+                        "hit@1",
+                        "hit@5",
+                    ],
+                    _study_rows(documents["study"]),
+                ),
+            ]
     return "\n\n".join(parts)
 
 
@@ -256,6 +318,10 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true", help="skip the LangGraph and mem0 peers")
     parser.add_argument("--mem0-python", help="an interpreter with mem0ai and psycopg, for the mem0 peer")
     parser.add_argument("--no-knowledge", action="store_true", help="skip the knowledge-base question set")
+    parser.add_argument(
+        "--no-documents", action="store_true", help="skip the third-party documents' questions"
+    )
+    parser.add_argument("--no-study", action="store_true", help="skip the documents' chunk-size study")
     parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
     parser.add_argument("--report-only", action="store_true", help=f"re-render the docs from {RESULTS.name}")
     args = parser.parse_args()

@@ -1,7 +1,9 @@
 """The knowledge-base question set (`bench/kb_questions.toml`) and where each answer is.
 
 Each question quotes its answer from a document verbatim; `locate_all` finds every answer exactly
-once in its document's extracted text. Kept apart from `bench.knowledge_quality` (which needs the
+once in its document's extracted text. Questions over paged or tabular documents may also say where
+the answer is in the original (`page`, `slide`, `sheet`, `row`: bench/document_quality.py's
+question file); `load_extracted` extracts such documents by their file type. Kept apart from `bench.knowledge_quality` (which needs the
 `bench` extra to run) so the test suite can check the quotes on a plain install.
 """
 
@@ -13,7 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokensvc.knowledge.formats import extract_text
+from tokensvc.knowledge.formats import (
+    ExtractedDocument,
+    extract_document,
+    extract_text,
+    media_type_for_filename,
+)
 
 __all__ = [
     "CONTENT_TYPE",
@@ -21,6 +28,7 @@ __all__ = [
     "Question",
     "Span",
     "load_documents",
+    "load_extracted",
     "load_questions",
     "locate",
     "locate_all",
@@ -40,6 +48,12 @@ class Question:
     question: str
     answer: str
     style: str  # "paraphrase" or "keyword"
+    # Where the answer is in the original, 1-based, 0 or empty where not given: a PDF's page, a
+    # PPTX's slide, a spreadsheet's sheet and a row as the file numbers it (XLSX, CSV, JSON Lines).
+    page: int = 0
+    slide: int = 0
+    sheet: str = ""
+    row: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,7 +74,8 @@ def load_questions(path: Path = QUESTIONS) -> list[Question]:
             raise ValueError(f"{path.name}: question {number} lacks {', '.join(sorted(missing))}")
         answer = " ".join(str(table["answer"]).split())
         style = str(table.get("style", "paraphrase"))
-        questions.append(Question(number, str(table["doc"]), str(table["question"]), answer, style))
+        where = {key: table[key] for key in ("page", "slide", "sheet", "row") if key in table}
+        questions.append(Question(number, str(table["doc"]), str(table["question"]), answer, style, **where))
     return questions
 
 
@@ -68,6 +83,18 @@ def load_documents(names: Sequence[str]) -> dict[str, str]:
     """Each document's extracted text, read once: the answers are located, the chunks resolved and
     the uploads made from this snapshot, so a document edited during a run cannot skew it."""
     return {name: extract_text((ROOT / name).read_bytes(), CONTENT_TYPE) for name in names}
+
+
+def load_extracted(names: Sequence[str]) -> dict[str, ExtractedDocument]:
+    """Each document's text and source spans, extracted as its file type (`media_type_for_filename`)
+    says, read once like `load_documents`."""
+    documents = {}
+    for name in names:
+        media_type = media_type_for_filename(name)
+        if media_type is None:
+            raise ValueError(f"{name}: no media type for this file name")
+        documents[name] = extract_document((ROOT / name).read_bytes(), media_type)
+    return documents
 
 
 def locate(text: str, answer: str) -> Span:
