@@ -3,33 +3,18 @@ which computes every chunk's distance, reads no TOAST; the text and tsvector go 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import asyncpg
 import numpy as np
-import pytest
 
 from tests.storage.conformance.support import create_base, management, new_namespace, random_unit, upload
-from tests.storage.test_memory_rls import open_pool
 from tests.support import SharedDatabase, superuser
-from tokensvc.auth.devpki import DevPaths
 from tokensvc.knowledge.chunking import ChunkingStrategy, chunk_document
 from tokensvc.knowledge.formats import extract_document
 from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
 
 MANUAL = Path(__file__).parents[1] / "knowledge" / "fixtures" / "documents" / "r-intro.pdf"
-
-
-@pytest.fixture(scope="module")
-async def pool(
-    database: SharedDatabase, dev: DevPaths, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[asyncpg.Pool]:
-    db, pool = await open_pool(database, dev, tmp_path_factory)
-    try:
-        yield pool
-    finally:
-        await db.close()
 
 
 async def test_the_chunks_of_a_real_manual_keep_their_vectors_in_the_row(
