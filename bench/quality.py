@@ -67,11 +67,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         if not args.no_knowledge:
             log("knowledge bases: this project's docs, every chunking strategy")
             results["knowledge"] = await run_knowledge_quality(env)
-        if args.no_documents:
-            pass
-        elif not DOCUMENT_QUESTIONS.is_file():
+        if not args.no_documents and not DOCUMENT_QUESTIONS.is_file():
             log(f"documents: skipped, no {DOCUMENT_QUESTIONS.name} yet")
-        else:
+        elif not args.no_documents:
             log("documents: third-party files of every format, the LangChain peer, the chunk-size study")
             results["documents"] = await run_document_quality(env, quick=args.quick, study=not args.no_study)
     results["seconds"] = round(time.perf_counter() - began, 1)
