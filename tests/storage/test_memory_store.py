@@ -26,8 +26,9 @@ from tests.storage.search_support import vector_search, vector_sql
 from tests.support import SharedDatabase, service_settings
 from tokensvc.app import locate_database
 from tokensvc.auth.devpki import DevPaths
+from tokensvc.retrieval.planning import candidate_query
 from tokensvc.storage.filter_language import Condition, Operator
-from tokensvc.storage.postgres.memories import PostgresMemoryStore
+from tokensvc.storage.postgres.memories import PostgresMemoryStore, search_statement
 from tokensvc.storage.postgres.tenant import tenant_transaction
 from tokensvc.storage.records import EmbedderSpec, MemorySpace, NewMemory, Tenant
 
@@ -202,6 +203,38 @@ async def test_spaces_of_different_dimensions_both_store_search_and_use_their_ow
             "AND indexname LIKE 'memories_hnsw_%'"
         )
     assert {f"memories_hnsw_{DIM}", "memories_hnsw_256"} <= {row[0] for row in indexes}
+
+
+async def test_an_approximate_hybrid_search_loops_only_over_rows_it_looks_up_by_key(
+    store: PostgresMemoryStore, pool: asyncpg.Pool, rng: np.random.Generator
+) -> None:
+    """The planner cannot see the sizes of the statement's own parts (BM25 scores of up to 10,000
+    matching rows): a nested loop over one rescans it per candidate. Every nested loop of the
+    approximate HYBRID statement must be a lookup by key into the table, none a rescan of a CTE."""
+    bucket = new_bucket()
+    tenant = Tenant("store-tests", f"loops-{uuid.uuid4().hex[:8]}", (bucket,))
+    assert await store.pin_space(tenant, MemorySpace(EmbedderSpec("test", "loops", DIM, True), "simple"))
+    await store.insert(tenant, bucket, [memory(f"apple pie number {i}", unit(rng)) for i in range(30)])
+    query = candidate_query(
+        vector=unit(rng), text="apple pie", k=10, rows=30, exact=False, neighbours=True, text_config="simple"
+    )
+    sql, params, settings = search_statement(bucket, query, None)
+    async with tenant_transaction(pool, tenant, settings=settings) as conn:
+        plan = await conn.fetchval(f"EXPLAIN (FORMAT JSON) {sql}", *params)
+    plan = plan if isinstance(plan, list) else json.loads(plan)
+
+    def nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+        return [node, *(n for child in node.get("Plans", []) for n in nodes(child))]
+
+    def once(node: dict[str, Any]) -> bool:  # one row: an aggregate without groups (BM25's stats)
+        return node["Node Type"] == "Aggregate" and node.get("Strategy") == "Plain"
+
+    loops = [n for n in nodes(plan[0]["Plan"]) if n["Node Type"] == "Nested Loop" and not once(n["Plans"][0])]
+    assert loops, "no key lookups at all: the statement's shape changed, update this test"
+    for loop in loops:
+        inner = loop["Plans"][1]
+        scanned = {n["Node Type"] for n in nodes(inner)}
+        assert "CTE Scan" not in scanned, json.dumps(loop, indent=1)
 
 
 async def test_ensure_vector_index_is_idempotent(store: PostgresMemoryStore, pool: asyncpg.Pool) -> None:

@@ -355,7 +355,8 @@ def _links(corpus: Corpus, where: str, *, exact: bool) -> str:
 def search_settings(query: CandidateQuery) -> dict[str, str] | None:
     """Transaction-local settings of a search (declared with the tenant: no extra round trip).
 
-    Approximate: the HNSW scan's. Exact TEXT/HYBRID: no nested loops. Under row-level security the
+    Approximate: the HNSW scan's. TEXT/HYBRID, exact or approximate: no nested loops (an
+    approximate statement's lookups by key stay loops: `_fetched`). Under row-level security the
     planner estimates one row for any bucket, so it joins the statement's parts (candidates, BM25
     scores, neighbours) by nested loops that rescan the bucket per candidate (55 ms for a
     400-row bucket, measured); an exact search reads the whole bucket anyway, and hash joins over
