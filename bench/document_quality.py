@@ -74,7 +74,7 @@ from bench.knowledge_quality import (
     search_modes,
     upload,
 )
-from bench.questions import Question, Span, load_extracted, load_questions, locate_all
+from bench.questions import Question, Span, covers, load_extracted, load_questions, locate_all
 from tokensvc.knowledge.chunking import DEFAULT_CHUNK_SIZE, ChunkingStrategy, chunk_document
 from tokensvc.knowledge.formats import ExtractedDocument, SpanIndex
 
@@ -128,18 +128,6 @@ def load_corpus(path: Path, quick: bool) -> Corpus:
 def truth_of(q: Question) -> dict[str, Any]:
     fields = {"page": q.page, "slide": q.slide, "sheet": q.sheet, "row": q.row}
     return {name: value for name, value in fields.items() if value}
-
-
-def covers(location: Any, q: Question) -> bool | None:
-    """Whether a location (of a passage from the question's document) covers the question's
-    truth; None when the question has none."""
-    if q.page:
-        return bool(location.first_page <= q.page <= location.last_page)
-    if q.slide:
-        return bool(location.first_slide <= q.slide <= location.last_slide)
-    if q.row:
-        return bool(location.sheet == q.sheet and location.first_row <= q.row <= location.last_row)
-    return None
 
 
 def truth_disagreements(corpus: Corpus) -> list[dict[str, Any]]:

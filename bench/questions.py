@@ -14,6 +14,7 @@ import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tokensvc.knowledge.formats import (
     ExtractedDocument,
@@ -27,6 +28,7 @@ __all__ = [
     "QUESTIONS",
     "Question",
     "Span",
+    "covers",
     "load_documents",
     "load_extracted",
     "load_questions",
@@ -117,3 +119,15 @@ def locate_all(questions: Sequence[Question], documents: dict[str, str]) -> dict
     if problems:
         raise ValueError("bad answers in the questions file:\n  " + "\n  ".join(problems))
     return spans
+
+
+def covers(location: Any, q: Question) -> bool | None:
+    """Whether a location (of a passage from the question's document) covers the question's
+    truth; None when the question has none."""
+    if q.page:
+        return bool(location.first_page <= q.page <= location.last_page)
+    if q.slide:
+        return bool(location.first_slide <= q.slide <= location.last_slide)
+    if q.row:
+        return bool(location.sheet == q.sheet and location.first_row <= q.row <= location.last_row)
+    return None

@@ -56,3 +56,24 @@ def test_every_knowledge_base_question_quotes_its_document_exactly_once() -> Non
     questions = load_questions()
     spans = locate_all(questions, load_documents(sorted({q.doc for q in questions})))
     assert len(spans) == len(questions) > 50
+
+
+def test_every_document_question_quotes_its_document_once_where_its_location_says() -> None:
+    # bench/document_questions.toml quotes third-party PDF/DOCX/PPTX/XLSX/CSV/JSONL files as the
+    # service extracts them, with the page, slide or row found by other tools: an extraction change
+    # that moves, drops or repeats an answer, or a locator that disagrees, fails here.
+    from bench.questions import covers, load_extracted, load_questions, locate_all
+    from tokensvc.knowledge.formats import SpanIndex
+
+    questions = load_questions(ROOT / "bench" / "document_questions.toml")
+    documents = load_extracted(sorted({q.doc for q in questions}))
+    answers = locate_all(questions, {name: document.text for name, document in documents.items()})
+    assert len(answers) == len(questions) >= 100
+    assert sum(bool(q.page or q.slide or q.row) for q in questions) > 90  # the locations are checked
+    misplaced = []
+    for q in questions:
+        start = answers[q.number].start
+        location = SpanIndex(documents[q.doc].spans).locate(start, start + 1)
+        if covers(location, q) is False:
+            misplaced.append((q.number, q.doc, q.page or q.slide or (q.sheet, q.row), location))
+    assert not misplaced
