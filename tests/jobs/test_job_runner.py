@@ -1,7 +1,8 @@
 """The job runner on its own (`tokensvc.jobs`), with a tiny kind of job over an in-process store:
 real asyncio, no database. What it pins: leases are renewed while a step outlasts them, a lost
 lease stops the work, failures back off doubling up to the cap and pause a job after
-`pause_after`, a runner works on at most `parallel` jobs at once, a wake-up starts work at once.
+`pause_after`, a runner works on at most `parallel` jobs at once and on a job in one turn at most
+(its lease is the runner's: two turns would both pass it), a wake-up starts work at once.
 
 Each wait below loops until the state it waits for is reached; nothing asserts a duration.
 """
@@ -39,6 +40,8 @@ class TinyStore:
         self.jobs = {job_id: TinyJob(job_id) for job_id in ids}
         self.leases: dict[str, tuple[str, float]] = {}  # id -> (owner, until)
         self.renewals = 0
+        # When set, a claim waits for it (after choosing its job): a claim in flight.
+        self.claim_gate: asyncio.Event | None = None
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
@@ -53,6 +56,8 @@ class TinyStore:
             free = owner in (None, runner) or until < self._now()
             if free and job.id not in busy and not job.paused and job.done < STEPS:
                 self.leases[job.id] = (runner, self._now() + lease_seconds)
+                if self.claim_gate is not None:
+                    await self.claim_gate.wait()
                 return job
         return None
 
@@ -101,6 +106,8 @@ class TinyKind:
         self.failing = False
         self.working: set[str] = set()
         self.most_at_once = 0
+        self.turns: dict[str, int] = {}  # turns under way per job
+        self.most_turns_on_one_job = 0
         self.cancelled_steps = 0
         self.paused_jobs: list[tuple[str, str]] = []
 
@@ -117,6 +124,8 @@ class TinyKind:
     async def work(self, job: TinyJob, turn: JobTurn[TinyJob]) -> None:
         self.working.add(job.id)
         self.most_at_once = max(self.most_at_once, len(self.working))
+        self.turns[job.id] = self.turns.get(job.id, 0) + 1
+        self.most_turns_on_one_job = max(self.most_turns_on_one_job, self.turns[job.id])
         try:
             while self.store.jobs[job.id].done < STEPS and not turn.lease.lost:
                 step = asyncio.create_task(self._step())
@@ -130,6 +139,7 @@ class TinyKind:
                     return
         finally:
             self.working.discard(job.id)
+            self.turns[job.id] -= 1
 
     async def paused(self, job: TinyJob, reason: str) -> None:
         self.paused_jobs.append((job.id, reason))
@@ -267,3 +277,41 @@ def test_throughput_is_the_rate_so_far_and_the_time_left_at_it() -> None:
     )
     assert stopped == Throughput(3.0, None)
     assert Throughput.of(done=0, total=90, started=start, last=start, running=True) == Throughput(0.0, None)
+
+
+async def test_work_on_a_job_the_runners_own_claim_took_waits_for_that_work_and_starts_no_second() -> None:
+    store = TinyStore("job-1")
+    kind = TinyKind(store)
+    kind.gate = asyncio.Event()
+    runner = runner_of(kind, store, JobSettings())
+    stepping = asyncio.create_task(runner.step())  # the runner's own claim takes the job
+    await until(lambda: "job-1" in kind.working)
+    # An upload that waits for its version asks the same runner to work on it (its lease is
+    # this runner's, so a second turn would pass every lease check).
+    waiting = asyncio.create_task(runner.work_on(store.jobs["job-1"]))
+    for _ in range(20):
+        await asyncio.sleep(0.005)
+        assert not waiting.done()  # it waits for the work under way
+    kind.gate.set()
+    await waiting
+    assert await stepping
+    assert store.jobs["job-1"].done == STEPS
+    assert kind.most_turns_on_one_job == 1
+
+
+async def test_a_claim_that_comes_back_with_a_job_work_on_took_meanwhile_starts_no_second_turn() -> None:
+    store = TinyStore("job-1")
+    store.claim_gate = asyncio.Event()
+    kind = TinyKind(store)
+    kind.gate = asyncio.Event()
+    runner = runner_of(kind, store, JobSettings())
+    stepping = asyncio.create_task(runner.step())  # its claim has chosen job-1 and is in flight
+    await until(lambda: "job-1" in store.leases)
+    waiting = asyncio.create_task(runner.work_on(store.jobs["job-1"]))
+    await until(lambda: "job-1" in kind.working)
+    store.claim_gate.set()
+    assert not await stepping  # the claim's job is worked on already: dropped
+    kind.gate.set()
+    await waiting
+    assert store.jobs["job-1"].done == STEPS
+    assert kind.most_turns_on_one_job == 1

@@ -95,7 +95,10 @@ class JobRunner(Generic[_Job]):
         self._settings = settings
         self.runner_id = runner_id
         self._woken = asyncio.Event()
-        self._working: set[str] = set()  # ids of the jobs this runner works on now
+        # The jobs this runner works on now, each with the event set when that work ends. One
+        # turn per job at most: two turns of one runner pass each other's lease checks (the
+        # lease is the runner's), so their writes would interleave.
+        self._working: dict[str, asyncio.Event] = {}
 
     def wake(self) -> None:
         """Look for work now instead of at the next poll (a job was started here)."""
@@ -139,8 +142,14 @@ class JobRunner(Generic[_Job]):
 
     async def work_on(self, job: _Job) -> None:
         """Work on a job this runner holds the lease of without `claim` (it was created leased
-        to it, for a caller that waits), as a claimed one: its lease kept, its failures counted."""
-        self._working.add(job.id)
+        to it, for a caller that waits), as a claimed one: its lease kept, its failures counted.
+        When this runner works on it already (its own claim took it first), wait for that work
+        to end instead."""
+        running = self._working.get(job.id)
+        if running is not None:
+            await running.wait()
+            return
+        self._working[job.id] = asyncio.Event()
         await self._work(job)
 
     async def _turn(self, job: _Job) -> None:
@@ -166,8 +175,9 @@ class JobRunner(Generic[_Job]):
         job = await self._store.claim(
             self.runner_id, lease_seconds=self._settings.lease_seconds, busy=frozenset(self._working)
         )
-        if job is not None:
-            self._working.add(job.id)
+        if job is None or job.id in self._working:  # `work_on` took it while the claim ran
+            return None
+        self._working[job.id] = asyncio.Event()
         return job
 
     async def _work(self, job: _Job) -> bool:
@@ -178,7 +188,7 @@ class JobRunner(Generic[_Job]):
             await self._kind.work(job, JobTurn(self, lease))
         finally:
             keeper.cancel()
-            self._working.discard(job.id)
+            self._working.pop(job.id).set()
         return True
 
     async def failed(self, job: _Job, reason: str) -> bool:
