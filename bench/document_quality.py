@@ -1,6 +1,6 @@
 """Knowledge-base retrieval quality on third-party documents of every format, next to a LangChain build.
 
-    .venv/bin/python -m bench.document_quality [--quick] [--study/--no-study] [--questions PATH]
+    .venv/bin/python -m bench.document_quality [--quick] [--study/--no-study | --study-only] [--questions PATH]
 
 The documents are the ones the question file names (bench/document_questions.toml: PDF, DOCX,
 PPTX, XLSX, CSV, JSON Lines); each question quotes its answer verbatim from the document's
@@ -340,6 +340,7 @@ async def run_document_quality(
     questions_file: Path = QUESTIONS,
     quick: bool = False,
     study: bool = True,
+    study_only: bool = False,
     checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Measure against `env`'s running service (see the module docstring); `checkpoint` gets the
@@ -368,17 +369,20 @@ async def run_document_quality(
         if checkpoint is not None:
             checkpoint(results)
 
-    results["service"], embedder_name = await measure_service(env, corpus)
-    saved()
     assert env.service is not None
     assert env.service.embedders is not None
-    cache = VectorCache(env.service.embedders.get(embedder_name))
-    results["peer"] = await measure_peer(corpus, cache)
-    saved()
-    if study:
+    if study_only:
+        cache = VectorCache(env.service.embedders.get(env.service.settings.memory_embedder))
+    else:
+        results["service"], embedder_name = await measure_service(env, corpus)
+        saved()
+        cache = VectorCache(env.service.embedders.get(embedder_name))
+        results["peer"] = await measure_peer(corpus, cache)
+        saved()
+    if study or study_only:
         results["study"] = {}
         await measure_study(corpus, cache, results["study"], saved)
-        vector = results["service"]["modes"].get("vector")
+        vector = results["service"]["modes"].get("vector") if "service" in results else None
         if vector and str(DEFAULT_CHUNK_SIZE) in results["study"]["variants"]:
             own = results["study"]["variants"][str(DEFAULT_CHUNK_SIZE)]
             results["study"]["default_agrees_with_service_vector"] = agreement(own, vector)
@@ -400,6 +404,8 @@ def _formats(results: dict[str, Any]) -> list[str]:
 
 def tables(results: dict[str, Any]) -> str:
     """Format x system: hit@1/hit@5 (mrr@5 overall), then the citations, then the study."""
+    if "service" not in results:  # --study-only
+        return _study_table(results)
     formats = _formats(results)
     counts = results["questions_by_format"]
     rows: list[tuple[str, dict[str, Any]]] = [
@@ -425,25 +431,8 @@ def tables(results: dict[str, Any]) -> str:
             f"{name:<20} {_cell(m['cited@1'])}/{_cell(m['cited_when_hit'])}"
             + "".join(f"  {_cell(by[f]['cited@1'])}/{_cell(by[f]['cited_when_hit'])}" for f in formats)
         )
-    study = results.get("study")
-    if study:
-        window = study["window_tokens"]
-        lines += [
-            "",
-            f"{'study (vector)':<14} {'chunks':>6} {'tokens':>6} {f'>{window}':>6}  {'hit@1':>5} {'hit@5':>5}"
-            + "".join(f" {f + '@5':>8}" for f in formats),
-        ]
-        for name, v in study["variants"].items():
-            lines.append(
-                f"{name:<14} {v['chunks']:>6} {v.get('mean_tokens', '-'):>6} "
-                f"{v.get(f'over_{window}_tokens', '-'):>6}  {_cell(v['hit@1'])} {_cell(v['hit@5'])}"
-                + "".join(f" {_cell(v['by_format'][f]['hit@5']):>8}" for f in formats)
-            )
-        if "default_agrees_with_service_vector" in study:
-            lines.append(
-                f"(the {DEFAULT_CHUNK_SIZE}-word variant's ranks equal the service's vector mode's for"
-                f" {study['default_agrees_with_service_vector']:.0%} of the questions)"
-            )
+    if results.get("study"):
+        lines += ["", _study_table(results)]
     service = results["service"]
     for label, problems in (
         ("truth disagreements", results["truth_disagreements"]),
@@ -454,6 +443,29 @@ def tables(results: dict[str, Any]) -> str:
     ):
         if problems:
             lines.append(f"{label}: {len(problems)} (see the results file)")
+    return "\n".join(lines)
+
+
+def _study_table(results: dict[str, Any]) -> str:
+    """The chunking study: per variant its chunks, their e5 tokens, and the vector ranker's hits."""
+    formats = _formats(results)
+    study = results["study"]
+    window = study["window_tokens"]
+    lines = [
+        f"{'study (vector)':<14} {'chunks':>6} {'tokens':>6} {f'>{window}':>6}  {'hit@1':>5} {'hit@5':>5}"
+        + "".join(f" {f + '@5':>8}" for f in formats),
+    ]
+    for name, v in study["variants"].items():
+        lines.append(
+            f"{name:<14} {v['chunks']:>6} {v.get('mean_tokens', '-'):>6} "
+            f"{v.get(f'over_{window}_tokens', '-'):>6}  {_cell(v['hit@1'])} {_cell(v['hit@5'])}"
+            + "".join(f" {_cell(v['by_format'][f]['hit@5']):>8}" for f in formats)
+        )
+    if "default_agrees_with_service_vector" in study:
+        lines.append(
+            f"(the {DEFAULT_CHUNK_SIZE}-word variant's ranks equal the service's vector mode's for"
+            f" {study['default_agrees_with_service_vector']:.0%} of the questions)"
+        )
     return "\n".join(lines)
 
 
@@ -474,6 +486,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             questions_file=args.questions,
             quick=args.quick,
             study=args.study,
+            study_only=args.study_only,
             checkpoint=lambda partial: write(partial, args.output),
         )
     results["seconds_with_setup"] = round(time.perf_counter() - began, 1)
@@ -485,6 +498,7 @@ def main() -> None:
     parser.add_argument("--questions", type=Path, default=QUESTIONS, help=f"question file (default {QUESTIONS.relative_to(ROOT)})")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help=f"skip documents over {QUICK_MAX_CHARS:,} characters; {QUICK_PER_DOCUMENT} questions a document")  # fmt: skip
     parser.add_argument("--study", action=argparse.BooleanOptionalAction, default=True, help="the chunking study (default: on)")  # fmt: skip
+    parser.add_argument("--study-only", action="store_true", help="only the chunking study (not the service, not the peer)")  # fmt: skip
     parser.add_argument("--output", type=Path, default=OUTPUT, help=f"results file (default {OUTPUT.relative_to(ROOT)})")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of the tables")
     args = parser.parse_args()
