@@ -1,5 +1,6 @@
-"""Where a chunk's bytes live (migration 0025): its vector stays in the row, so an exact search,
-which computes every chunk's distance, reads no TOAST; the text and tsvector go out of line."""
+"""Where a chunk's bytes live (migrations 0025, 0026): its vector and tsvector stay in the row, so
+an exact search, which computes every chunk's distance, and the text ranker, which reads every
+matching chunk's tsvector, read no TOAST; the text, read for results alone, goes out of line."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
 MANUAL = Path(__file__).parents[1] / "knowledge" / "fixtures" / "documents" / "r-intro.pdf"
 
 
-async def test_the_chunks_of_a_real_manual_keep_their_vectors_in_the_row(
+async def test_the_chunks_of_a_real_manual_keep_their_vectors_and_tsvectors_in_the_row(
     pool: asyncpg.Pool, database: SharedDatabase
 ) -> None:
     # 256-word chunks of a third-party PDF manual: rows past the 2 kB toast threshold.
@@ -35,8 +36,9 @@ async def test_the_chunks_of_a_real_manual_keep_their_vectors_in_the_row(
             stored = await conn.fetchrow(
                 "SELECT count(*) AS chunks, "
                 "count(pg_column_toast_chunk_id(embedding)) AS vectors_out_of_line, "
-                "count(pg_column_toast_chunk_id(content_tsv)) + count(pg_column_toast_chunk_id(text)) "
-                "AS texts_out_of_line FROM tokensvc.chunks WHERE namespace = $1",
+                "count(pg_column_toast_chunk_id(content_tsv)) AS tsvectors_out_of_line, "
+                "count(pg_column_toast_chunk_id(text)) AS texts_out_of_line "
+                "FROM tokensvc.chunks WHERE namespace = $1",
                 namespace,
             )
     finally:
@@ -44,3 +46,4 @@ async def test_the_chunks_of_a_real_manual_keep_their_vectors_in_the_row(
     assert stored["chunks"] == len(texts) == 60
     assert stored["texts_out_of_line"] > 0, "the rows were small enough to stay whole: no layout was tested"
     assert stored["vectors_out_of_line"] == 0
+    assert stored["tsvectors_out_of_line"] == 0
