@@ -410,6 +410,32 @@ async def test_a_cutover_since_the_extraction_sends_the_ingestion_back_to_pendin
     assert await searchable_texts(knowledge, ns, generation=1, dim=4) == {("doc", 1, "a"), ("doc", 1, "b")}
 
 
+async def test_vectors_of_other_pins_than_the_bases_send_the_ingestion_back_to_pending(
+    backend: Backend, kb_namespace: str
+) -> None:
+    # A second fence behind the runner's one turn per job: vectors embedded for other pins (a
+    # turn of before a cutover) never become the document's chunks.
+    ns, store, knowledge = kb_namespace, backend.ingestion, backend.knowledge
+    job = await queued(store, ns, "doc", "body")
+    runner = new_runner()
+    await leased(store, job, runner)
+    await store.store_extraction(job, runner, extraction(["a", "b"], generation=0))
+    await embed_all(store, job, runner, dim=DIM + 3)
+
+    with pytest.raises(StaleKnowledgeBases):
+        await store.finish(job, runner)
+
+    again = await store.get(job)
+    assert again is not None
+    assert (again.state, again.generation, again.chunks_done) == (IngestionState.PENDING, None, 0)
+    assert await searchable_texts(knowledge, ns) == set()
+    await store.store_extraction(job, runner, extraction(["a", "b"], generation=0))
+    await embed_all(store, job, runner)
+    document = await store.finish(job, runner)
+    assert document is not None
+    assert await searchable_texts(knowledge, ns) == {("doc", 1, "a"), ("doc", 1, "b")}
+
+
 async def test_fail_ends_the_version_failed_and_keeps_the_previous_one_searchable(
     backend: Backend, kb_namespace: str
 ) -> None:

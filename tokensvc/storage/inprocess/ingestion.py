@@ -309,8 +309,19 @@ class InProcessIngestionStore:
                 return None
             base = self.tables.bases.get((held.namespace, held.kb_ref))
             assert base is not None  # deleting the base deleted its ingestions
-            if base.generation != held.generation:
-                # Cut over since the chunks were staged: they are the old pins'. Start again.
+            migrating = self.tables.migrating.get((held.namespace, held.kb_ref))
+            target_dimension = (
+                migrating[1].dimension if migrating is not None and migrating[0] == held.migration else None
+            )
+            foreign = any(
+                vector is not None
+                and (target_dimension is not None or not target)
+                and len(vector) != (target_dimension if target else base.dimension)
+                for (target, _), (_, vector) in queued.staged.items()
+            )
+            if base.generation != held.generation or foreign:
+                # Cut over since the chunks were staged (they are the old pins'), or a vector is
+                # of other pins than its generation's (embedded by a turn of before). Start again.
                 self._save(
                     replace(queued, staged={}),
                     state=IngestionState.PENDING,

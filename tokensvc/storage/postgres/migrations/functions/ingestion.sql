@@ -393,8 +393,9 @@ GRANT EXECUTE ON FUNCTION tokensvc.store_ingestion_vectors(text,uuid,text,boolea
 --   'ready'      the version is the document's (the document's row follows);
 --   'lost'       the lease is not held;
 --   'unfinished' not extracted yet, or a chunk without a vector;
---   'stale'      the base cut over since the chunks were staged: they are dropped and the
---                ingestion is PENDING again, for the new pins;
+--   'stale'      the base cut over since the chunks were staged, or a staged vector is not of its
+--                generation's dimension (a vector embedded for other pins): the chunks are dropped
+--                and the ingestion is PENDING again, for the pins of now;
 --   'superseded' the document already has this version or a newer one (a synchronous write):
 --                the ingestion ends.
 CREATE OR REPLACE FUNCTION tokensvc.finish_ingestion(ns text, job uuid, runner text)
@@ -423,7 +424,14 @@ BEGIN
                                                                     held.migration);
         IF held.chunks_total IS NULL OR held.generation IS NULL OR held.chunks_done < held.chunks_total THEN
             result := 'unfinished';
-        ELSIF held.generation IS DISTINCT FROM doc_state.generation THEN
+        ELSIF held.generation IS DISTINCT FROM doc_state.generation OR EXISTS (
+            SELECT FROM tokensvc.ingestion_chunks c
+            WHERE c.namespace = ns AND c.ingestion = job AND (NOT c.target OR doc_state.dual_write)
+              AND c.dimension IS DISTINCT FROM CASE WHEN c.target THEN
+                  (SELECT m.to_dimension FROM tokensvc.embedding_migrations m
+                   WHERE m.namespace = ns AND m.id = held.migration)
+                  ELSE (SELECT b.dimension FROM tokensvc.knowledge_bases b
+                        WHERE b.namespace = ns AND b.ref = held.kb_ref) END) THEN
             DELETE FROM tokensvc.ingestion_chunks c WHERE c.namespace = ns AND c.ingestion = job;
             UPDATE tokensvc.ingestions i
             SET state = 'pending', generation = NULL, migration = NULL, chunks_total = NULL, chunks_done = 0,
