@@ -74,6 +74,8 @@ RUNNER_CALLS = [
     ("ingestion_unembedded", "'attacks', $1::uuid, 'attacker', 10"),
     ("store_ingestion_vectors", "'attacks', $1::uuid, 'attacker', '{}', '{}', '{}'"),
     ("finish_ingestion", "'attacks', $1::uuid, 'attacker'"),
+    # A base's text statistics (functions/text_statistics.sql): they weigh every search of it.
+    ("count_text_statistics", "'attacks', $1::text, 1, 0.1, 1, 0.1"),
     ("renew_migration", "$1, 'attacker', 60"),
     ("rewind_migration", "$1, 'attacker'"),
     ("migration_failed", "$1, 'attacker', 'x', 1"),
@@ -566,6 +568,8 @@ async def test_every_security_definer_function_is_executable_by_the_roles_the_de
         "SELECT count(*) FROM ingestions",
         "SELECT count(*) FROM ingestion_content",
         "SELECT count(*) FROM ingestion_chunks",
+        "SELECT count(*) FROM text_statistics",
+        "SELECT count(*) FROM common_lexemes",
         "SELECT * FROM ingestion_queue()",
         "SELECT count(*) FROM audit_events",
         "SELECT count(*) FROM data_subject_receipts",

@@ -6,8 +6,9 @@ query for one tenant is a router query to one shard:
 
 - `memories` by `bucket` (one user's rows on one shard; each shard keeps the 256 hash partitions
   of migration 0013);
-- `knowledge_bases`, `documents` and `chunks` by `namespace`, co-located, so a document's atomic
-  version swap and a search's joins stay on one node.
+- `knowledge_bases`, `documents` and `chunks` by `namespace`, co-located with the ingestion queue
+  and the bases' text statistics, so a document's atomic version swap and a search's joins stay
+  on one node.
 
 `memory_spaces` and `embedding_migrations` become reference tables (a copy on every node): the
 memories' generation trigger reads them on the worker that holds the row. The rest stays on the
@@ -72,6 +73,8 @@ PLACEMENTS = (
     Placement("ingestions", "namespace", "knowledge_bases"),
     Placement("ingestion_content", "namespace", "knowledge_bases"),
     Placement("ingestion_chunks", "namespace", "knowledge_bases"),
+    Placement("text_statistics", "namespace", "knowledge_bases"),
+    Placement("common_lexemes", "namespace", "knowledge_bases"),
 )
 
 

@@ -37,6 +37,7 @@ from tokensvc.storage.postgres.knowledge import (
 )
 from tokensvc.storage.postgres.locations import location_from, location_json, spans_json
 from tokensvc.storage.postgres.tenant import tenant_transaction
+from tokensvc.storage.postgres.text_statistics import TEXT_STATISTICS, TextStatisticsPolicy, recount
 from tokensvc.storage.records import ALL_KNOWLEDGE_BASES, BaseRow, DocumentRow, Tenant
 
 __all__ = ["PostgresIngestionStore"]
@@ -55,9 +56,16 @@ class PostgresIngestionStore:
     (migration 0021), for everything the runner does: claims, leases, extraction, vectors,
     finish. None: this replica has no runner credential and runs no ingestion."""
 
-    def __init__(self, pool: asyncpg.Pool, runner_pool: asyncpg.Pool | None = None):
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        runner_pool: asyncpg.Pool | None = None,
+        *,
+        statistics: TextStatisticsPolicy = TEXT_STATISTICS,
+    ):
         self._pool = pool
         self._runner_pool = runner_pool
+        self._statistics = statistics
 
     @property
     def _runner(self) -> asyncpg.Pool:
@@ -240,6 +248,7 @@ class PostgresIngestionStore:
             raise StaleKnowledgeBases()
         if row["outcome"] != "ready":
             return None
+        await recount(self._runner, job.namespace, job.kb_ref, self._statistics)  # the base's, when stale
         return document_from({column: row[column] for column in DOC_FIELDS})
 
     async def fail(self, job: Ingestion, runner: str, reason: str) -> Ingestion | None:

@@ -54,6 +54,7 @@ __all__ = [
 
 # A chunk's neighbours are the chunks before and after it in the same document version.
 _CORPUS = Corpus(
+    statistics=True,
     table="chunks",
     partition=("namespace", "kb_ref", "doc_ref", "generation", "version"),
     local="chunk_index",
@@ -474,11 +475,12 @@ class PostgresKnowledgeStore:
 
         def where(params: list[Any], searchable: bool) -> str:
             params += [tenant.namespace, list(kb_refs), list(generations)]
+            ns, refs, gens = (f"${len(params) - 2 + i}" for i in range(3))
             # Each base's own generation: refs and generations are the index condition (of
             # chunks_kb_generation), the pairing a filter (it matters only while a base migrates).
             predicate = (
-                "namespace = $1 AND kb_ref = ANY($2::text[]) AND generation = ANY($3::int[]) "
-                "AND generation = ($3::int[])[array_position($2::text[], kb_ref)]"
+                f"namespace = {ns} AND kb_ref = ANY({refs}::text[]) AND generation = ANY({gens}::int[]) "
+                f"AND generation = ({gens}::int[])[array_position({refs}::text[], kb_ref)]"
             )
             if searchable and filter_ is not None:
                 predicate += f" AND ({compile_filter(filter_, 'metadata', params)})"

@@ -10,7 +10,9 @@ BM25 per candidate row d and query term t, over the rows the query matches:
 `idf(t) * tf(t, d) * (k1 + 1) / (tf(t, d) + k1 * (1 - b + b * |d| / avg|d|))`,
 `idf(t) = ln(1 + (N - df(t) + 0.5) / (df(t) + 0.5))` where N is the bucket's (or the corpora's)
 row count (counted up to a cap by the caller) and df(t) the matching rows containing t; |d| is
-the number of distinct lexemes. The query's terms are stemmed and stop-word-filtered by the text
+the number of distinct lexemes. A corpus with statistics (large knowledge bases) takes N, avg|d|
+and the df of common lexemes from them, and reads only the rows that can reach the top
+(`_pruned_bm25_parts`). The query's terms are stemmed and stop-word-filtered by the text
 configuration the rows were indexed with (`text_config`).
 """
 
@@ -61,6 +63,9 @@ class Corpus:
     # The vector and its dimension: a memory space reads the slot of its generation.
     vector: str = "embedding"
     dimension: str = "dimension"
+    # Whether BM25 statistics are kept for it (`text_statistics` and `common_lexemes`, keyed as
+    # the rows the search's scope selects): knowledge chunks, whose bases grow large.
+    statistics: bool = False
 
     @property
     def key(self) -> tuple[str, ...]:
@@ -167,11 +172,102 @@ def _bm25_parts(corpus: Corpus, where: str, p: _Params, query: CandidateQuery, k
     ]
 
 
-def candidate_statement(corpus: Corpus, where: str, params: list[Any], query: CandidateQuery) -> str:
+# Pruning keeps the text ranker's top this-many rows those of exact BM25 (`_pruned_bm25_parts`).
+PRUNING_RANK = 10
+
+# A lexeme as a tsquery operand, quoted as it is (backslashes and quotes escaped), so nothing is
+# parsed or stemmed again.
+_QUOTED_LEXEME = r"'''' || replace(replace(lexeme, '\', '\\'), '''', '''''') || ''''"
+
+
+def _tsquery_of(lexemes: str) -> str:
+    """A tsquery matching any lexeme of the CTE `lexemes` (NULL, matching nothing, when empty)."""
+    return f"(SELECT string_agg({_QUOTED_LEXEME}, ' | ')::tsquery FROM {lexemes})"
+
+
+def _pruned_bm25_parts(
+    corpus: Corpus, where: str, scope: str, p: _Params, query: CandidateQuery, k: str
+) -> list[str]:
+    """`bm25` and `by_text` for a corpus with statistics, reading few rows (MaxScore).
+
+    The chunk count, mean length and the chunk counts of the common lexemes come from the
+    statistics the runners keep (`text_statistics.py`); a query term not listed there is rare,
+    and its chunk count is counted among the rows holding it, which are read anyway. First the
+    rows holding a rare term (the rarest common one when there is none) are read and scored with
+    every query term; the score of the PRUNING_RANK-th of them is a floor the final top rows
+    reach. A common term adds less than idf * (k1 + 1) to any row's score, so a row holding only
+    common terms whose bounds add up to less than that floor cannot enter the top PRUNING_RANK:
+    only the rows holding one of the other common terms are read and scored too. Without
+    statistics (a small base, or not counted yet) every term is rare: every matching row is read,
+    as `_bm25_parts` does.
+    """
+    key = ", ".join(corpus.key)
+    assert query.text is not None
+    cfg = p.add(query.text_config)
+    raw = p.add(query.text)
+    n = p.add(query.row_count)
+    k1 = p.add(query.bm25_k1)
+    b = p.add(query.bm25_b)
+    rank = p.add(PRUNING_RANK)
+    hits = "ts_filter(setweight(content_tsv, 'A', (SELECT array_agg(lexeme) FROM terms)), '{a}')"
+    saturation = f"p.tf * ({k1}::float8 + 1) / (p.tf + {k1}::float8 * (1 - {b}::float8 + {b}::float8 * p.dl / s.avgdl))"
+
+    def read(name: str, match: str) -> list[str]:
+        return [
+            f"{name} AS (SELECT {key}, length(content_tsv) AS dl, {hits} AS hits FROM {corpus.table} "
+            f"WHERE {where} AND {match} LIMIT {MAX_TEXT_MATCHES})",
+            f"{name}_postings AS (SELECT {_cols('m', corpus.key)}, u.lexeme, cardinality(u.positions) AS tf, "
+            f"m.dl FROM {name} m CROSS JOIN LATERAL unnest(m.hits) u)",
+        ]
+
+    def scored(name: str) -> str:
+        return (
+            f"{name}_scored AS (SELECT {_cols('p', corpus.key)}, sum(w.idf * {saturation}) AS score "
+            f"FROM {name}_postings p JOIN weights w USING (lexeme) CROSS JOIN s GROUP BY {_cols('p', corpus.key)})"
+        )
+
+    return [
+        f"terms AS (SELECT DISTINCT lexeme FROM unnest(to_tsvector({cfg}::regconfig, {raw})))",
+        "counted AS (SELECT sum(chunks)::float8 AS chunks, sum(chunks * avg_length) / nullif(sum(chunks), 0) "
+        f"AS avgdl FROM text_statistics WHERE {scope})",
+        "listed AS (SELECT t.lexeme, c.chunks FROM terms t LEFT JOIN (SELECT lexeme, sum(chunks) AS chunks "
+        f"FROM common_lexemes WHERE {scope} AND lexeme = ANY (ARRAY(SELECT lexeme FROM terms)) "
+        "GROUP BY lexeme) c USING (lexeme))",
+        "seeds AS (SELECT lexeme FROM listed WHERE chunks IS NULL UNION ALL (SELECT lexeme FROM listed "
+        "WHERE NOT EXISTS (SELECT FROM listed WHERE chunks IS NULL) ORDER BY chunks, lexeme LIMIT 1))",
+        *read("rare", f"content_tsv @@ {_tsquery_of('seeds')}"),
+        "rare_counts AS (SELECT lexeme, count(*) AS chunks FROM rare_postings GROUP BY lexeme)",
+        f"s AS (SELECT greatest({n}::float8, c.chunks, (SELECT count(*) FROM rare)) AS n, "
+        "coalesce(c.avgdl, (SELECT avg(dl) FROM rare), 1)::float8 AS avgdl FROM counted c)",
+        "weights AS (SELECT l.lexeme, ln(1 + (s.n - d.chunks + 0.5) / (d.chunks + 0.5)) AS idf, "
+        "l.chunks IS NOT NULL AND l.lexeme NOT IN (SELECT lexeme FROM seeds) AS common "
+        "FROM listed l LEFT JOIN rare_counts r USING (lexeme) CROSS JOIN s "
+        "CROSS JOIN LATERAL (SELECT coalesce(l.chunks, r.chunks, 0)::float8 AS chunks) d)",
+        scored("rare"),
+        "floor AS (SELECT coalesce((SELECT score FROM rare_scored ORDER BY score DESC "
+        f"LIMIT 1 OFFSET {rank} - 1), 0) AS score)",
+        # The common terms by bound, smallest first: those whose running sum stays below the floor
+        # may all be left out; the rows holding any other one are read.
+        f"needed AS (SELECT lexeme FROM (SELECT lexeme, sum(idf * ({k1}::float8 + 1)) OVER (ORDER BY idf, lexeme) "
+        "AS bound FROM weights WHERE common) o WHERE bound >= (SELECT score FROM floor))",
+        *read(
+            "common", f"content_tsv @@ {_tsquery_of('needed')} AND NOT content_tsv @@ {_tsquery_of('seeds')}"
+        ),
+        scored("common"),
+        "bm25 AS (SELECT * FROM rare_scored UNION ALL SELECT * FROM common_scored)",
+        f"by_text AS (SELECT {key}, score, row_number() OVER (ORDER BY score DESC, {key}) AS rank "
+        f"FROM bm25 ORDER BY score DESC, {key} LIMIT {k})",
+    ]
+
+
+def candidate_statement(
+    corpus: Corpus, where: str, params: list[Any], query: CandidateQuery, *, scope: str | None = None
+) -> str:
     """TEXT or HYBRID mode: both rankers' candidates with both scores (see the module docstring).
 
     `where` selects the searchable rows (tenant, liveness, filter) with unqualified column names;
     it is applied to every part, neighbours included, so nothing outside it lends a score.
+    `scope` (a corpus with statistics) selects the statistics of the searched rows' corpora.
     """
     p = _Params(params)
     key = ", ".join(corpus.key)
@@ -190,7 +286,9 @@ def candidate_statement(corpus: Corpus, where: str, params: list[Any], query: Ca
             f"ORDER BY {distance if not query.exact else f'{distance}, {key}'} LIMIT {k}) v)"
         )
         vector_score = f"-(%s.{corpus.vector} <#> {q})"
-    if query.text is not None:
+    if query.text is not None and scope is not None:
+        parts += _pruned_bm25_parts(corpus, where, scope, p, query, k)
+    elif query.text is not None:
         parts += _bm25_parts(corpus, where, p, query, k)
     rankers = [
         name
@@ -447,7 +545,8 @@ def search_statement(
     if plain_vector(query):
         assert query.vector is not None
         return vector_statement(corpus, predicate, params, query.vector, k=query.k, exact=query.exact), params
-    return candidate_statement(corpus, predicate, params, query), params
+    scope = where(params, False) if corpus.statistics and query.text is not None else None
+    return candidate_statement(corpus, predicate, params, query, scope=scope), params
 
 
 def candidates_from(rows: Sequence[Any], item: Any, local: Any = None) -> list[Candidate[Any]]:

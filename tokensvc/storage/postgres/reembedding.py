@@ -28,6 +28,7 @@ from tokensvc.storage.postgres.knowledge import chunk_columns
 from tokensvc.storage.postgres.locations import location_from, spans_from
 from tokensvc.storage.postgres.memories import ensure_vector_index
 from tokensvc.storage.postgres.tenant import tenant_transaction
+from tokensvc.storage.postgres.text_statistics import recount
 from tokensvc.storage.records import ChunkingSpec, ChunkRow, EmbedderSpec, StoredChunk, Tenant
 from tokensvc.storage.reembedding_records import (
     EmbeddingMigration,
@@ -413,6 +414,8 @@ class PostgresEmbeddingMigrationStore:
                 function = "cut_over_knowledge_base"
         async with tenant_transaction(self._runner, _of(migration)) as conn:
             done = await conn.fetchval(f"SELECT {function}($1, $2)", migration.id, runner)
+        if done and isinstance(migration, KnowledgeBaseMigration):
+            await recount(self._runner, migration.namespace, migration.kb_ref)  # the new generation's
         return bool(done)
 
     async def clear_slot(
