@@ -21,14 +21,18 @@ from tests.storage.conformance.support import (
     search_chunks,
     upload,
 )
+from tests.storage.conformance.test_embedding_migrations import claim
+from tests.storage.conformance.test_knowledge_migrations import backfill, base_with, planned
 from tests.support import SharedDatabase, superuser
 from tokensvc.knowledge.chunking import ChunkingStrategy, chunk_document
 from tokensvc.knowledge.formats import extract_document
-from tokensvc.retrieval import BM25_B, BM25_K1, candidate_query
+from tokensvc.retrieval import BM25_B, BM25_K1, candidate_query, query_words
 from tokensvc.storage.postgres.ingestion import PostgresIngestionStore
 from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
 from tokensvc.storage.postgres.ranking import PRUNING_RANK
+from tokensvc.storage.postgres.reembedding import PostgresEmbeddingMigrationStore
 from tokensvc.storage.postgres.text_statistics import TextStatisticsPolicy, recount
+from tokensvc.storage.reembedding_records import KnowledgeBaseMigration
 
 MANUAL = Path(__file__).parents[1] / "knowledge" / "fixtures" / "documents" / "r-intro.pdf"
 # Small enough for a test's base: bases from 100 chunks, lexemes in 2 % of them listed.
@@ -191,9 +195,18 @@ async def test_with_statistics_the_text_rankers_top_rows_are_exact_bm25s(
     try:
         await fill(store, namespace, texts)
         assert await recount(runner_pool, namespace, "kb", POLICY)
+        # And 40 queries of 3 to 8 words drawn from the manual's own chunks: mixes of rare and
+        # common terms the hand-written ones may not reach.
+        rng = np.random.default_rng(37)
+        drawn = []
+        for _ in range(40):
+            words = texts[int(rng.integers(len(texts)))].split()
+            drawn.append(
+                " ".join(rng.choice(words, size=min(len(words), int(rng.integers(3, 9))), replace=False))
+            )
         async with superuser(database) as conn:
-            for question in QUESTIONS:
-                oracle = await exact_bm25(conn, namespace, question, PRUNING_RANK)
+            for question in [*QUESTIONS, *drawn]:
+                oracle = await exact_bm25(conn, namespace, " ".join(query_words(question)), PRUNING_RANK)
                 got = (await text_top(store, namespace, question, rows=len(texts), k=50))[:PRUNING_RANK]
                 assert [row[:3] for row in got] == [row[:3] for row in oracle], question
                 assert [row[3] for row in got] == pytest.approx([row[3] for row in oracle]), question
@@ -277,5 +290,29 @@ async def test_a_version_that_lands_counts_its_bases_statistics_when_they_are_st
         assert await counted() == 160, "3 % more: the last count stands"
         await ready(ingestion, namespace, "appendix", texts[165:200])
         assert await counted() == 200
+    finally:
+        await store.delete_base(management(namespace), "kb")
+
+
+async def test_a_cutover_counts_the_new_generations_statistics(
+    store: PostgresKnowledgeStore, pool: asyncpg.Pool, runner_pool: asyncpg.Pool, database: SharedDatabase
+) -> None:
+    migrations = PostgresEmbeddingMigrationStore(pool, runner_pool=runner_pool, statistics=POLICY)
+    namespace, _ = await base_with(store, documents=40)  # 120 chunks
+    try:
+        assert await recount(runner_pool, namespace, "kb", POLICY)
+        created = await migrations.create(planned(namespace, "kb"))
+        assert created is not None
+        runner = "runner-statistics"
+        migration = await backfill(migrations, await claim(migrations, runner, created.id), runner)
+        assert isinstance(migration, KnowledgeBaseMigration)
+
+        assert await migrations.cut_over(migration, runner)
+
+        async with superuser(database) as conn:
+            counted = await conn.fetch(
+                "SELECT generation, chunks FROM tokensvc.text_statistics WHERE namespace = $1", namespace
+            )
+        assert [tuple(row) for row in counted] == [(1, 120)], "the new generation's, the old one's gone"
     finally:
         await store.delete_base(management(namespace), "kb")

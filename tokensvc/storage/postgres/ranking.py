@@ -174,6 +174,8 @@ def _bm25_parts(corpus: Corpus, where: str, p: _Params, query: CandidateQuery, k
 
 # Pruning keeps the text ranker's top this-many rows those of exact BM25 (`_pruned_bm25_parts`).
 PRUNING_RANK = 10
+# The most common terms a row must hold together to be read for them (`_pruned_bm25_parts`).
+MAX_COVER = 3
 
 # A lexeme as a tsquery operand, quoted as it is (backslashes and quotes escaped), so nothing is
 # parsed or stemmed again.
@@ -197,7 +199,7 @@ def _pruned_bm25_parts(
     every query term; the score of the PRUNING_RANK-th of them is a floor the final top rows
     reach. A common term adds less than idf * (k1 + 1) to any row's score, so a row holding only
     common terms whose bounds add up to less than that floor cannot enter the top PRUNING_RANK:
-    only the rows holding one of the other common terms are read and scored too. Without
+    only the rows holding a set of common terms whose bounds reach it are read and scored too. Without
     statistics (a small base, or not counted yet) every term is rare: every matching row is read,
     as `_bm25_parts` does.
     """
@@ -246,12 +248,26 @@ def _pruned_bm25_parts(
         scored("rare"),
         "floor AS (SELECT coalesce((SELECT score FROM rare_scored ORDER BY score DESC "
         f"LIMIT 1 OFFSET {rank} - 1), 0) AS score)",
-        # The common terms by bound, smallest first: those whose running sum stays below the floor
-        # may all be left out; the rows holding any other one are read.
-        f"needed AS (SELECT lexeme FROM (SELECT lexeme, sum(idf * ({k1}::float8 + 1)) OVER (ORDER BY idf, lexeme) "
-        "AS bound FROM weights WHERE common) o WHERE bound >= (SELECT score FROM floor))",
+        # A row holding no rare term scores at most the bounds of the common terms it holds. The
+        # smallest sets of common terms whose bounds reach the floor (`covers`: in bound order, a
+        # set grows while it is short of the floor and the terms after it can still make it up;
+        # cut at MAX_COVER terms, which matches more rows, never fewer): the rows holding every
+        # term of one of them are the only others read.
+        f"bounds AS (SELECT lexeme, idf * ({k1}::float8 + 1) AS bound, row_number() OVER (ORDER BY idf DESC, lexeme) "
+        f"AS i, sum(idf * ({k1}::float8 + 1)) OVER (ORDER BY idf DESC, lexeme ROWS BETWEEN CURRENT ROW AND "
+        "UNBOUNDED FOLLOWING) AS reach FROM weights WHERE common)",
+        "covers AS (SELECT ARRAY[lexeme] AS lexemes, i, bound AS total FROM bounds "
+        "WHERE reach >= (SELECT score FROM floor) UNION ALL SELECT c.lexemes || b.lexeme, b.i, c.total + b.bound "
+        "FROM covers c JOIN bounds b ON b.i > c.i WHERE c.total < (SELECT score FROM floor) "
+        f"AND c.total + b.reach >= (SELECT score FROM floor) AND cardinality(c.lexemes) < {MAX_COVER})",
+        f"cover_query AS (SELECT string_agg('(' || (SELECT string_agg({_QUOTED_LEXEME}, ' & ') "
+        "FROM unnest(c.lexemes) AS t(lexeme)) || ')', ' | ')::tsquery AS q FROM covers c "
+        f"WHERE c.total >= (SELECT score FROM floor) OR cardinality(c.lexemes) = {MAX_COVER})",
         *read(
-            "common", f"content_tsv @@ {_tsquery_of('needed')} AND NOT content_tsv @@ {_tsquery_of('seeds')}"
+            "common",
+            # The first test is on the query alone: without a cover the scan is skipped.
+            "(SELECT q FROM cover_query) IS NOT NULL AND content_tsv @@ (SELECT q FROM cover_query) "
+            f"AND NOT content_tsv @@ {_tsquery_of('seeds')}",
         ),
         scored("common"),
         "bm25 AS (SELECT * FROM rare_scored UNION ALL SELECT * FROM common_scored)",
@@ -319,7 +335,7 @@ def candidate_statement(
         )
     vector_found = "(SELECT count(*) FROM by_vector)" if query.vector is not None else "0::bigint"
     return (
-        f"WITH {', '.join(parts)} "
+        f"WITH {'RECURSIVE ' if scope is not None and query.text is not None else ''}{', '.join(parts)} "
         f"SELECT {_cols('m', corpus.columns)}, {vector_score.replace('%s', 'm')} AS vector_score, "
         f"{text_score} AS text_score, "
         f"{'coalesce(v.rank, 0)' if query.vector is not None else '0::bigint'} AS vector_rank, "

@@ -28,7 +28,7 @@ from tokensvc.storage.postgres.knowledge import chunk_columns
 from tokensvc.storage.postgres.locations import location_from, spans_from
 from tokensvc.storage.postgres.memories import ensure_vector_index
 from tokensvc.storage.postgres.tenant import tenant_transaction
-from tokensvc.storage.postgres.text_statistics import recount
+from tokensvc.storage.postgres.text_statistics import TEXT_STATISTICS, TextStatisticsPolicy, recount
 from tokensvc.storage.records import ChunkingSpec, ChunkRow, EmbedderSpec, StoredChunk, Tenant
 from tokensvc.storage.reembedding_records import (
     EmbeddingMigration,
@@ -170,11 +170,17 @@ class PostgresEmbeddingMigrationStore:
     without it, unless `pool` is itself a runner's)."""
 
     def __init__(
-        self, pool: asyncpg.Pool, *, runner_pool: asyncpg.Pool | None = None, distributed: bool = False
+        self,
+        pool: asyncpg.Pool,
+        *,
+        runner_pool: asyncpg.Pool | None = None,
+        distributed: bool = False,
+        statistics: TextStatisticsPolicy = TEXT_STATISTICS,
     ):
         self._pool = pool
         self._runner = runner_pool or pool
         self._distributed = distributed
+        self._statistics = statistics
 
     async def create(self, migration: EmbeddingMigration) -> EmbeddingMigration | None:
         match migration:
@@ -415,7 +421,9 @@ class PostgresEmbeddingMigrationStore:
         async with tenant_transaction(self._runner, _of(migration)) as conn:
             done = await conn.fetchval(f"SELECT {function}($1, $2)", migration.id, runner)
         if done and isinstance(migration, KnowledgeBaseMigration):
-            await recount(self._runner, migration.namespace, migration.kb_ref)  # the new generation's
+            await recount(
+                self._runner, migration.namespace, migration.kb_ref, self._statistics
+            )  # new generation's
         return bool(done)
 
     async def clear_slot(
