@@ -138,26 +138,51 @@ def vector_statement(
     )
 
 
+# A matched row's occurrences of the query's terms: its tsvector with the query's lexemes marked
+# weight A (every stored lexeme is D, to_tsvector's default) and only those kept, so the other
+# ~90 % of its lexemes are never expanded into (lexeme, positions, weights) rows. Each matched
+# row's tsvector is read once, by this (reading it again per use cost more than the ranking).
+_QUERY_HITS = "ts_filter(setweight(content_tsv, 'A', (SELECT array_agg(lexeme) FROM terms)), '{a}')"
+
+
+@dataclass(frozen=True)
+class _TextParameters:
+    """The text ranker's parameters, added to the statement's: the text configuration, the query's
+    words, N as the caller counted it, k1 and b."""
+
+    cfg: str
+    raw: str
+    n: str
+    k1: str
+    b: str
+
+    @classmethod
+    def of(cls, p: _Params, query: CandidateQuery) -> _TextParameters:
+        assert query.text is not None
+        return cls(
+            p.add(query.text_config), p.add(query.text), p.add(query.row_count), p.add(query.bm25_k1),
+            p.add(query.bm25_b),
+        )  # fmt: skip
+
+    @property
+    def terms(self) -> str:
+        """The CTE `terms`: the query's distinct lexemes."""
+        return (
+            f"terms AS (SELECT DISTINCT lexeme FROM unnest(to_tsvector({self.cfg}::regconfig, {self.raw})))"
+        )
+
+
 def _bm25_parts(corpus: Corpus, where: str, p: _Params, query: CandidateQuery, k: str) -> list[str]:
     """The CTEs `bm25` (every matching row's score) and `by_text` (the top `k`, ranked)."""
     key = ", ".join(corpus.key)
-    assert query.text is not None
-    cfg = p.add(query.text_config)
-    raw = p.add(query.text)
+    text = _TextParameters.of(p, query)
+    cfg, n, k1, b = text.cfg, text.n, text.k1, text.b
     alternatives = p.add(query.or_text)
-    n = p.add(query.row_count)
-    k1 = p.add(query.bm25_k1)
-    b = p.add(query.bm25_b)
     return [
-        f"terms AS (SELECT DISTINCT lexeme FROM unnest(to_tsvector({cfg}::regconfig, {raw})))",
-        # Each matched row's tsvector is read once, here: a long row's is stored out of line, and
-        # reading it again per use cost more than the ranking (10k matches: 70 of 200 ms). Only
-        # the query's lexemes are kept: marked with weight A (every stored lexeme is D,
-        # to_tsvector's default) and kept by ts_filter, so the other ~90 % of each row's lexemes
-        # are never expanded into (lexeme, positions, weights) rows.
-        f"matched AS (SELECT {key}, length(content_tsv) AS dl, ts_filter(setweight(content_tsv, 'A', "
-        f"(SELECT array_agg(lexeme) FROM terms)), '{{a}}') AS hits FROM {corpus.table} WHERE {where} "
-        f"AND content_tsv @@ websearch_to_tsquery({cfg}::regconfig, {alternatives}) LIMIT {MAX_TEXT_MATCHES})",
+        text.terms,
+        f"matched AS (SELECT {key}, length(content_tsv) AS dl, {_QUERY_HITS} AS hits FROM {corpus.table} "
+        f"WHERE {where} AND content_tsv @@ websearch_to_tsquery({cfg}::regconfig, {alternatives}) "
+        f"LIMIT {MAX_TEXT_MATCHES})",
         f"postings AS (SELECT {_cols('m', corpus.key)}, u.lexeme, cardinality(u.positions) AS tf, m.dl "
         "FROM matched m CROSS JOIN LATERAL unnest(m.hits) u)",
         "df AS (SELECT lexeme, count(*) AS n FROM postings GROUP BY lexeme)",
@@ -204,19 +229,14 @@ def _pruned_bm25_parts(
     as `_bm25_parts` does.
     """
     key = ", ".join(corpus.key)
-    assert query.text is not None
-    cfg = p.add(query.text_config)
-    raw = p.add(query.text)
-    n = p.add(query.row_count)
-    k1 = p.add(query.bm25_k1)
-    b = p.add(query.bm25_b)
+    text = _TextParameters.of(p, query)
+    n, k1, b = text.n, text.k1, text.b
     rank = p.add(PRUNING_RANK)
-    hits = "ts_filter(setweight(content_tsv, 'A', (SELECT array_agg(lexeme) FROM terms)), '{a}')"
     saturation = f"p.tf * ({k1}::float8 + 1) / (p.tf + {k1}::float8 * (1 - {b}::float8 + {b}::float8 * p.dl / s.avgdl))"
 
     def read(name: str, match: str) -> list[str]:
         return [
-            f"{name} AS (SELECT {key}, length(content_tsv) AS dl, {hits} AS hits FROM {corpus.table} "
+            f"{name} AS (SELECT {key}, length(content_tsv) AS dl, {_QUERY_HITS} AS hits FROM {corpus.table} "
             f"WHERE {where} AND {match} LIMIT {MAX_TEXT_MATCHES})",
             f"{name}_postings AS (SELECT {_cols('m', corpus.key)}, u.lexeme, cardinality(u.positions) AS tf, "
             f"m.dl FROM {name} m CROSS JOIN LATERAL unnest(m.hits) u)",
@@ -229,7 +249,7 @@ def _pruned_bm25_parts(
         )
 
     return [
-        f"terms AS (SELECT DISTINCT lexeme FROM unnest(to_tsvector({cfg}::regconfig, {raw})))",
+        text.terms,
         "counted AS (SELECT sum(chunks)::float8 AS chunks, sum(chunks * avg_length) / nullif(sum(chunks), 0) "
         f"AS avgdl FROM text_statistics WHERE {scope})",
         "listed AS (SELECT t.lexeme, c.chunks FROM terms t LEFT JOIN (SELECT lexeme, sum(chunks) AS chunks "
