@@ -43,16 +43,20 @@ BEGIN
         RETURN false;
     END IF;
     listed := greatest(min_chunks, ceil(min_share * now_chunks)::integer);
+    -- The namespace written is the chunks' own column, grouped by: on Citus that makes each
+    -- INSERT ... SELECT run on the shard that holds the base (a constant there has the coordinator
+    -- pull the rows and COPY them back, which row-level security refuses).
     INSERT INTO tokensvc.text_statistics (namespace, kb_ref, generation, chunks, avg_length, min_chunks)
-    SELECT ns, kb, current_generation, count(*), coalesce(avg(length(c.content_tsv)), 0), listed
+    SELECT c.namespace, kb, current_generation, count(*), coalesce(avg(length(c.content_tsv)), 0), listed
     FROM tokensvc.chunks c
-    WHERE c.namespace = ns AND c.kb_ref = kb AND c.generation = current_generation;
+    WHERE c.namespace = ns AND c.kb_ref = kb AND c.generation = current_generation
+    GROUP BY c.namespace;
     -- unnest(tsvector) gives each lexeme of a chunk once: count(*) is its chunk count.
     INSERT INTO tokensvc.common_lexemes (namespace, kb_ref, generation, lexeme, chunks)
-    SELECT ns, kb, current_generation, u.lexeme, count(*)
+    SELECT c.namespace, kb, current_generation, u.lexeme, count(*)
     FROM tokensvc.chunks c CROSS JOIN LATERAL unnest(c.content_tsv) u
     WHERE c.namespace = ns AND c.kb_ref = kb AND c.generation = current_generation
-    GROUP BY u.lexeme HAVING count(*) >= listed;
+    GROUP BY c.namespace, u.lexeme HAVING count(*) >= listed;
     RETURN true;
 END $$;
 REVOKE ALL ON FUNCTION tokensvc.count_text_statistics(text,text,integer,float8,integer,float8) FROM PUBLIC, {app_role};
