@@ -45,6 +45,7 @@ QUESTIONS = [
     "factors and their levels for categorical data",
     "the data",  # every term common
     "quaternion hyperplane",  # nothing matches
+    "don't 'quote' O'Brien's back\\slash data.frame() $x & y | !z <-> :*",  # tsquery syntax, quoted
 ]
 KEY = ("doc_ref", "version", "chunk_index")
 
