@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.storage.test_memory_rls import open_pool
-from tests.support import SharedDatabase
+from tests.support import SharedDatabase, connect_as
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.storage.ingestion_records import Extracted, Ingestion, StagedChunk
 from tokensvc.storage.postgres.ingestion import PostgresIngestionStore
@@ -236,3 +236,54 @@ async def test_the_runners_functions_work_only_under_the_ingestions_namespace(
     # Declared right, the lease holder reads them.
     assert await ingestion.content(job, RUNNER) == b"next version"
     assert len(await ingestion.unembedded(job, RUNNER, limit=10) or []) == 2
+
+
+async def test_the_text_index_function_reads_only_the_declared_tenants_bases(
+    pool: asyncpg.Pool, ingestion: PostgresIngestionStore
+) -> None:
+    """`chunks_matching` runs as the owner, past the chunks' tenant policy (so the GIN index can
+    answer a text search: migration 0028); it must check the declared tenant itself. Another
+    namespace, a base outside the declared ones, or a declared base paired with another namespace
+    read as nothing."""
+    ours, theirs = f"rls-{uuid.uuid4().hex[:8]}", f"rls-{uuid.uuid4().hex[:8]}"
+    await corpus(pool, ingestion, theirs, "kb1")
+    await corpus(pool, ingestion, theirs, "kb2")
+    await corpus(pool, ingestion, ours, "kb1")
+    read = "SELECT namespace, kb_ref, chunk_index FROM chunks_matching($1, $2, $3, 'text'::tsquery, 10)"
+    everything = Tenant(ours, knowledge_bases=(ALL_KNOWLEDGE_BASES,))
+    async with tenant_transaction(pool, everything) as conn:
+        assert await conn.fetch(read, theirs, ["kb1", "kb2"], [0, 0]) == []
+        assert len(await conn.fetch(read, ours, ["kb1"], [0])) == 2
+    async with tenant_transaction(pool, Tenant(theirs, knowledge_bases=("kb2",))) as conn:
+        found = await conn.fetch(read, theirs, ["kb1", "kb2"], [0, 0])
+        assert {(r["namespace"], r["kb_ref"]) for r in found} == {(theirs, "kb2")}
+        assert await conn.fetch(read, ours, ["kb1"], [0]) == []
+    # No declared tenant at all: nothing.
+    async with pool.acquire() as conn:
+        assert await conn.fetch(read, theirs, ["kb1", "kb2"], [0, 0]) == []
+
+
+async def test_the_owner_reads_chunks_through_the_text_index_where_the_serving_role_cannot(
+    pool: asyncpg.Pool, ingestion: PostgresIngestionStore, database: SharedDatabase
+) -> None:
+    """Why `chunks_matching` exists: under the serving role's policy the planner may not answer
+    `@@` (not leakproof) from the GIN index chunks_text even when told to avoid every other plan;
+    under the owner's (0028: `true` on reads) it does."""
+    namespace = f"rls-{uuid.uuid4().hex[:8]}"
+    await corpus(pool, ingestion, namespace, "kb1")
+    # The text condition alone, so no other index could serve it; every other plan made a last resort.
+    statement = (
+        "EXPLAIN (COSTS OFF) SELECT chunk_index FROM tokensvc.chunks WHERE content_tsv @@ 'text'::tsquery"
+    )
+    settings = "SET LOCAL enable_seqscan = off; SET LOCAL enable_indexscan = off"
+
+    async def plan(conn: asyncpg.Connection) -> str:
+        return "\n".join(row[0] for row in await conn.fetch(statement))
+
+    async with tenant_transaction(pool, Tenant(namespace, knowledge_bases=(ALL_KNOWLEDGE_BASES,))) as conn:
+        await conn.execute(settings)
+        assert "chunks_text" not in await plan(conn)
+    async with connect_as(database.owner_credential_dir, database.dsn) as owner, owner.transaction():
+        await owner.execute(settings)
+        assert "Index Cond: (content_tsv @@" in await plan(owner)
+        assert "chunks_text" in await plan(owner)

@@ -95,6 +95,7 @@ DEFINER_GRANTS = {
     "sweep_expired_memories": SERVING,  # expired rows only, returns a count
     "memory_space_agents": SERVING,  # (namespace, agent) pairs for data-subject requests
     "knowledge_base_generation": SERVING,  # under the caller's row-level security
+    "chunks_matching": SERVING,  # checks the caller's declared tenant itself (kb_visible)
     "memories_generation_guard": NOBODY,  # triggers
     "chunks_generation_guard": NOBODY,
     "start_memory_migration": SERVING,

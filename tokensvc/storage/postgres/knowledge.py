@@ -23,6 +23,7 @@ from tokensvc.storage.postgres.ingestion_rows import INGESTION_COLUMNS, ingestio
 from tokensvc.storage.postgres.locations import location_from, location_json, spans_json
 from tokensvc.storage.postgres.ranking import (
     Corpus,
+    TextIndex,
     candidates_from,
     fetch_candidates,
 )
@@ -486,6 +487,10 @@ class PostgresKnowledgeStore:
                 predicate += f" AND ({compile_filter(filter_, 'metadata', params)})"
             return predicate
 
+        def scope(params: list[Any]) -> str:
+            params += [tenant.namespace, list(kb_refs), list(generations)]
+            return f"${len(params) - 2}, ${len(params) - 1}::text[], ${len(params)}::int[]"
+
         try:
             rows, found = await fetch_candidates(
                 self._pool,
@@ -496,6 +501,7 @@ class PostgresKnowledgeStore:
                 row_count=row_count,
                 count_cap=count_cap,
                 checks=() if expect is None else (_expectation(expect),),
+                text_index=TextIndex("tokensvc.chunks_matching", scope, filtered=filter_ is not None),
             )
         except asyncpg.PostgresError as exc:
             if exc.sqlstate == _STALE_PINS:

@@ -32,6 +32,7 @@ from tokensvc.storage.records import Candidate, CandidateQuery, SearchPlan, Tena
 
 __all__ = [
     "Corpus",
+    "TextIndex",
     "candidate_statement",
     "candidates_from",
     "fetch_candidates",
@@ -71,6 +72,24 @@ class Corpus:
     def key(self) -> tuple[str, ...]:
         """Identifies a row: the join key of the statement's parts."""
         return (*self.partition, self.local)
+
+
+@dataclass(frozen=True)
+class TextIndex:
+    """How a corpus's text ranker reads its matching rows past row-level security: through
+    `function` (for chunks `tokensvc.chunks_matching`, functions/chunk_text.sql), which answers a
+    text match from the GIN index and checks the caller's tenant itself. Under the serving role's
+    own policy the index is unusable (`@@` is not leakproof), so every matching row would be found
+    by reading the whole scope.
+
+    `arguments(params)` appends the search scope's parameters and returns the function's leading
+    arguments (before the query and the row cap); `filtered`: the search selects fewer rows than
+    its scope (a metadata filter), so each row read is checked against its predicate by key.
+    """
+
+    function: str
+    arguments: Callable[[list[Any]], str]
+    filtered: bool
 
 
 def hnsw_settings(*, ef_search: int, max_scan_tuples: int) -> dict[str, str]:
@@ -172,17 +191,34 @@ class _TextParameters:
         )
 
 
-def _bm25_parts(corpus: Corpus, where: str, p: _Params, query: CandidateQuery, k: str) -> list[str]:
+def _matching(corpus: Corpus, where: str, p: _Params, index: TextIndex | None, match: str) -> str:
+    """The searchable rows whose text matches the tsquery `match`, up to MAX_TEXT_MATCHES (per
+    corpus, through an index), as (key, dl, hits): their lengths and the query terms they hold."""
+    key = ", ".join(corpus.key)
+    columns = f"{key}, length(content_tsv) AS dl, {_QUERY_HITS} AS hits"
+    if index is None:
+        return f"SELECT {columns} FROM {corpus.table} WHERE {where} AND content_tsv @@ {match} LIMIT {MAX_TEXT_MATCHES}"
+    read = f"{index.function}({index.arguments(p.values)}, {match}, {p.add(MAX_TEXT_MATCHES)}) g"
+    if not index.filtered:
+        return f"SELECT {columns} FROM {read}"
+    same = " AND ".join(f"r.{c} = g.{c}" for c in corpus.key)
+    return (
+        f"SELECT {columns} FROM {read} WHERE EXISTS (SELECT FROM {corpus.table} r WHERE {where} AND {same})"
+    )
+
+
+def _bm25_parts(
+    corpus: Corpus, where: str, p: _Params, query: CandidateQuery, k: str, index: TextIndex | None
+) -> list[str]:
     """The CTEs `bm25` (every matching row's score) and `by_text` (the top `k`, ranked)."""
     key = ", ".join(corpus.key)
     text = _TextParameters.of(p, query)
     cfg, n, k1, b = text.cfg, text.n, text.k1, text.b
     alternatives = p.add(query.or_text)
+    match = f"websearch_to_tsquery({cfg}::regconfig, {alternatives})"
     return [
         text.terms,
-        f"matched AS (SELECT {key}, length(content_tsv) AS dl, {_QUERY_HITS} AS hits FROM {corpus.table} "
-        f"WHERE {where} AND content_tsv @@ websearch_to_tsquery({cfg}::regconfig, {alternatives}) "
-        f"LIMIT {MAX_TEXT_MATCHES})",
+        f"matched AS ({_matching(corpus, where, p, index, match)})",
         f"postings AS (SELECT {_cols('m', corpus.key)}, u.lexeme, cardinality(u.positions) AS tf, m.dl "
         "FROM matched m CROSS JOIN LATERAL unnest(m.hits) u)",
         "df AS (SELECT lexeme, count(*) AS n FROM postings GROUP BY lexeme)",
@@ -213,7 +249,7 @@ def _tsquery_of(lexemes: str) -> str:
 
 
 def _pruned_bm25_parts(
-    corpus: Corpus, where: str, scope: str, p: _Params, query: CandidateQuery, k: str
+    corpus: Corpus, where: str, scope: str, p: _Params, query: CandidateQuery, k: str, index: TextIndex | None
 ) -> list[str]:
     """`bm25` and `by_text` for a corpus with statistics, reading few rows (MaxScore).
 
@@ -234,10 +270,10 @@ def _pruned_bm25_parts(
     rank = p.add(PRUNING_RANK)
     saturation = f"p.tf * ({k1}::float8 + 1) / (p.tf + {k1}::float8 * (1 - {b}::float8 + {b}::float8 * p.dl / s.avgdl))"
 
-    def read(name: str, match: str) -> list[str]:
+    def read(name: str, match: str, *, unless: str = "", guard: str = "true") -> list[str]:
+        rows = _matching(corpus, f"{guard} AND {where}", p, index, match)
         return [
-            f"{name} AS (SELECT {key}, length(content_tsv) AS dl, {_QUERY_HITS} AS hits FROM {corpus.table} "
-            f"WHERE {where} AND {match} LIMIT {MAX_TEXT_MATCHES})",
+            f"{name} AS (SELECT * FROM ({rows}) m {unless})",
             f"{name}_postings AS (SELECT {_cols('m', corpus.key)}, u.lexeme, cardinality(u.positions) AS tf, "
             f"m.dl FROM {name} m CROSS JOIN LATERAL unnest(m.hits) u)",
         ]
@@ -257,7 +293,7 @@ def _pruned_bm25_parts(
         "GROUP BY lexeme) c USING (lexeme))",
         "seeds AS (SELECT lexeme FROM listed WHERE chunks IS NULL UNION ALL (SELECT lexeme FROM listed "
         "WHERE NOT EXISTS (SELECT FROM listed WHERE chunks IS NULL) ORDER BY chunks, lexeme LIMIT 1))",
-        *read("rare", f"content_tsv @@ {_tsquery_of('seeds')}"),
+        *read("rare", _tsquery_of("seeds")),
         "rare_counts AS (SELECT lexeme, count(*) AS chunks FROM rare_postings GROUP BY lexeme)",
         f"s AS (SELECT greatest({n}::float8, c.chunks, (SELECT count(*) FROM rare)) AS n, "
         "coalesce(c.avgdl, (SELECT avg(dl) FROM rare), 1)::float8 AS avgdl FROM counted c)",
@@ -285,9 +321,12 @@ def _pruned_bm25_parts(
         f"WHERE c.total >= (SELECT score FROM floor) OR cardinality(c.lexemes) = {MAX_COVER})",
         *read(
             "common",
-            # The first test is on the query alone: without a cover the scan is skipped.
-            "(SELECT q FROM cover_query) IS NOT NULL AND content_tsv @@ (SELECT q FROM cover_query) "
-            f"AND NOT content_tsv @@ {_tsquery_of('seeds')}",
+            "(SELECT q FROM cover_query)",
+            # The rows of a cover holding no seed (those were read); `hits` holds every query
+            # term a row holds, so this is the row's own test.
+            unless=f"WHERE NOT m.hits @@ {_tsquery_of('seeds')}",
+            # A test on the query alone, first: without a cover the rows are not read.
+            guard="(SELECT q FROM cover_query) IS NOT NULL",
         ),
         scored("common"),
         "bm25 AS (SELECT * FROM rare_scored UNION ALL SELECT * FROM common_scored)",
@@ -297,13 +336,20 @@ def _pruned_bm25_parts(
 
 
 def candidate_statement(
-    corpus: Corpus, where: str, params: list[Any], query: CandidateQuery, *, scope: str | None = None
+    corpus: Corpus,
+    where: str,
+    params: list[Any],
+    query: CandidateQuery,
+    *,
+    scope: str | None = None,
+    index: TextIndex | None = None,
 ) -> str:
     """TEXT or HYBRID mode: both rankers' candidates with both scores (see the module docstring).
 
     `where` selects the searchable rows (tenant, liveness, filter) with unqualified column names;
     it is applied to every part, neighbours included, so nothing outside it lends a score.
-    `scope` (a corpus with statistics) selects the statistics of the searched rows' corpora.
+    `scope` (a corpus with statistics) selects the statistics of the searched rows' corpora;
+    `index` reads the rows matching the query's terms (else `where` and a scan do).
     """
     p = _Params(params)
     key = ", ".join(corpus.key)
@@ -323,9 +369,9 @@ def candidate_statement(
         )
         vector_score = f"-(%s.{corpus.vector} <#> {q})"
     if query.text is not None and scope is not None:
-        parts += _pruned_bm25_parts(corpus, where, scope, p, query, k)
+        parts += _pruned_bm25_parts(corpus, where, scope, p, query, k, index)
     elif query.text is not None:
-        parts += _bm25_parts(corpus, where, p, query, k)
+        parts += _bm25_parts(corpus, where, p, query, k, index)
     rankers = [
         name
         for name, on in (("by_vector", query.vector is not None), ("by_text", query.text is not None))
@@ -537,13 +583,15 @@ async def fetch_candidates(
     row_count: int | None,
     count_cap: int,
     checks: Sequence[str] = (),
+    text_index: TextIndex | None = None,
 ) -> tuple[int, list[asyncpg.Record]]:
     """Run one search in one tenant transaction: count the searched rows first (up to
     `count_cap`) unless `row_count` is known, then the statement `plan(row_count)` asks for.
 
     `where(params, searchable)` appends its parameters and returns the predicate of the tenant's
     rows (`searchable=False`: what is counted) or of the searchable ones (liveness and filter
-    too); `checks` run with the transaction's start (`tenant_transaction`). An approximate search
+    too); `checks` run with the transaction's start (`tenant_transaction`); `text_index` is how
+    the text ranker finds its rows, when the corpus has one. An approximate search
     that comes back short (a selective filter in a big index) re-runs
     exactly in the same transaction, so results stay complete. Returns the row count the plan was
     given (the query's `row_count`) and the rows.
@@ -562,17 +610,20 @@ async def fetch_candidates(
             query = plan(int(counted))
             if settings := search_settings(query):
                 await declare(conn, settings)
-        sql, params = search_statement(corpus, where, query)
+        sql, params = search_statement(corpus, where, query, text_index)
         rows = await conn.fetch(sql, *params)
         if not query.exact and (len(rows) < query.k if plain_vector(query) else short(rows, query)):
             trace.get_current_span().set_attribute("tokensvc.search.exact_fallback", True)
-            sql, params = search_statement(corpus, where, dataclasses.replace(query, exact=True))
+            sql, params = search_statement(corpus, where, dataclasses.replace(query, exact=True), text_index)
             rows = await conn.fetch(sql, *params)
     return query.row_count, list(rows)
 
 
 def search_statement(
-    corpus: Corpus, where: Callable[[list[Any], bool], str], query: CandidateQuery
+    corpus: Corpus,
+    where: Callable[[list[Any], bool], str],
+    query: CandidateQuery,
+    text_index: TextIndex | None = None,
 ) -> tuple[str, list[Any]]:
     """The statement a search runs and its parameters: the plain VECTOR one when it answers the
     query, else the candidate statement (EXPLAIN tests and the bench run exactly this)."""
@@ -582,7 +633,7 @@ def search_statement(
         assert query.vector is not None
         return vector_statement(corpus, predicate, params, query.vector, k=query.k, exact=query.exact), params
     scope = where(params, False) if corpus.statistics and query.text is not None else None
-    return candidate_statement(corpus, predicate, params, query, scope=scope), params
+    return candidate_statement(corpus, predicate, params, query, scope=scope, index=text_index), params
 
 
 def candidates_from(rows: Sequence[Any], item: Any, local: Any = None) -> list[Candidate[Any]]:
