@@ -105,6 +105,7 @@ def source_chunks(source: Source) -> Iterator[str]:
     """The source's chunk texts of at least 20 words, in order (cached per source)."""
     cached = CACHE / f"{source.package}-{STRATEGY.chunk_size}.jsonl.gz"
     if not cached.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)  # a fresh machine has no cache yet
         partial = cached.with_suffix(".partial")
         count = refused = 0
         with gzip.open(partial, "wt") as out:

@@ -18,7 +18,7 @@ from tokensvc.auth.devpki import DevPaths
 from tokensvc.storage.ingestion_records import Extracted, Ingestion, StagedChunk
 from tokensvc.storage.postgres.ingestion import PostgresIngestionStore
 from tokensvc.storage.postgres.knowledge import PostgresKnowledgeStore
-from tokensvc.storage.postgres.tenant import tenant_transaction
+from tokensvc.storage.postgres.tenant import is_distributed, tenant_transaction
 from tokensvc.storage.records import ALL_KNOWLEDGE_BASES, BaseRow, ChunkRow, Tenant
 
 # The tables the serving role reads.
@@ -276,6 +276,10 @@ async def test_the_owner_reads_chunks_through_the_text_index_where_the_serving_r
         "EXPLAIN (COSTS OFF) SELECT chunk_index FROM tokensvc.chunks WHERE content_tsv @@ 'text'::tsquery"
     )
     settings = "SET LOCAL enable_seqscan = off; SET LOCAL enable_indexscan = off"
+    # On Citus the shard's plan is the worker's: these settings must reach it.
+    async with pool.acquire() as probe:
+        if is_distributed(probe):
+            settings = f"SET LOCAL citus.propagate_set_commands = 'local'; {settings}"
 
     async def plan(conn: asyncpg.Connection) -> str:
         return "\n".join(row[0] for row in await conn.fetch(statement))

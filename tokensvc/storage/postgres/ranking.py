@@ -27,7 +27,7 @@ import asyncpg
 import numpy as np
 from opentelemetry import trace
 
-from tokensvc.storage.postgres.tenant import declare, tenant_transaction
+from tokensvc.storage.postgres.tenant import declare, is_distributed, tenant_transaction
 from tokensvc.storage.records import Candidate, CandidateQuery, SearchPlan, Tenant
 
 __all__ = [
@@ -599,6 +599,11 @@ async def fetch_candidates(
     query = None if row_count is None else plan(row_count)
     settings = None if query is None else search_settings(query)
     async with tenant_transaction(pool, tenant, settings=settings, checks=checks) as conn:
+        if is_distributed(conn):
+            # Citus runs the statement on the shard's worker, where a function reading the
+            # distributed table would be a distributed query nested in a shard's, which it refuses:
+            # there the text ranker reads the scope's rows (docs/scaling.md).
+            text_index = None
         if query is None:
             params: list[Any] = []
             scope = where(params, False)
