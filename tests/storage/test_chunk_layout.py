@@ -1,6 +1,8 @@
 """Where a chunk's bytes live (migrations 0025, 0026): its vector and tsvector stay in the row, so
 an exact search, which computes every chunk's distance, and the text ranker, which reads every
-matching chunk's tsvector, read no TOAST; the text, read for results alone, goes out of line."""
+matching chunk's tsvector, read no TOAST; the text, read for results alone, goes out of line. And
+the text index holds a written chunk in its tree at once (0029): no pending list that every text
+search would read."""
 
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ async def test_the_chunks_of_a_real_manual_keep_their_vectors_and_tsvectors_in_t
     await upload(store, namespace, "kb", "r-intro", texts, vectors=[random_unit(rng) for _ in texts])
     try:
         async with superuser(database) as conn:
+            # The pages of the GIN index's pending list, merged now: none were pending.
+            pending_pages = await conn.fetchval("SELECT gin_clean_pending_list('tokensvc.chunks_text')")
             # pg_column_toast_chunk_id: the value's TOAST id when it is stored out of line, else NULL.
             stored = await conn.fetchrow(
                 "SELECT count(*) AS chunks, "
@@ -47,3 +51,4 @@ async def test_the_chunks_of_a_real_manual_keep_their_vectors_and_tsvectors_in_t
     assert stored["texts_out_of_line"] > 0, "the rows were small enough to stay whole: no layout was tested"
     assert stored["vectors_out_of_line"] == 0
     assert stored["tsvectors_out_of_line"] == 0
+    assert pending_pages == 0

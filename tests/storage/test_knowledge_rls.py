@@ -239,7 +239,7 @@ async def test_the_runners_functions_work_only_under_the_ingestions_namespace(
 
 
 async def test_the_text_index_function_reads_only_the_declared_tenants_bases(
-    pool: asyncpg.Pool, ingestion: PostgresIngestionStore
+    pool: asyncpg.Pool, ingestion: PostgresIngestionStore, database: SharedDatabase
 ) -> None:
     """`chunks_matching` runs as the owner, past the chunks' tenant policy (so the GIN index can
     answer a text search: migration 0028); it must check the declared tenant itself. Another
@@ -258,9 +258,13 @@ async def test_the_text_index_function_reads_only_the_declared_tenants_bases(
         found = await conn.fetch(read, theirs, ["kb1", "kb2"], [0, 0])
         assert {(r["namespace"], r["kb_ref"]) for r in found} == {(theirs, "kb2")}
         assert await conn.fetch(read, ours, ["kb1"], [0]) == []
-    # No declared tenant at all: nothing.
+    # No declared tenant: a pooled connection's settings are empty after its transactions; a new
+    # session has none at all, where the policy's predicate is NULL, not false. Nothing either way.
     async with pool.acquire() as conn:
         assert await conn.fetch(read, theirs, ["kb1", "kb2"], [0, 0]) == []
+    async with connect_as(database.app_credential_dir, database.dsn) as fresh:
+        assert await fresh.fetchval("SELECT tokensvc.kb_visible($1, 'kb1')", theirs) is None
+        assert await fresh.fetch(read, theirs, ["kb1", "kb2"], [0, 0]) == []
 
 
 async def test_the_owner_reads_chunks_through_the_text_index_where_the_serving_role_cannot(

@@ -1,0 +1,12 @@
+-- The chunks' text index takes new entries into its tree at once (issue 37, "Speed").
+--
+-- A GIN index with `fastupdate` (PostgreSQL's default) first appends new entries to a pending
+-- list, merged into the tree by the next vacuum or once the list passes gin_pending_list_limit
+-- (4 MB), and every search through the index reads the whole list meanwhile. Since 0028 every
+-- knowledge text search goes through chunks_text, so after an ingestion burst each one would pay
+-- for the list: ~45 ms for a full one (30,000 chunk-sized tsvectors on a scratch server: 46 ms
+-- per search before the list was merged, 0.07 ms after). Without it an insert updates the tree
+-- itself: writing 100,000 chunks (bench.knowledge_scale) took 187 s, against 205 s with the
+-- pending list. Entries already pending go at the next vacuum. (On Citus the ALTER reaches every
+-- shard's index.)
+ALTER INDEX tokensvc.chunks_text SET (fastupdate = off);
