@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.storage.test_memory_rls import open_pool
-from tests.support import SharedDatabase, connect_as
+from tests.support import SharedDatabase, connect_as, superuser
 from tokensvc.auth.devpki import DevPaths
 from tokensvc.storage.ingestion_records import Extracted, Ingestion, StagedChunk
 from tokensvc.storage.postgres.ingestion import PostgresIngestionStore
@@ -295,3 +295,62 @@ async def test_the_owner_reads_chunks_through_the_text_index_where_the_serving_r
         await owner.execute(settings)
         assert "Index Cond: (content_tsv @@" in await plan(owner)
         assert "chunks_text" in await plan(owner)
+
+
+async def test_the_runner_counts_text_statistics_only_of_its_declared_tenants_bases(
+    pool: asyncpg.Pool, ingestion: PostgresIngestionStore, database_pools: tuple[asyncpg.Pool, asyncpg.Pool]
+) -> None:
+    """`count_text_statistics` runs as the owner, who reads every tenant's chunks (0028): declared
+    for another namespace it must answer as for a base it cannot see, whatever the size threshold
+    (else returning false below another base's chunk count and failing at it would tell the count)."""
+    ours, theirs = f"rls-{uuid.uuid4().hex[:8]}", f"rls-{uuid.uuid4().hex[:8]}"
+    await corpus(pool, ingestion, theirs, "kb1")  # two chunks
+    runner_pool = database_pools[1]
+    count = "SELECT count_text_statistics($1, 'kb1', $2, 0.1, 1, 0.1)"
+    for min_base in (0, 1, 2, 3):
+        async with tenant_transaction(
+            runner_pool, Tenant(ours, knowledge_bases=(ALL_KNOWLEDGE_BASES,))
+        ) as conn:
+            assert await conn.fetchval(count, theirs, min_base) is False
+    # Declared right, it counts the base (two chunks reach a threshold of 1).
+    async with tenant_transaction(runner_pool, Tenant(theirs, knowledge_bases=("kb1",))) as conn:
+        assert await conn.fetchval(count, theirs, 1) is True
+
+
+async def test_a_collation_cannot_stretch_the_text_index_functions_tenant_check(
+    pool: asyncpg.Pool, ingestion: PostgresIngestionStore, database: SharedDatabase
+) -> None:
+    """The arguments of `chunks_matching` carry the caller's collation into its tenant check; a
+    nondeterministic one that ignores punctuation makes `rls-1234` equal `rls1234`. Declared as
+    the second, asking for the first's chunks with that collation must read nothing: each row is
+    checked on its own columns. A server built without ICU has no nondeterministic collation at
+    all (the embedded one): there the attack's first step is refused, which the test asserts."""
+    suffix = uuid.uuid4().hex[:8]
+    victim, attacker = f"rls-{suffix}", f"rls{suffix}"
+    await corpus(pool, ingestion, victim, "kb1")
+    collation = f"tokensvc.punctuation_blind_{suffix}"
+    create = (
+        f"CREATE COLLATION {collation} (provider = icu, locale = 'und-u-ka-shifted', deterministic = false)"
+    )
+    refused = None
+    async with superuser(database) as admin:
+        try:
+            await admin.execute(create)
+        except asyncpg.FeatureNotSupportedError as exc:
+            refused = str(exc)
+    if refused is not None:
+        assert "ICU is not supported" in refused
+        return
+    try:
+        async with tenant_transaction(pool, Tenant(attacker, knowledge_bases=(ALL_KNOWLEDGE_BASES,))) as conn:
+            assert await conn.fetchval(f"SELECT $1::text = $2::text COLLATE {collation}", victim, attacker)
+            stretched = await conn.fetch(
+                f"SELECT chunk_index FROM chunks_matching($1 COLLATE {collation}, "  # noqa: S608
+                f"ARRAY[$2 COLLATE {collation}], ARRAY[0], 'text'::tsquery, 10)",
+                victim,
+                "kb1",
+            )
+        assert stretched == []
+    finally:
+        async with superuser(database) as admin:
+            await admin.execute(f"DROP COLLATION {collation}")

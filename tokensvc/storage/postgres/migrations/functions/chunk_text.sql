@@ -22,15 +22,18 @@ CREATE OR REPLACE FUNCTION tokensvc.chunks_matching(ns text, kbs text[], generat
 RETURNS TABLE (namespace text, kb_ref text, doc_ref text, generation integer, version bigint,
                chunk_index integer, content_tsv tsvector)
 LANGUAGE plpgsql STABLE STRICT SECURITY DEFINER
-SET search_path = pg_catalog, tokensvc, public, pg_temp AS $$
+SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     FOR i IN 1 .. coalesce(least(cardinality(kbs), cardinality(generations)), 0) LOOP
-        -- Unknown (no tenant declared) is no.
+        -- Unknown (no tenant declared) is no. Each row read is checked too, with the policy's own
+        -- predicate on its columns: the arguments' comparison takes the caller's collation (a
+        -- nondeterministic one could make another tenant's name equal to the declared one), a
+        -- column's cannot be changed.
         CONTINUE WHEN NOT coalesce(tokensvc.kb_visible(ns, kbs[i]), false);
         RETURN QUERY EXECUTE
             'SELECT c.namespace, c.kb_ref, c.doc_ref, c.generation, c.version, c.chunk_index, c.content_tsv '
             'FROM tokensvc.chunks c WHERE c.namespace = $1 AND c.kb_ref = $2 AND c.generation = $3 '
-            'AND c.content_tsv @@ $4 LIMIT $5'
+            'AND c.content_tsv @@ $4 AND tokensvc.kb_visible(c.namespace, c.kb_ref) LIMIT $5'
             USING ns, kbs[i], generations[i], query, max_rows;
     END LOOP;
 END $$;

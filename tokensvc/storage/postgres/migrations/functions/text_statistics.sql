@@ -22,6 +22,11 @@ DECLARE
     counted_chunks bigint;
     listed integer;
 BEGIN
+    -- Only a base of the declared tenant: the owner reads every tenant's chunks (0028), so without
+    -- this the count of another tenant's base would show in what this returns or raises.
+    IF NOT coalesce(tokensvc.kb_visible(ns, kb), false) THEN
+        RETURN false;
+    END IF;
     IF NOT pg_try_advisory_xact_lock(hashtextextended('tokensvc.text_statistics/' || ns || '/' || kb, 0)) THEN
         RETURN false;
     END IF;
