@@ -4,9 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 STATE_DIR ?= .tokensvc-dev
-PROTOS := $(wildcard protos/tokensvc/v1/*.proto)
 
-.PHONY: install dev test test-fast check lint typecheck protolint proto stubs-check pytest bench bench-quality clean
+.PHONY: install test-deps dev test test-fast check lint typecheck protolint proto stubs-check pytest bench bench-quality clean
 
 install: $(VENV)/.installed
 
@@ -19,7 +18,10 @@ $(VENV)/.installed: pyproject.toml
 dev: install  ## Install and run tokensvc on embedded defaults (PostgreSQL + dev certificates).
 	$(BIN)/tokensvc dev --state-dir $(STATE_DIR)
 
-test: install  ## Everything CI runs: lint, types, protos, stale stubs, the whole pytest suite.
+test-deps:  ## What the tests need beyond PyPI (Prometheus, the Go toolchain and libraries), from Debian when missing.
+	tools/setup-test-deps
+
+test: install test-deps  ## Everything CI runs: lint, types, protos, stale stubs, the whole pytest suite (with the Go and Node clients' live tests).
 	$(MAKE) check
 	$(BIN)/pytest
 
@@ -29,8 +31,8 @@ test-fast: install  ## The suite without the slow end-to-end tests, for a quick 
 check: lint typecheck protolint
 
 lint: install
-	$(BIN)/ruff check tokensvc tests bench
-	$(BIN)/ruff format --check tokensvc tests bench
+	$(BIN)/ruff check tokensvc tests bench tools
+	$(BIN)/ruff format --check tokensvc tests bench tools
 
 typecheck: install
 	$(BIN)/mypy
@@ -46,11 +48,8 @@ protolint: install  ## buf lint + format; buf breaking against the newest v1.* t
 		echo "no released v1 tag; skipping buf breaking"; \
 	fi
 
-proto: install  ## Regenerate tokensvc/v1 from protos/ (never edit the stubs by hand).
-	$(PY) -m grpc_tools.protoc -I protos \
-		--plugin=protoc-gen-mypy=$(BIN)/protoc-gen-mypy \
-		--plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc \
-		--python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. $(PROTOS)
+proto: install test-deps  ## Regenerate every client's code from protos/ (buf.gen.yaml: tokensvc/v1, clients/go/gen); never edit it by hand.
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/buf generate
 
 bench: install  ## Benchmarks (bench/, docs/benchmarks.md); BENCH_ARGS=--quick / QUALITY_ARGS=--quick for smaller runs.
 	$(PY) -m pip install --quiet -e '.[bench]'

@@ -32,6 +32,15 @@ def test_the_readme_layout_names_every_proto_file() -> None:
     assert listed == shipped, f"README layout lists {sorted(listed)}, protos/ has {sorted(shipped)}"
 
 
+def test_the_readme_layout_and_docs_name_every_client() -> None:
+    lines = README.splitlines()
+    clients = sorted(path.name for path in (ROOT / "clients").iterdir() if path.is_dir())
+    unlisted = [name for name in clients if not any(line.startswith(f"clients/{name}/ ") for line in lines)]
+    assert not unlisted, f"add these clients to the README's layout map: {unlisted}"
+    unlinked = [name for name in clients if f"(clients/{name}/README.md)" not in README]
+    assert not unlinked, f"link these clients' READMEs from the README's docs list: {unlinked}"
+
+
 def test_the_readme_layout_names_every_package() -> None:
     lines = README.splitlines()
     packages = sorted(path.parent.name for path in (ROOT / "tokensvc").glob("*/__init__.py"))

@@ -1,8 +1,10 @@
-"""The committed stubs are exactly what `make proto` generates from protos/ (but for the
-generator's version stamps), and the pinned runtimes satisfy those stamps."""
+"""The committed client code is exactly what `buf generate` (buf.gen.yaml, `make proto`) writes
+from protos/ (but for the generators' version stamps): the Python stubs (tokensvc/v1) and the Go
+client's (clients/go/gen); and the pinned runtimes satisfy the Python stamps."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -10,41 +12,41 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+GENERATED = {  # where each language's code is committed, and which of its files are generated
+    "tokensvc/v1": lambda p: p.name != "__init__.py",
+    "clients/go/gen/tokensvc/v1": lambda p: p.name.endswith(".pb.go"),
+}
 
 
-def test_committed_stubs_equal_freshly_generated_ones(tmp_path: Path) -> None:
+def test_committed_code_equals_freshly_generated_code(tmp_path: Path) -> None:
     bin_dir = Path(sys.executable).parent
-    protos = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "protos/tokensvc/v1").glob("*.proto"))
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "grpc_tools.protoc",
-            "-I",
-            "protos",
-            f"--plugin=protoc-gen-mypy={shutil.which('protoc-gen-mypy', path=str(bin_dir))}",
-            f"--plugin=protoc-gen-mypy_grpc={shutil.which('protoc-gen-mypy_grpc', path=str(bin_dir))}",
-            f"--python_out={tmp_path}",
-            f"--grpc_python_out={tmp_path}",
-            f"--mypy_out={tmp_path}",
-            f"--mypy_grpc_out={tmp_path}",
-            *protos,
-        ],
+    for plugin in ("protoc-gen-go", "protoc-gen-go-grpc"):
+        if shutil.which(plugin) is None:
+            pytest.fail(f"`{plugin}` is not on PATH: run tools/setup-test-deps (as root)", pytrace=False)
+    generated = subprocess.run(
+        [str(bin_dir / "buf"), "generate", "--output", str(tmp_path)],
         cwd=ROOT,
-        check=True,
+        env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"},
         capture_output=True,
+        text=True,
+        check=False,
     )
-    generated = {p.name: unstamped(p.read_bytes()) for p in (tmp_path / "tokensvc/v1").iterdir()}
-    committed = {
-        p.name: unstamped(p.read_bytes())
-        for p in (ROOT / "tokensvc/v1").iterdir()
-        if p.name != "__init__.py" and p.is_file()
-    }
-    stale = sorted(
-        name for name in generated.keys() | committed.keys() if generated.get(name) != committed.get(name)
-    )
-    assert not stale, f"stale stubs (run `make proto`): {stale}"
+    assert generated.returncode == 0, generated.stderr
+    for directory, is_generated in GENERATED.items():
+        fresh = {p.name: unstamped(p.read_bytes()) for p in (tmp_path / directory).iterdir()}
+        committed = {
+            p.name: unstamped(p.read_bytes())
+            for p in (ROOT / directory).iterdir()
+            if p.is_file() and is_generated(p)
+        }
+        assert fresh, f"buf generate wrote nothing into {directory}"
+        stale = sorted(
+            name for name in fresh.keys() | committed.keys() if fresh.get(name) != committed.get(name)
+        )
+        assert not stale, f"stale generated code in {directory} (run `make proto`): {stale}"
 
 
 # What a stub says about the generator that wrote it, not about the protos: a grpcio-tools or
@@ -56,9 +58,11 @@ _PROTOBUF_STAMP = re.compile(
     rb"^# Protobuf Python Version: ([0-9.]+)$|_runtime_version\.Domain\.PUBLIC,\s+(\d+),\s+(\d+),\s+(\d+),",
     re.MULTILINE,
 )
+_GO_STAMP = re.compile(rb"^// \t(protoc-gen-go(?:-grpc)?|protoc) +\S.*$", re.MULTILINE)
 
 
 def unstamped(stub: bytes) -> bytes:
+    stub = _GO_STAMP.sub(rb"// \t\1 <version>", stub)
     return _PROTOBUF_STAMP.sub(b"<protobuf version>", _GRPC_STAMP.sub(b"<grpc version>", stub))
 
 

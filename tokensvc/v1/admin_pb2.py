@@ -26,45 +26,45 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from tokensvc.v1 import common_pb2 as tokensvc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tokensvc/v1/admin.proto\x12\x0btokensvc.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18tokensvc/v1/common.proto\"P\n\x12PepperVersionCount\x12\x16\n\x0epepper_version\x18\x01 \x01(\x05\x12\x11\n\trow_count\x18\x02 \x01(\x03\x12\x0f\n\x07\x63urrent\x18\x03 \x01(\x08\"\x8d\x03\n\x10\x43redentialStatus\x12\x13\n\x0b\x61\x63tive_role\x18\x01 \x01(\t\x12\x1a\n\x12\x63redential_version\x18\x02 \x01(\x03\x12\x33\n\x0flast_rotated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tpool_size\x18\x04 \x01(\x05\x12\x13\n\x0bpool_in_use\x18\x05 \x01(\x05\x12;\n\x15last_rotation_outcome\x18\x06 \x01(\x0e\x32\x1c.tokensvc.v1.RotationOutcome\x12?\n\x12last_rotation_mode\x18\x07 \x01(\x0e\x32#.tokensvc.v1.CredentialRotationMode\x12\x38\n\x0fpepper_versions\x18\x08 \x03(\x0b\x32\x1f.tokensvc.v1.PepperVersionCount\x12\x33\n\ncredential\x18\t \x01(\x0e\x32\x1f.tokensvc.v1.DatabaseCredential\"\x8a\x01\n RotateDatabaseCredentialsRequest\x12\x31\n\x04mode\x18\x01 \x01(\x0e\x32#.tokensvc.v1.CredentialRotationMode\x12\x33\n\ncredential\x18\x02 \x01(\x0e\x32\x1f.tokensvc.v1.DatabaseCredential\"R\n!RotateDatabaseCredentialsResponse\x12-\n\x06status\x18\x01 \x01(\x0b\x32\x1d.tokensvc.v1.CredentialStatus\"\x1c\n\x1aGetCredentialStatusRequest\"\x82\x01\n\x1bGetCredentialStatusResponse\x12-\n\x06status\x18\x01 \x01(\x0b\x32\x1d.tokensvc.v1.CredentialStatus\x12\x34\n\rrunner_status\x18\x02 \x01(\x0b\x32\x1d.tokensvc.v1.CredentialStatus\"\x1a\n\x18ReloadTrustBundleRequest\"[\n\x19ReloadTrustBundleResponse\x12\x0f\n\x07key_ids\x18\x01 \x03(\t\x12-\n\tloaded_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x89\x02\n\nAuditEvent\x12\n\n\x02id\x18\x01 \x01(\t\x12)\n\x04kind\x18\x02 \x01(\x0e\x32\x1b.tokensvc.v1.AuditEventKind\x12\r\n\x05\x61\x63tor\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x04 \x01(\t\x12\x0e\n\x06target\x18\x05 \x01(\t\x12*\n\x07outcome\x18\x06 \x01(\x0e\x32\x19.tokensvc.v1.AuditOutcome\x12(\n\x06reason\x18\x07 \x01(\x0e\x32\x18.tokensvc.v1.ErrorReason\x12\x0e\n\x06\x64\x65tail\x18\x08 \x01(\t\x12/\n\x0boccurred_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xc1\x01\n\x16ListAuditEventsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12*\n\x05kinds\x18\x03 \x03(\x0e\x32\x1b.tokensvc.v1.AuditEventKind\x12)\n\x05since\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"[\n\x17ListAuditEventsResponse\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.tokensvc.v1.AuditEvent\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t*\x8c\x01\n\x16\x43redentialRotationMode\x12(\n$CREDENTIAL_ROTATION_MODE_UNSPECIFIED\x10\x00\x12#\n\x1f\x43REDENTIAL_ROTATION_MODE_RELOAD\x10\x01\x12#\n\x1f\x43REDENTIAL_ROTATION_MODE_ROTATE\x10\x02*z\n\x12\x44\x61tabaseCredential\x12#\n\x1f\x44\x41TABASE_CREDENTIAL_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x44\x41TABASE_CREDENTIAL_SERVING\x10\x01\x12\x1e\n\x1a\x44\x41TABASE_CREDENTIAL_RUNNER\x10\x02*\xb2\x01\n\x0fRotationOutcome\x12 \n\x1cROTATION_OUTCOME_UNSPECIFIED\x10\x00\x12 \n\x1cROTATION_OUTCOME_IN_PROGRESS\x10\x01\x12\x1e\n\x1aROTATION_OUTCOME_SUCCEEDED\x10\x02\x12\x1b\n\x17ROTATION_OUTCOME_FAILED\x10\x03\x12\x1e\n\x1aROTATION_OUTCOME_RECOVERED\x10\x04*\xad\x03\n\x0e\x41uditEventKind\x12 \n\x1c\x41UDIT_EVENT_KIND_UNSPECIFIED\x10\x00\x12(\n$AUDIT_EVENT_KIND_CREDENTIAL_ROTATION\x10\x01\x12&\n\"AUDIT_EVENT_KIND_CREDENTIAL_RELOAD\x10\x02\x12(\n$AUDIT_EVENT_KIND_TRUST_BUNDLE_RELOAD\x10\x03\x12*\n&AUDIT_EVENT_KIND_CAPABILITY_REVOCATION\x10\x04\x12,\n(AUDIT_EVENT_KIND_KNOWLEDGE_BASE_CREATION\x10\x05\x12,\n(AUDIT_EVENT_KIND_KNOWLEDGE_BASE_DELETION\x10\x06\x12 \n\x1c\x41UDIT_EVENT_KIND_ADMIN_QUERY\x10\x07\x12(\n$AUDIT_EVENT_KIND_EMBEDDING_MIGRATION\x10\x08\x12)\n%AUDIT_EVENT_KIND_DATA_SUBJECT_REQUEST\x10\t*\x99\x01\n\x0c\x41uditOutcome\x12\x1d\n\x19\x41UDIT_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15\x41UDIT_OUTCOME_STARTED\x10\x01\x12\x1b\n\x17\x41UDIT_OUTCOME_SUCCEEDED\x10\x02\x12\x18\n\x14\x41UDIT_OUTCOME_FAILED\x10\x03\x12\x18\n\x14\x41UDIT_OUTCOME_DENIED\x10\x04\x32\xb6\x03\n\x0c\x41\x64minService\x12z\n\x19RotateDatabaseCredentials\x12-.tokensvc.v1.RotateDatabaseCredentialsRequest\x1a..tokensvc.v1.RotateDatabaseCredentialsResponse\x12h\n\x13GetCredentialStatus\x12\'.tokensvc.v1.GetCredentialStatusRequest\x1a(.tokensvc.v1.GetCredentialStatusResponse\x12\x62\n\x11ReloadTrustBundle\x12%.tokensvc.v1.ReloadTrustBundleRequest\x1a&.tokensvc.v1.ReloadTrustBundleResponse\x12\\\n\x0fListAuditEvents\x12#.tokensvc.v1.ListAuditEventsRequest\x1a$.tokensvc.v1.ListAuditEventsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tokensvc/v1/admin.proto\x12\x0btokensvc.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18tokensvc/v1/common.proto\"r\n\x12PepperVersionCount\x12%\n\x0epepper_version\x18\x01 \x01(\x05R\rpepperVersion\x12\x1b\n\trow_count\x18\x02 \x01(\x03R\x08rowCount\x12\x18\n\x07\x63urrent\x18\x03 \x01(\x08R\x07\x63urrent\"\x93\x04\n\x10\x43redentialStatus\x12\x1f\n\x0b\x61\x63tive_role\x18\x01 \x01(\tR\nactiveRole\x12-\n\x12\x63redential_version\x18\x02 \x01(\x03R\x11\x63redentialVersion\x12\x42\n\x0flast_rotated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\rlastRotatedAt\x12\x1b\n\tpool_size\x18\x04 \x01(\x05R\x08poolSize\x12\x1e\n\x0bpool_in_use\x18\x05 \x01(\x05R\tpoolInUse\x12P\n\x15last_rotation_outcome\x18\x06 \x01(\x0e\x32\x1c.tokensvc.v1.RotationOutcomeR\x13lastRotationOutcome\x12Q\n\x12last_rotation_mode\x18\x07 \x01(\x0e\x32#.tokensvc.v1.CredentialRotationModeR\x10lastRotationMode\x12H\n\x0fpepper_versions\x18\x08 \x03(\x0b\x32\x1f.tokensvc.v1.PepperVersionCountR\x0epepperVersions\x12?\n\ncredential\x18\t \x01(\x0e\x32\x1f.tokensvc.v1.DatabaseCredentialR\ncredential\"\x9c\x01\n RotateDatabaseCredentialsRequest\x12\x37\n\x04mode\x18\x01 \x01(\x0e\x32#.tokensvc.v1.CredentialRotationModeR\x04mode\x12?\n\ncredential\x18\x02 \x01(\x0e\x32\x1f.tokensvc.v1.DatabaseCredentialR\ncredential\"Z\n!RotateDatabaseCredentialsResponse\x12\x35\n\x06status\x18\x01 \x01(\x0b\x32\x1d.tokensvc.v1.CredentialStatusR\x06status\"\x1c\n\x1aGetCredentialStatusRequest\"\x98\x01\n\x1bGetCredentialStatusResponse\x12\x35\n\x06status\x18\x01 \x01(\x0b\x32\x1d.tokensvc.v1.CredentialStatusR\x06status\x12\x42\n\rrunner_status\x18\x02 \x01(\x0b\x32\x1d.tokensvc.v1.CredentialStatusR\x0crunnerStatus\"\x1a\n\x18ReloadTrustBundleRequest\"m\n\x19ReloadTrustBundleResponse\x12\x17\n\x07key_ids\x18\x01 \x03(\tR\x06keyIds\x12\x37\n\tloaded_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x08loadedAt\"\xcf\x02\n\nAuditEvent\x12\x0e\n\x02id\x18\x01 \x01(\tR\x02id\x12/\n\x04kind\x18\x02 \x01(\x0e\x32\x1b.tokensvc.v1.AuditEventKindR\x04kind\x12\x14\n\x05\x61\x63tor\x18\x03 \x01(\tR\x05\x61\x63tor\x12\x16\n\x06\x61\x63tion\x18\x04 \x01(\tR\x06\x61\x63tion\x12\x16\n\x06target\x18\x05 \x01(\tR\x06target\x12\x33\n\x07outcome\x18\x06 \x01(\x0e\x32\x19.tokensvc.v1.AuditOutcomeR\x07outcome\x12\x30\n\x06reason\x18\x07 \x01(\x0e\x32\x18.tokensvc.v1.ErrorReasonR\x06reason\x12\x16\n\x06\x64\x65tail\x18\x08 \x01(\tR\x06\x64\x65tail\x12;\n\x0boccurred_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.TimestampR\noccurredAt\"\xeb\x01\n\x16ListAuditEventsRequest\x12\x1b\n\tpage_size\x18\x01 \x01(\x05R\x08pageSize\x12\x1d\n\npage_token\x18\x02 \x01(\tR\tpageToken\x12\x31\n\x05kinds\x18\x03 \x03(\x0e\x32\x1b.tokensvc.v1.AuditEventKindR\x05kinds\x12\x30\n\x05since\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x05since\x12\x30\n\x05until\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x05until\"r\n\x17ListAuditEventsResponse\x12/\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.tokensvc.v1.AuditEventR\x06\x65vents\x12&\n\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken*\x8c\x01\n\x16\x43redentialRotationMode\x12(\n$CREDENTIAL_ROTATION_MODE_UNSPECIFIED\x10\x00\x12#\n\x1f\x43REDENTIAL_ROTATION_MODE_RELOAD\x10\x01\x12#\n\x1f\x43REDENTIAL_ROTATION_MODE_ROTATE\x10\x02*z\n\x12\x44\x61tabaseCredential\x12#\n\x1f\x44\x41TABASE_CREDENTIAL_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x44\x41TABASE_CREDENTIAL_SERVING\x10\x01\x12\x1e\n\x1a\x44\x41TABASE_CREDENTIAL_RUNNER\x10\x02*\xb2\x01\n\x0fRotationOutcome\x12 \n\x1cROTATION_OUTCOME_UNSPECIFIED\x10\x00\x12 \n\x1cROTATION_OUTCOME_IN_PROGRESS\x10\x01\x12\x1e\n\x1aROTATION_OUTCOME_SUCCEEDED\x10\x02\x12\x1b\n\x17ROTATION_OUTCOME_FAILED\x10\x03\x12\x1e\n\x1aROTATION_OUTCOME_RECOVERED\x10\x04*\xad\x03\n\x0e\x41uditEventKind\x12 \n\x1c\x41UDIT_EVENT_KIND_UNSPECIFIED\x10\x00\x12(\n$AUDIT_EVENT_KIND_CREDENTIAL_ROTATION\x10\x01\x12&\n\"AUDIT_EVENT_KIND_CREDENTIAL_RELOAD\x10\x02\x12(\n$AUDIT_EVENT_KIND_TRUST_BUNDLE_RELOAD\x10\x03\x12*\n&AUDIT_EVENT_KIND_CAPABILITY_REVOCATION\x10\x04\x12,\n(AUDIT_EVENT_KIND_KNOWLEDGE_BASE_CREATION\x10\x05\x12,\n(AUDIT_EVENT_KIND_KNOWLEDGE_BASE_DELETION\x10\x06\x12 \n\x1c\x41UDIT_EVENT_KIND_ADMIN_QUERY\x10\x07\x12(\n$AUDIT_EVENT_KIND_EMBEDDING_MIGRATION\x10\x08\x12)\n%AUDIT_EVENT_KIND_DATA_SUBJECT_REQUEST\x10\t*\x99\x01\n\x0c\x41uditOutcome\x12\x1d\n\x19\x41UDIT_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15\x41UDIT_OUTCOME_STARTED\x10\x01\x12\x1b\n\x17\x41UDIT_OUTCOME_SUCCEEDED\x10\x02\x12\x18\n\x14\x41UDIT_OUTCOME_FAILED\x10\x03\x12\x18\n\x14\x41UDIT_OUTCOME_DENIED\x10\x04\x32\xb6\x03\n\x0c\x41\x64minService\x12z\n\x19RotateDatabaseCredentials\x12-.tokensvc.v1.RotateDatabaseCredentialsRequest\x1a..tokensvc.v1.RotateDatabaseCredentialsResponse\x12h\n\x13GetCredentialStatus\x12\'.tokensvc.v1.GetCredentialStatusRequest\x1a(.tokensvc.v1.GetCredentialStatusResponse\x12\x62\n\x11ReloadTrustBundle\x12%.tokensvc.v1.ReloadTrustBundleRequest\x1a&.tokensvc.v1.ReloadTrustBundleResponse\x12\\\n\x0fListAuditEvents\x12#.tokensvc.v1.ListAuditEventsRequest\x1a$.tokensvc.v1.ListAuditEventsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokensvc.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CREDENTIALROTATIONMODE']._serialized_start=1648
-  _globals['_CREDENTIALROTATIONMODE']._serialized_end=1788
-  _globals['_DATABASECREDENTIAL']._serialized_start=1790
-  _globals['_DATABASECREDENTIAL']._serialized_end=1912
-  _globals['_ROTATIONOUTCOME']._serialized_start=1915
-  _globals['_ROTATIONOUTCOME']._serialized_end=2093
-  _globals['_AUDITEVENTKIND']._serialized_start=2096
-  _globals['_AUDITEVENTKIND']._serialized_end=2525
-  _globals['_AUDITOUTCOME']._serialized_start=2528
-  _globals['_AUDITOUTCOME']._serialized_end=2681
+  _globals['_CREDENTIALROTATIONMODE']._serialized_start=2017
+  _globals['_CREDENTIALROTATIONMODE']._serialized_end=2157
+  _globals['_DATABASECREDENTIAL']._serialized_start=2159
+  _globals['_DATABASECREDENTIAL']._serialized_end=2281
+  _globals['_ROTATIONOUTCOME']._serialized_start=2284
+  _globals['_ROTATIONOUTCOME']._serialized_end=2462
+  _globals['_AUDITEVENTKIND']._serialized_start=2465
+  _globals['_AUDITEVENTKIND']._serialized_end=2894
+  _globals['_AUDITOUTCOME']._serialized_start=2897
+  _globals['_AUDITOUTCOME']._serialized_end=3050
   _globals['_PEPPERVERSIONCOUNT']._serialized_start=99
-  _globals['_PEPPERVERSIONCOUNT']._serialized_end=179
-  _globals['_CREDENTIALSTATUS']._serialized_start=182
-  _globals['_CREDENTIALSTATUS']._serialized_end=579
-  _globals['_ROTATEDATABASECREDENTIALSREQUEST']._serialized_start=582
-  _globals['_ROTATEDATABASECREDENTIALSREQUEST']._serialized_end=720
-  _globals['_ROTATEDATABASECREDENTIALSRESPONSE']._serialized_start=722
-  _globals['_ROTATEDATABASECREDENTIALSRESPONSE']._serialized_end=804
-  _globals['_GETCREDENTIALSTATUSREQUEST']._serialized_start=806
-  _globals['_GETCREDENTIALSTATUSREQUEST']._serialized_end=834
-  _globals['_GETCREDENTIALSTATUSRESPONSE']._serialized_start=837
-  _globals['_GETCREDENTIALSTATUSRESPONSE']._serialized_end=967
-  _globals['_RELOADTRUSTBUNDLEREQUEST']._serialized_start=969
-  _globals['_RELOADTRUSTBUNDLEREQUEST']._serialized_end=995
-  _globals['_RELOADTRUSTBUNDLERESPONSE']._serialized_start=997
-  _globals['_RELOADTRUSTBUNDLERESPONSE']._serialized_end=1088
-  _globals['_AUDITEVENT']._serialized_start=1091
-  _globals['_AUDITEVENT']._serialized_end=1356
-  _globals['_LISTAUDITEVENTSREQUEST']._serialized_start=1359
-  _globals['_LISTAUDITEVENTSREQUEST']._serialized_end=1552
-  _globals['_LISTAUDITEVENTSRESPONSE']._serialized_start=1554
-  _globals['_LISTAUDITEVENTSRESPONSE']._serialized_end=1645
-  _globals['_ADMINSERVICE']._serialized_start=2684
-  _globals['_ADMINSERVICE']._serialized_end=3122
+  _globals['_PEPPERVERSIONCOUNT']._serialized_end=213
+  _globals['_CREDENTIALSTATUS']._serialized_start=216
+  _globals['_CREDENTIALSTATUS']._serialized_end=747
+  _globals['_ROTATEDATABASECREDENTIALSREQUEST']._serialized_start=750
+  _globals['_ROTATEDATABASECREDENTIALSREQUEST']._serialized_end=906
+  _globals['_ROTATEDATABASECREDENTIALSRESPONSE']._serialized_start=908
+  _globals['_ROTATEDATABASECREDENTIALSRESPONSE']._serialized_end=998
+  _globals['_GETCREDENTIALSTATUSREQUEST']._serialized_start=1000
+  _globals['_GETCREDENTIALSTATUSREQUEST']._serialized_end=1028
+  _globals['_GETCREDENTIALSTATUSRESPONSE']._serialized_start=1031
+  _globals['_GETCREDENTIALSTATUSRESPONSE']._serialized_end=1183
+  _globals['_RELOADTRUSTBUNDLEREQUEST']._serialized_start=1185
+  _globals['_RELOADTRUSTBUNDLEREQUEST']._serialized_end=1211
+  _globals['_RELOADTRUSTBUNDLERESPONSE']._serialized_start=1213
+  _globals['_RELOADTRUSTBUNDLERESPONSE']._serialized_end=1322
+  _globals['_AUDITEVENT']._serialized_start=1325
+  _globals['_AUDITEVENT']._serialized_end=1660
+  _globals['_LISTAUDITEVENTSREQUEST']._serialized_start=1663
+  _globals['_LISTAUDITEVENTSREQUEST']._serialized_end=1898
+  _globals['_LISTAUDITEVENTSRESPONSE']._serialized_start=1900
+  _globals['_LISTAUDITEVENTSRESPONSE']._serialized_end=2014
+  _globals['_ADMINSERVICE']._serialized_start=3053
+  _globals['_ADMINSERVICE']._serialized_end=3491
 # @@protoc_insertion_point(module_scope)

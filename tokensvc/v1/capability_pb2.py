@@ -26,33 +26,33 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctokensvc/v1/capability.proto\x12\x0btokensvc.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x99\x02\n\x0f\x43\x61pabilityScope\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05\x61gent\x18\x02 \x01(\t\x12\x11\n\tbucket_id\x18\x03 \x01(\t\x12\x10\n\x08per_user\x18\x04 \x01(\x08\x12\x10\n\x08registry\x18\x05 \x01(\t\x12\x18\n\x10long_term_memory\x18\x06 \x01(\x08\x12\x17\n\x0fknowledge_bases\x18\x07 \x03(\t\x12\x0e\n\x06run_id\x18\x08 \x01(\t\x12\x0b\n\x03jti\x18\t \x01(\t\x12-\n\tissued_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x19\n\x17VerifyCapabilityRequest\"G\n\x18VerifyCapabilityResponse\x12+\n\x05scope\x18\x01 \x01(\x0b\x32\x1c.tokensvc.v1.CapabilityScope\"\\\n\x17\x44\x65riveSessionKeyRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12(\n\x05scope\x18\x02 \x01(\x0e\x32\x19.tokensvc.v1.SessionScope\"\x9c\x02\n\x18\x44\x65riveSessionKeyResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x32\n\x0f\x65\x66\x66\x65\x63tive_scope\x18\x02 \x01(\x0e\x32\x19.tokensvc.v1.SessionScope\x12\x12\n\ndowngraded\x18\x03 \x01(\x08\x12\x10\n\x08per_user\x18\x04 \x01(\x08\x12\x1c\n\x14max_history_messages\x18\x05 \x01(\x05\x12\x1c\n\x14max_retained_entries\x18\x06 \x01(\x05\x12&\n\x03ttl\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1e\n\x16ttl_refreshed_on_write\x18\x08 \x01(\x08\x12\x15\n\rprevious_keys\x18\t \x03(\t\"\xfb\x01\n\x16IssueCapabilityRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05\x61gent\x18\x02 \x01(\t\x12\x11\n\x04user\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x10\n\x08per_user\x18\x04 \x01(\x08\x12\x10\n\x08registry\x18\x05 \x01(\t\x12\x18\n\x10long_term_memory\x18\x06 \x01(\x08\x12\x17\n\x0fknowledge_bases\x18\x07 \x03(\t\x12\x0e\n\x06run_id\x18\x08 \x01(\t\x12&\n\x03ttl\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0c\x63nf_x5t_s256\x18\n \x01(\x0c\x42\x07\n\x05_user\"u\n\x17IssueCapabilityResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0b\n\x03jti\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12.\n\nexpires_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"T\n\x17RevokeCapabilityRequest\x12\r\n\x03jti\x18\x01 \x01(\tH\x00\x12\x10\n\x06run_id\x18\x02 \x01(\tH\x00\x12\x0e\n\x06reason\x18\x03 \x01(\tB\x08\n\x06target\"J\n\x18RevokeCapabilityResponse\x12.\n\nrevoked_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*b\n\x0cSessionScope\x12\x1d\n\x19SESSION_SCOPE_UNSPECIFIED\x10\x00\x12\x19\n\x15SESSION_SCOPE_SESSION\x10\x01\x12\x18\n\x14SESSION_SCOPE_SHARED\x10\x02\x32\x94\x03\n\x11\x43\x61pabilityService\x12_\n\x10VerifyCapability\x12$.tokensvc.v1.VerifyCapabilityRequest\x1a%.tokensvc.v1.VerifyCapabilityResponse\x12_\n\x10\x44\x65riveSessionKey\x12$.tokensvc.v1.DeriveSessionKeyRequest\x1a%.tokensvc.v1.DeriveSessionKeyResponse\x12\\\n\x0fIssueCapability\x12#.tokensvc.v1.IssueCapabilityRequest\x1a$.tokensvc.v1.IssueCapabilityResponse\x12_\n\x10RevokeCapability\x12$.tokensvc.v1.RevokeCapabilityRequest\x1a%.tokensvc.v1.RevokeCapabilityResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctokensvc/v1/capability.proto\x12\x0btokensvc.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x89\x03\n\x0f\x43\x61pabilityScope\x12\x1c\n\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x14\n\x05\x61gent\x18\x02 \x01(\tR\x05\x61gent\x12\x1b\n\tbucket_id\x18\x03 \x01(\tR\x08\x62ucketId\x12\x19\n\x08per_user\x18\x04 \x01(\x08R\x07perUser\x12\x1a\n\x08registry\x18\x05 \x01(\tR\x08registry\x12(\n\x10long_term_memory\x18\x06 \x01(\x08R\x0elongTermMemory\x12\'\n\x0fknowledge_bases\x18\x07 \x03(\tR\x0eknowledgeBases\x12\x15\n\x06run_id\x18\x08 \x01(\tR\x05runId\x12\x10\n\x03jti\x18\t \x01(\tR\x03jti\x12\x37\n\tissued_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x08issuedAt\x12\x39\n\nexpires_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.TimestampR\texpiresAt\"\x19\n\x17VerifyCapabilityRequest\"N\n\x18VerifyCapabilityResponse\x12\x32\n\x05scope\x18\x01 \x01(\x0b\x32\x1c.tokensvc.v1.CapabilityScopeR\x05scope\"s\n\x17\x44\x65riveSessionKeyRequest\x12\'\n\x0f\x63onversation_id\x18\x01 \x01(\tR\x0e\x63onversationId\x12/\n\x05scope\x18\x02 \x01(\x0e\x32\x19.tokensvc.v1.SessionScopeR\x05scope\"\x96\x03\n\x18\x44\x65riveSessionKeyResponse\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x42\n\x0f\x65\x66\x66\x65\x63tive_scope\x18\x02 \x01(\x0e\x32\x19.tokensvc.v1.SessionScopeR\x0e\x65\x66\x66\x65\x63tiveScope\x12\x1e\n\ndowngraded\x18\x03 \x01(\x08R\ndowngraded\x12\x19\n\x08per_user\x18\x04 \x01(\x08R\x07perUser\x12\x30\n\x14max_history_messages\x18\x05 \x01(\x05R\x12maxHistoryMessages\x12\x30\n\x14max_retained_entries\x18\x06 \x01(\x05R\x12maxRetainedEntries\x12+\n\x03ttl\x18\x07 \x01(\x0b\x32\x19.google.protobuf.DurationR\x03ttl\x12\x33\n\x16ttl_refreshed_on_write\x18\x08 \x01(\x08R\x13ttlRefreshedOnWrite\x12#\n\rprevious_keys\x18\t \x03(\tR\x0cpreviousKeys\"\xde\x02\n\x16IssueCapabilityRequest\x12\x1c\n\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x14\n\x05\x61gent\x18\x02 \x01(\tR\x05\x61gent\x12\x17\n\x04user\x18\x03 \x01(\tH\x00R\x04user\x88\x01\x01\x12\x19\n\x08per_user\x18\x04 \x01(\x08R\x07perUser\x12\x1a\n\x08registry\x18\x05 \x01(\tR\x08registry\x12(\n\x10long_term_memory\x18\x06 \x01(\x08R\x0elongTermMemory\x12\'\n\x0fknowledge_bases\x18\x07 \x03(\tR\x0eknowledgeBases\x12\x15\n\x06run_id\x18\x08 \x01(\tR\x05runId\x12+\n\x03ttl\x18\t \x01(\x0b\x32\x19.google.protobuf.DurationR\x03ttl\x12 \n\x0c\x63nf_x5t_s256\x18\n \x01(\x0cR\ncnfX5tS256B\x07\n\x05_user\"\x93\x01\n\x17IssueCapabilityResponse\x12\x14\n\x05token\x18\x01 \x01(\tR\x05token\x12\x10\n\x03jti\x18\x02 \x01(\tR\x03jti\x12\x15\n\x06run_id\x18\x03 \x01(\tR\x05runId\x12\x39\n\nexpires_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\texpiresAt\"h\n\x17RevokeCapabilityRequest\x12\x12\n\x03jti\x18\x01 \x01(\tH\x00R\x03jti\x12\x17\n\x06run_id\x18\x02 \x01(\tH\x00R\x05runId\x12\x16\n\x06reason\x18\x03 \x01(\tR\x06reasonB\x08\n\x06target\"U\n\x18RevokeCapabilityResponse\x12\x39\n\nrevoked_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\trevokedAt*b\n\x0cSessionScope\x12\x1d\n\x19SESSION_SCOPE_UNSPECIFIED\x10\x00\x12\x19\n\x15SESSION_SCOPE_SESSION\x10\x01\x12\x18\n\x14SESSION_SCOPE_SHARED\x10\x02\x32\x94\x03\n\x11\x43\x61pabilityService\x12_\n\x10VerifyCapability\x12$.tokensvc.v1.VerifyCapabilityRequest\x1a%.tokensvc.v1.VerifyCapabilityResponse\x12_\n\x10\x44\x65riveSessionKey\x12$.tokensvc.v1.DeriveSessionKeyRequest\x1a%.tokensvc.v1.DeriveSessionKeyResponse\x12\\\n\x0fIssueCapability\x12#.tokensvc.v1.IssueCapabilityRequest\x1a$.tokensvc.v1.IssueCapabilityResponse\x12_\n\x10RevokeCapability\x12$.tokensvc.v1.RevokeCapabilityRequest\x1a%.tokensvc.v1.RevokeCapabilityResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokensvc.v1.capability_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SESSIONSCOPE']._serialized_start=1410
-  _globals['_SESSIONSCOPE']._serialized_end=1508
+  _globals['_SESSIONSCOPE']._serialized_start=1835
+  _globals['_SESSIONSCOPE']._serialized_end=1933
   _globals['_CAPABILITYSCOPE']._serialized_start=111
-  _globals['_CAPABILITYSCOPE']._serialized_end=392
-  _globals['_VERIFYCAPABILITYREQUEST']._serialized_start=394
-  _globals['_VERIFYCAPABILITYREQUEST']._serialized_end=419
-  _globals['_VERIFYCAPABILITYRESPONSE']._serialized_start=421
-  _globals['_VERIFYCAPABILITYRESPONSE']._serialized_end=492
-  _globals['_DERIVESESSIONKEYREQUEST']._serialized_start=494
-  _globals['_DERIVESESSIONKEYREQUEST']._serialized_end=586
-  _globals['_DERIVESESSIONKEYRESPONSE']._serialized_start=589
-  _globals['_DERIVESESSIONKEYRESPONSE']._serialized_end=873
-  _globals['_ISSUECAPABILITYREQUEST']._serialized_start=876
-  _globals['_ISSUECAPABILITYREQUEST']._serialized_end=1127
-  _globals['_ISSUECAPABILITYRESPONSE']._serialized_start=1129
-  _globals['_ISSUECAPABILITYRESPONSE']._serialized_end=1246
-  _globals['_REVOKECAPABILITYREQUEST']._serialized_start=1248
-  _globals['_REVOKECAPABILITYREQUEST']._serialized_end=1332
-  _globals['_REVOKECAPABILITYRESPONSE']._serialized_start=1334
-  _globals['_REVOKECAPABILITYRESPONSE']._serialized_end=1408
-  _globals['_CAPABILITYSERVICE']._serialized_start=1511
-  _globals['_CAPABILITYSERVICE']._serialized_end=1915
+  _globals['_CAPABILITYSCOPE']._serialized_end=504
+  _globals['_VERIFYCAPABILITYREQUEST']._serialized_start=506
+  _globals['_VERIFYCAPABILITYREQUEST']._serialized_end=531
+  _globals['_VERIFYCAPABILITYRESPONSE']._serialized_start=533
+  _globals['_VERIFYCAPABILITYRESPONSE']._serialized_end=611
+  _globals['_DERIVESESSIONKEYREQUEST']._serialized_start=613
+  _globals['_DERIVESESSIONKEYREQUEST']._serialized_end=728
+  _globals['_DERIVESESSIONKEYRESPONSE']._serialized_start=731
+  _globals['_DERIVESESSIONKEYRESPONSE']._serialized_end=1137
+  _globals['_ISSUECAPABILITYREQUEST']._serialized_start=1140
+  _globals['_ISSUECAPABILITYREQUEST']._serialized_end=1490
+  _globals['_ISSUECAPABILITYRESPONSE']._serialized_start=1493
+  _globals['_ISSUECAPABILITYRESPONSE']._serialized_end=1640
+  _globals['_REVOKECAPABILITYREQUEST']._serialized_start=1642
+  _globals['_REVOKECAPABILITYREQUEST']._serialized_end=1746
+  _globals['_REVOKECAPABILITYRESPONSE']._serialized_start=1748
+  _globals['_REVOKECAPABILITYRESPONSE']._serialized_end=1833
+  _globals['_CAPABILITYSERVICE']._serialized_start=1936
+  _globals['_CAPABILITYSERVICE']._serialized_end=2340
 # @@protoc_insertion_point(module_scope)

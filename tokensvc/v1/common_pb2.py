@@ -24,25 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tokensvc/v1/common.proto\x12\x0btokensvc.v1\"]\n\rMetadataValue\x12\x16\n\x0cstring_value\x18\x01 \x01(\tH\x00\x12\x16\n\x0cnumber_value\x18\x02 \x01(\x01H\x00\x12\x14\n\nbool_value\x18\x03 \x01(\x08H\x00\x42\x06\n\x04kind\"\xa0\x01\n\x0b\x46ieldFilter\x12\x0b\n\x03key\x18\x01 \x01(\t\x12-\n\x08operator\x18\x02 \x01(\x0e\x32\x1b.tokensvc.v1.FilterOperator\x12)\n\x05value\x18\x03 \x01(\x0b\x32\x1a.tokensvc.v1.MetadataValue\x12*\n\x06values\x18\x04 \x03(\x0b\x32\x1a.tokensvc.v1.MetadataValue\"2\n\nFilterList\x12$\n\x07\x66ilters\x18\x01 \x03(\x0b\x32\x13.tokensvc.v1.Filter\"\xc5\x01\n\x06\x46ilter\x12)\n\x05\x66ield\x18\x01 \x01(\x0b\x32\x18.tokensvc.v1.FieldFilterH\x00\x12.\n\x0b\x61nd_filters\x18\x02 \x01(\x0b\x32\x17.tokensvc.v1.FilterListH\x00\x12-\n\nor_filters\x18\x03 \x01(\x0b\x32\x17.tokensvc.v1.FilterListH\x00\x12)\n\nnot_filter\x18\x04 \x01(\x0b\x32\x13.tokensvc.v1.FilterH\x00\x42\x06\n\x04node*\xb8\x07\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12!\n\x1d\x45RROR_REASON_INVALID_ARGUMENT\x10\x01\x12\x1a\n\x16\x45RROR_REASON_NOT_FOUND\x10\x02\x12\x1f\n\x1b\x45RROR_REASON_ALREADY_EXISTS\x10\x03\x12%\n!ERROR_REASON_PINNED_CONFIGURATION\x10\x04\x12 \n\x1c\x45RROR_REASON_NOT_IMPLEMENTED\x10\x05\x12#\n\x1f\x45RROR_REASON_CAPABILITY_MISSING\x10\x06\x12#\n\x1f\x45RROR_REASON_CAPABILITY_INVALID\x10\x07\x12#\n\x1f\x45RROR_REASON_CAPABILITY_EXPIRED\x10\x08\x12#\n\x1f\x45RROR_REASON_CAPABILITY_REVOKED\x10\t\x12!\n\x1d\x45RROR_REASON_BINDING_MISMATCH\x10\n\x12!\n\x1d\x45RROR_REASON_ROLE_NOT_ALLOWED\x10\x0b\x12\"\n\x1e\x45RROR_REASON_SCOPE_NOT_GRANTED\x10\x0c\x12+\n\'ERROR_REASON_SIGNING_KEY_NOT_CONFIGURED\x10\r\x12\"\n\x1e\x45RROR_REASON_PAYLOAD_TOO_LARGE\x10\x0e\x12%\n!ERROR_REASON_DATABASE_UNAVAILABLE\x10\x0f\x12%\n!ERROR_REASON_EMBEDDER_UNAVAILABLE\x10\x10\x12%\n!ERROR_REASON_ROTATION_IN_PROGRESS\x10\x11\x12 \n\x1c\x45RROR_REASON_ROTATION_FAILED\x10\x12\x12#\n\x1f\x45RROR_REASON_CREDENTIAL_INVALID\x10\x13\x12%\n!ERROR_REASON_TRUST_BUNDLE_INVALID\x10\x14\x12\"\n\x1e\x45RROR_REASON_CONCURRENCY_LIMIT\x10\x15\x12\"\n\x1e\x45RROR_REASON_DEADLINE_EXCEEDED\x10\x16\x12\x19\n\x15\x45RROR_REASON_INTERNAL\x10\x17\x12(\n$ERROR_REASON_CALLER_IDENTITY_INVALID\x10\x18\x12#\n\x1f\x45RROR_REASON_MIGRATION_CONFLICT\x10\x19*\x90\x02\n\x0e\x46ilterOperator\x12\x1f\n\x1b\x46ILTER_OPERATOR_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46ILTER_OPERATOR_EQ\x10\x01\x12\x16\n\x12\x46ILTER_OPERATOR_NE\x10\x02\x12\x16\n\x12\x46ILTER_OPERATOR_IN\x10\x03\x12\x17\n\x13\x46ILTER_OPERATOR_NIN\x10\x04\x12\x16\n\x12\x46ILTER_OPERATOR_GT\x10\x05\x12\x17\n\x13\x46ILTER_OPERATOR_GTE\x10\x06\x12\x16\n\x12\x46ILTER_OPERATOR_LT\x10\x07\x12\x17\n\x13\x46ILTER_OPERATOR_LTE\x10\x08\x12\x1a\n\x16\x46ILTER_OPERATOR_EXISTS\x10\t*o\n\nSearchMode\x12\x1b\n\x17SEARCH_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12SEARCH_MODE_VECTOR\x10\x01\x12\x16\n\x12SEARCH_MODE_HYBRID\x10\x02\x12\x14\n\x10SEARCH_MODE_TEXT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tokensvc/v1/common.proto\x12\x0btokensvc.v1\"\x82\x01\n\rMetadataValue\x12#\n\x0cstring_value\x18\x01 \x01(\tH\x00R\x0bstringValue\x12#\n\x0cnumber_value\x18\x02 \x01(\x01H\x00R\x0bnumberValue\x12\x1f\n\nbool_value\x18\x03 \x01(\x08H\x00R\tboolValueB\x06\n\x04kind\"\xbe\x01\n\x0b\x46ieldFilter\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x37\n\x08operator\x18\x02 \x01(\x0e\x32\x1b.tokensvc.v1.FilterOperatorR\x08operator\x12\x30\n\x05value\x18\x03 \x01(\x0b\x32\x1a.tokensvc.v1.MetadataValueR\x05value\x12\x32\n\x06values\x18\x04 \x03(\x0b\x32\x1a.tokensvc.v1.MetadataValueR\x06values\";\n\nFilterList\x12-\n\x07\x66ilters\x18\x01 \x03(\x0b\x32\x13.tokensvc.v1.FilterR\x07\x66ilters\"\xee\x01\n\x06\x46ilter\x12\x30\n\x05\x66ield\x18\x01 \x01(\x0b\x32\x18.tokensvc.v1.FieldFilterH\x00R\x05\x66ield\x12:\n\x0b\x61nd_filters\x18\x02 \x01(\x0b\x32\x17.tokensvc.v1.FilterListH\x00R\nandFilters\x12\x38\n\nor_filters\x18\x03 \x01(\x0b\x32\x17.tokensvc.v1.FilterListH\x00R\torFilters\x12\x34\n\nnot_filter\x18\x04 \x01(\x0b\x32\x13.tokensvc.v1.FilterH\x00R\tnotFilterB\x06\n\x04node*\xb8\x07\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12!\n\x1d\x45RROR_REASON_INVALID_ARGUMENT\x10\x01\x12\x1a\n\x16\x45RROR_REASON_NOT_FOUND\x10\x02\x12\x1f\n\x1b\x45RROR_REASON_ALREADY_EXISTS\x10\x03\x12%\n!ERROR_REASON_PINNED_CONFIGURATION\x10\x04\x12 \n\x1c\x45RROR_REASON_NOT_IMPLEMENTED\x10\x05\x12#\n\x1f\x45RROR_REASON_CAPABILITY_MISSING\x10\x06\x12#\n\x1f\x45RROR_REASON_CAPABILITY_INVALID\x10\x07\x12#\n\x1f\x45RROR_REASON_CAPABILITY_EXPIRED\x10\x08\x12#\n\x1f\x45RROR_REASON_CAPABILITY_REVOKED\x10\t\x12!\n\x1d\x45RROR_REASON_BINDING_MISMATCH\x10\n\x12!\n\x1d\x45RROR_REASON_ROLE_NOT_ALLOWED\x10\x0b\x12\"\n\x1e\x45RROR_REASON_SCOPE_NOT_GRANTED\x10\x0c\x12+\n\'ERROR_REASON_SIGNING_KEY_NOT_CONFIGURED\x10\r\x12\"\n\x1e\x45RROR_REASON_PAYLOAD_TOO_LARGE\x10\x0e\x12%\n!ERROR_REASON_DATABASE_UNAVAILABLE\x10\x0f\x12%\n!ERROR_REASON_EMBEDDER_UNAVAILABLE\x10\x10\x12%\n!ERROR_REASON_ROTATION_IN_PROGRESS\x10\x11\x12 \n\x1c\x45RROR_REASON_ROTATION_FAILED\x10\x12\x12#\n\x1f\x45RROR_REASON_CREDENTIAL_INVALID\x10\x13\x12%\n!ERROR_REASON_TRUST_BUNDLE_INVALID\x10\x14\x12\"\n\x1e\x45RROR_REASON_CONCURRENCY_LIMIT\x10\x15\x12\"\n\x1e\x45RROR_REASON_DEADLINE_EXCEEDED\x10\x16\x12\x19\n\x15\x45RROR_REASON_INTERNAL\x10\x17\x12(\n$ERROR_REASON_CALLER_IDENTITY_INVALID\x10\x18\x12#\n\x1f\x45RROR_REASON_MIGRATION_CONFLICT\x10\x19*\x90\x02\n\x0e\x46ilterOperator\x12\x1f\n\x1b\x46ILTER_OPERATOR_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46ILTER_OPERATOR_EQ\x10\x01\x12\x16\n\x12\x46ILTER_OPERATOR_NE\x10\x02\x12\x16\n\x12\x46ILTER_OPERATOR_IN\x10\x03\x12\x17\n\x13\x46ILTER_OPERATOR_NIN\x10\x04\x12\x16\n\x12\x46ILTER_OPERATOR_GT\x10\x05\x12\x17\n\x13\x46ILTER_OPERATOR_GTE\x10\x06\x12\x16\n\x12\x46ILTER_OPERATOR_LT\x10\x07\x12\x17\n\x13\x46ILTER_OPERATOR_LTE\x10\x08\x12\x1a\n\x16\x46ILTER_OPERATOR_EXISTS\x10\t*o\n\nSearchMode\x12\x1b\n\x17SEARCH_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12SEARCH_MODE_VECTOR\x10\x01\x12\x16\n\x12SEARCH_MODE_HYBRID\x10\x02\x12\x14\n\x10SEARCH_MODE_TEXT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokensvc.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORREASON']._serialized_start=552
-  _globals['_ERRORREASON']._serialized_end=1504
-  _globals['_FILTEROPERATOR']._serialized_start=1507
-  _globals['_FILTEROPERATOR']._serialized_end=1779
-  _globals['_SEARCHMODE']._serialized_start=1781
-  _globals['_SEARCHMODE']._serialized_end=1892
-  _globals['_METADATAVALUE']._serialized_start=41
-  _globals['_METADATAVALUE']._serialized_end=134
-  _globals['_FIELDFILTER']._serialized_start=137
-  _globals['_FIELDFILTER']._serialized_end=297
-  _globals['_FILTERLIST']._serialized_start=299
-  _globals['_FILTERLIST']._serialized_end=349
-  _globals['_FILTER']._serialized_start=352
-  _globals['_FILTER']._serialized_end=549
+  _globals['_ERRORREASON']._serialized_start=670
+  _globals['_ERRORREASON']._serialized_end=1622
+  _globals['_FILTEROPERATOR']._serialized_start=1625
+  _globals['_FILTEROPERATOR']._serialized_end=1897
+  _globals['_SEARCHMODE']._serialized_start=1899
+  _globals['_SEARCHMODE']._serialized_end=2010
+  _globals['_METADATAVALUE']._serialized_start=42
+  _globals['_METADATAVALUE']._serialized_end=172
+  _globals['_FIELDFILTER']._serialized_start=175
+  _globals['_FIELDFILTER']._serialized_end=365
+  _globals['_FILTERLIST']._serialized_start=367
+  _globals['_FILTERLIST']._serialized_end=426
+  _globals['_FILTER']._serialized_start=429
+  _globals['_FILTER']._serialized_end=667
 # @@protoc_insertion_point(module_scope)

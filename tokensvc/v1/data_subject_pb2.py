@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from tokensvc.v1 import common_pb2 as tokensvc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etokensvc/v1/data_subject.proto\x12\x0btokensvc.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18tokensvc/v1/common.proto\"I\n\x13\x45raseEndUserRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0f\n\x07user_id\x18\x02 \x01(\t\x12\x0e\n\x06\x61gents\x18\x03 \x03(\t\"F\n\x10\x41gentMemoryCount\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05\x61gent\x18\x02 \x01(\t\x12\x10\n\x08memories\x18\x03 \x01(\x03\"\xa9\x02\n\x12\x44\x61taSubjectReceipt\x12\n\n\x02id\x18\x01 \x01(\t\x12\x31\n\x04kind\x18\x02 \x01(\x0e\x32#.tokensvc.v1.DataSubjectRequestKind\x12\x11\n\tnamespace\x18\x03 \x01(\t\x12\x10\n\x08memories\x18\x04 \x01(\x03\x12\x30\n\tper_agent\x18\x05 \x03(\x0b\x32\x1d.tokensvc.v1.AgentMemoryCount\x12\x0e\n\x06\x61gents\x18\x06 \x01(\x05\x12\x1c\n\x14session_key_prefixes\x18\x07 \x01(\x05\x12\r\n\x05\x61\x63tor\x18\x08 \x01(\t\x12.\n\ncreated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08\x63omplete\x18\n \x01(\x08\"f\n\x14\x45raseEndUserResponse\x12\x30\n\x07receipt\x18\x01 \x01(\x0b\x32\x1f.tokensvc.v1.DataSubjectReceipt\x12\x1c\n\x14session_key_prefixes\x18\x02 \x03(\t\"`\n\x14\x45xportEndUserRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0f\n\x07user_id\x18\x02 \x01(\t\x12\x14\n\x0cresume_token\x18\x03 \x01(\t\x12\x0e\n\x06\x61gents\x18\x04 \x03(\t\"\xe9\x02\n\x0e\x45xportedMemory\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05\x61gent\x18\x02 \x01(\t\x12\n\n\x02id\x18\x03 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x04 \x01(\t\x12;\n\x08metadata\x18\x05 \x03(\x0b\x32).tokensvc.v1.ExportedMemory.MetadataEntry\x12.\n\ncreated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1aK\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.tokensvc.v1.MetadataValue:\x02\x38\x01\"\xb6\x01\n\x15\x45xportEndUserResponse\x12-\n\x06memory\x18\x01 \x01(\x0b\x32\x1b.tokensvc.v1.ExportedMemoryH\x00\x12\x1c\n\x12session_key_prefix\x18\x02 \x01(\tH\x00\x12\x32\n\x07receipt\x18\x03 \x01(\x0b\x32\x1f.tokensvc.v1.DataSubjectReceiptH\x00\x12\x14\n\x0cresume_token\x18\x04 \x01(\tB\x06\n\x04item\"&\n\x18GetErasureReceiptRequest\x12\n\n\x02id\x18\x01 \x01(\t\"M\n\x19GetErasureReceiptResponse\x12\x30\n\x07receipt\x18\x01 \x01(\x0b\x32\x1f.tokensvc.v1.DataSubjectReceipt*\x90\x01\n\x16\x44\x61taSubjectRequestKind\x12)\n%DATA_SUBJECT_REQUEST_KIND_UNSPECIFIED\x10\x00\x12%\n!DATA_SUBJECT_REQUEST_KIND_ERASURE\x10\x01\x12$\n DATA_SUBJECT_REQUEST_KIND_EXPORT\x10\x02\x32\xa7\x02\n\x12\x44\x61taSubjectService\x12S\n\x0c\x45raseEndUser\x12 .tokensvc.v1.EraseEndUserRequest\x1a!.tokensvc.v1.EraseEndUserResponse\x12X\n\rExportEndUser\x12!.tokensvc.v1.ExportEndUserRequest\x1a\".tokensvc.v1.ExportEndUserResponse0\x01\x12\x62\n\x11GetErasureReceipt\x12%.tokensvc.v1.GetErasureReceiptRequest\x1a&.tokensvc.v1.GetErasureReceiptResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etokensvc/v1/data_subject.proto\x12\x0btokensvc.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18tokensvc/v1/common.proto\"d\n\x13\x45raseEndUserRequest\x12\x1c\n\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x17\n\x07user_id\x18\x02 \x01(\tR\x06userId\x12\x16\n\x06\x61gents\x18\x03 \x03(\tR\x06\x61gents\"b\n\x10\x41gentMemoryCount\x12\x1c\n\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x14\n\x05\x61gent\x18\x02 \x01(\tR\x05\x61gent\x12\x1a\n\x08memories\x18\x03 \x01(\x03R\x08memories\"\x8a\x03\n\x12\x44\x61taSubjectReceipt\x12\x0e\n\x02id\x18\x01 \x01(\tR\x02id\x12\x37\n\x04kind\x18\x02 \x01(\x0e\x32#.tokensvc.v1.DataSubjectRequestKindR\x04kind\x12\x1c\n\tnamespace\x18\x03 \x01(\tR\tnamespace\x12\x1a\n\x08memories\x18\x04 \x01(\x03R\x08memories\x12:\n\tper_agent\x18\x05 \x03(\x0b\x32\x1d.tokensvc.v1.AgentMemoryCountR\x08perAgent\x12\x16\n\x06\x61gents\x18\x06 \x01(\x05R\x06\x61gents\x12\x30\n\x14session_key_prefixes\x18\x07 \x01(\x05R\x12sessionKeyPrefixes\x12\x14\n\x05\x61\x63tor\x18\x08 \x01(\tR\x05\x61\x63tor\x12\x39\n\ncreated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tcreatedAt\x12\x1a\n\x08\x63omplete\x18\n \x01(\x08R\x08\x63omplete\"\x83\x01\n\x14\x45raseEndUserResponse\x12\x39\n\x07receipt\x18\x01 \x01(\x0b\x32\x1f.tokensvc.v1.DataSubjectReceiptR\x07receipt\x12\x30\n\x14session_key_prefixes\x18\x02 \x03(\tR\x12sessionKeyPrefixes\"\x88\x01\n\x14\x45xportEndUserRequest\x12\x1c\n\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x17\n\x07user_id\x18\x02 \x01(\tR\x06userId\x12!\n\x0cresume_token\x18\x03 \x01(\tR\x0bresumeToken\x12\x16\n\x06\x61gents\x18\x04 \x03(\tR\x06\x61gents\"\xbf\x03\n\x0e\x45xportedMemory\x12\x1c\n\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x14\n\x05\x61gent\x18\x02 \x01(\tR\x05\x61gent\x12\x0e\n\x02id\x18\x03 \x01(\tR\x02id\x12\x18\n\x07\x63ontent\x18\x04 \x01(\tR\x07\x63ontent\x12\x45\n\x08metadata\x18\x05 \x03(\x0b\x32).tokensvc.v1.ExportedMemory.MetadataEntryR\x08metadata\x12\x39\n\ncreated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tcreatedAt\x12\x39\n\nupdated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tupdatedAt\x12\x39\n\nexpires_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\texpiresAt\x1aW\n\rMetadataEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x30\n\x05value\x18\x02 \x01(\x0b\x32\x1a.tokensvc.v1.MetadataValueR\x05value:\x02\x38\x01\"\xe6\x01\n\x15\x45xportEndUserResponse\x12\x35\n\x06memory\x18\x01 \x01(\x0b\x32\x1b.tokensvc.v1.ExportedMemoryH\x00R\x06memory\x12.\n\x12session_key_prefix\x18\x02 \x01(\tH\x00R\x10sessionKeyPrefix\x12;\n\x07receipt\x18\x03 \x01(\x0b\x32\x1f.tokensvc.v1.DataSubjectReceiptH\x00R\x07receipt\x12!\n\x0cresume_token\x18\x04 \x01(\tR\x0bresumeTokenB\x06\n\x04item\"*\n\x18GetErasureReceiptRequest\x12\x0e\n\x02id\x18\x01 \x01(\tR\x02id\"V\n\x19GetErasureReceiptResponse\x12\x39\n\x07receipt\x18\x01 \x01(\x0b\x32\x1f.tokensvc.v1.DataSubjectReceiptR\x07receipt*\x90\x01\n\x16\x44\x61taSubjectRequestKind\x12)\n%DATA_SUBJECT_REQUEST_KIND_UNSPECIFIED\x10\x00\x12%\n!DATA_SUBJECT_REQUEST_KIND_ERASURE\x10\x01\x12$\n DATA_SUBJECT_REQUEST_KIND_EXPORT\x10\x02\x32\xa7\x02\n\x12\x44\x61taSubjectService\x12S\n\x0c\x45raseEndUser\x12 .tokensvc.v1.EraseEndUserRequest\x1a!.tokensvc.v1.EraseEndUserResponse\x12X\n\rExportEndUser\x12!.tokensvc.v1.ExportEndUserRequest\x1a\".tokensvc.v1.ExportEndUserResponse0\x01\x12\x62\n\x11GetErasureReceipt\x12%.tokensvc.v1.GetErasureReceiptRequest\x1a&.tokensvc.v1.GetErasureReceiptResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,28 +35,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_EXPORTEDMEMORY_METADATAENTRY']._loaded_options = None
   _globals['_EXPORTEDMEMORY_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_DATASUBJECTREQUESTKIND']._serialized_start=1424
-  _globals['_DATASUBJECTREQUESTKIND']._serialized_end=1568
+  _globals['_DATASUBJECTREQUESTKIND']._serialized_start=1794
+  _globals['_DATASUBJECTREQUESTKIND']._serialized_end=1938
   _globals['_ERASEENDUSERREQUEST']._serialized_start=106
-  _globals['_ERASEENDUSERREQUEST']._serialized_end=179
-  _globals['_AGENTMEMORYCOUNT']._serialized_start=181
-  _globals['_AGENTMEMORYCOUNT']._serialized_end=251
-  _globals['_DATASUBJECTRECEIPT']._serialized_start=254
-  _globals['_DATASUBJECTRECEIPT']._serialized_end=551
-  _globals['_ERASEENDUSERRESPONSE']._serialized_start=553
-  _globals['_ERASEENDUSERRESPONSE']._serialized_end=655
-  _globals['_EXPORTENDUSERREQUEST']._serialized_start=657
-  _globals['_EXPORTENDUSERREQUEST']._serialized_end=753
-  _globals['_EXPORTEDMEMORY']._serialized_start=756
-  _globals['_EXPORTEDMEMORY']._serialized_end=1117
-  _globals['_EXPORTEDMEMORY_METADATAENTRY']._serialized_start=1042
-  _globals['_EXPORTEDMEMORY_METADATAENTRY']._serialized_end=1117
-  _globals['_EXPORTENDUSERRESPONSE']._serialized_start=1120
-  _globals['_EXPORTENDUSERRESPONSE']._serialized_end=1302
-  _globals['_GETERASURERECEIPTREQUEST']._serialized_start=1304
-  _globals['_GETERASURERECEIPTREQUEST']._serialized_end=1342
-  _globals['_GETERASURERECEIPTRESPONSE']._serialized_start=1344
-  _globals['_GETERASURERECEIPTRESPONSE']._serialized_end=1421
-  _globals['_DATASUBJECTSERVICE']._serialized_start=1571
-  _globals['_DATASUBJECTSERVICE']._serialized_end=1866
+  _globals['_ERASEENDUSERREQUEST']._serialized_end=206
+  _globals['_AGENTMEMORYCOUNT']._serialized_start=208
+  _globals['_AGENTMEMORYCOUNT']._serialized_end=306
+  _globals['_DATASUBJECTRECEIPT']._serialized_start=309
+  _globals['_DATASUBJECTRECEIPT']._serialized_end=703
+  _globals['_ERASEENDUSERRESPONSE']._serialized_start=706
+  _globals['_ERASEENDUSERRESPONSE']._serialized_end=837
+  _globals['_EXPORTENDUSERREQUEST']._serialized_start=840
+  _globals['_EXPORTENDUSERREQUEST']._serialized_end=976
+  _globals['_EXPORTEDMEMORY']._serialized_start=979
+  _globals['_EXPORTEDMEMORY']._serialized_end=1426
+  _globals['_EXPORTEDMEMORY_METADATAENTRY']._serialized_start=1339
+  _globals['_EXPORTEDMEMORY_METADATAENTRY']._serialized_end=1426
+  _globals['_EXPORTENDUSERRESPONSE']._serialized_start=1429
+  _globals['_EXPORTENDUSERRESPONSE']._serialized_end=1659
+  _globals['_GETERASURERECEIPTREQUEST']._serialized_start=1661
+  _globals['_GETERASURERECEIPTREQUEST']._serialized_end=1703
+  _globals['_GETERASURERECEIPTRESPONSE']._serialized_start=1705
+  _globals['_GETERASURERECEIPTRESPONSE']._serialized_end=1791
+  _globals['_DATASUBJECTSERVICE']._serialized_start=1941
+  _globals['_DATASUBJECTSERVICE']._serialized_end=2236
 # @@protoc_insertion_point(module_scope)

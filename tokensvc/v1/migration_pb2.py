@@ -26,45 +26,45 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from tokensvc.v1 import knowledge_pb2 as tokensvc_dot_v1_dot_knowledge__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btokensvc/v1/migration.proto\x12\x0btokensvc.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1btokensvc/v1/knowledge.proto\"2\n\x0eMemorySpaceRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05\x61gent\x18\x02 \x01(\t\"2\n\x10KnowledgeBaseRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03ref\x18\x02 \x01(\t\"E\n\x13\x45mbedderDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tdimension\x18\x03 \x01(\x05\"\xc5\x05\n\x12\x45mbeddingMigration\x12\n\n\x02id\x18\x01 \x01(\t\x12\x31\n\x0cmemory_space\x18\x02 \x01(\x0b\x32\x1b.tokensvc.v1.MemorySpaceRef\x12\x30\n\x06source\x18\x03 \x01(\x0b\x32 .tokensvc.v1.EmbedderDescription\x12\x30\n\x06target\x18\x04 \x01(\x0b\x32 .tokensvc.v1.EmbedderDescription\x12*\n\x05phase\x18\x05 \x01(\x0e\x32\x1b.tokensvc.v1.MigrationPhase\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x12\n\nrows_total\x18\x07 \x01(\x03\x12\x11\n\trows_done\x18\x08 \x01(\x03\x12\x17\n\x0frows_per_second\x18\t \x01(\x01\x12\x13\n\x0b\x65ta_seconds\x18\n \x01(\x01\x12\x12\n\ncreated_by\x18\x0b \x01(\t\x12.\n\ncreated_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x63ut_over_at\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x35\n\x0eknowledge_base\x18\x10 \x01(\x0b\x32\x1d.tokensvc.v1.KnowledgeBaseRef\x12\x36\n\x0fsource_chunking\x18\x11 \x01(\x0b\x32\x1d.tokensvc.v1.ChunkingStrategy\x12\x36\n\x0ftarget_chunking\x18\x12 \x01(\x0b\x32\x1d.tokensvc.v1.ChunkingStrategy\"\xc3\x01\n\x11MigrationEstimate\x12\x0c\n\x04rows\x18\x01 \x01(\x03\x12\x30\n\x06source\x18\x02 \x01(\x0b\x32 .tokensvc.v1.EmbedderDescription\x12\x30\n\x06target\x18\x03 \x01(\x0b\x32 .tokensvc.v1.EmbedderDescription\x12!\n\x19\x65mbedder_items_per_second\x18\x04 \x01(\x01\x12\x19\n\x11\x65stimated_seconds\x18\x05 \x01(\x01\"\xec\x01\n\x1eStartEmbeddingMigrationRequest\x12\x33\n\x0cmemory_space\x18\x01 \x01(\x0b\x32\x1b.tokensvc.v1.MemorySpaceRefH\x00\x12\x37\n\x0eknowledge_base\x18\x04 \x01(\x0b\x32\x1d.tokensvc.v1.KnowledgeBaseRefH\x00\x12\x10\n\x08\x65mbedder\x18\x02 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x03 \x01(\x08\x12/\n\x08\x63hunking\x18\x05 \x01(\x0b\x32\x1d.tokensvc.v1.ChunkingStrategyB\x08\n\x06target\"\x87\x01\n\x1fStartEmbeddingMigrationResponse\x12\x32\n\tmigration\x18\x01 \x01(\x0b\x32\x1f.tokensvc.v1.EmbeddingMigration\x12\x30\n\x08\x65stimate\x18\x02 \x01(\x0b\x32\x1e.tokensvc.v1.MigrationEstimate\"*\n\x1cGetEmbeddingMigrationRequest\x12\n\n\x02id\x18\x01 \x01(\t\"S\n\x1dGetEmbeddingMigrationResponse\x12\x32\n\tmigration\x18\x01 \x01(\x0b\x32\x1f.tokensvc.v1.EmbeddingMigration\"G\n\x1eListEmbeddingMigrationsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"o\n\x1fListEmbeddingMigrationsResponse\x12\x33\n\nmigrations\x18\x01 \x03(\x0b\x32\x1f.tokensvc.v1.EmbeddingMigration\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"-\n\x1f\x43\x61ncelEmbeddingMigrationRequest\x12\n\n\x02id\x18\x01 \x01(\t\"V\n CancelEmbeddingMigrationResponse\x12\x32\n\tmigration\x18\x01 \x01(\x0b\x32\x1f.tokensvc.v1.EmbeddingMigration\"-\n\x1fResumeEmbeddingMigrationRequest\x12\n\n\x02id\x18\x01 \x01(\t\"V\n ResumeEmbeddingMigrationResponse\x12\x32\n\tmigration\x18\x01 \x01(\x0b\x32\x1f.tokensvc.v1.EmbeddingMigration*\xea\x01\n\x0eMigrationPhase\x12\x1f\n\x1bMIGRATION_PHASE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bMIGRATION_PHASE_BACKFILLING\x10\x01\x12\x1a\n\x16MIGRATION_PHASE_PAUSED\x10\x02\x12\x1c\n\x18MIGRATION_PHASE_RETIRING\x10\x03\x12\x1d\n\x19MIGRATION_PHASE_SUCCEEDED\x10\x04\x12\x1e\n\x1aMIGRATION_PHASE_CANCELLING\x10\x05\x12\x1d\n\x19MIGRATION_PHASE_CANCELLED\x10\x06\x32\xe0\x04\n\x10MigrationService\x12t\n\x17StartEmbeddingMigration\x12+.tokensvc.v1.StartEmbeddingMigrationRequest\x1a,.tokensvc.v1.StartEmbeddingMigrationResponse\x12n\n\x15GetEmbeddingMigration\x12).tokensvc.v1.GetEmbeddingMigrationRequest\x1a*.tokensvc.v1.GetEmbeddingMigrationResponse\x12t\n\x17ListEmbeddingMigrations\x12+.tokensvc.v1.ListEmbeddingMigrationsRequest\x1a,.tokensvc.v1.ListEmbeddingMigrationsResponse\x12w\n\x18\x43\x61ncelEmbeddingMigration\x12,.tokensvc.v1.CancelEmbeddingMigrationRequest\x1a-.tokensvc.v1.CancelEmbeddingMigrationResponse\x12w\n\x18ResumeEmbeddingMigration\x12,.tokensvc.v1.ResumeEmbeddingMigrationRequest\x1a-.tokensvc.v1.ResumeEmbeddingMigrationResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btokensvc/v1/migration.proto\x12\x0btokensvc.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1btokensvc/v1/knowledge.proto\"D\n\x0eMemorySpaceRef\x12\x1c\n\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x14\n\x05\x61gent\x18\x02 \x01(\tR\x05\x61gent\"B\n\x10KnowledgeBaseRef\x12\x1c\n\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x10\n\x03ref\x18\x02 \x01(\tR\x03ref\"]\n\x13\x45mbedderDescription\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n\x05model\x18\x02 \x01(\tR\x05model\x12\x1c\n\tdimension\x18\x03 \x01(\x05R\tdimension\"\x8c\x07\n\x12\x45mbeddingMigration\x12\x0e\n\x02id\x18\x01 \x01(\tR\x02id\x12>\n\x0cmemory_space\x18\x02 \x01(\x0b\x32\x1b.tokensvc.v1.MemorySpaceRefR\x0bmemorySpace\x12\x38\n\x06source\x18\x03 \x01(\x0b\x32 .tokensvc.v1.EmbedderDescriptionR\x06source\x12\x38\n\x06target\x18\x04 \x01(\x0b\x32 .tokensvc.v1.EmbedderDescriptionR\x06target\x12\x31\n\x05phase\x18\x05 \x01(\x0e\x32\x1b.tokensvc.v1.MigrationPhaseR\x05phase\x12\x16\n\x06reason\x18\x06 \x01(\tR\x06reason\x12\x1d\n\nrows_total\x18\x07 \x01(\x03R\trowsTotal\x12\x1b\n\trows_done\x18\x08 \x01(\x03R\x08rowsDone\x12&\n\x0frows_per_second\x18\t \x01(\x01R\rrowsPerSecond\x12\x1f\n\x0b\x65ta_seconds\x18\n \x01(\x01R\netaSeconds\x12\x1d\n\ncreated_by\x18\x0b \x01(\tR\tcreatedBy\x12\x39\n\ncreated_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tcreatedAt\x12\x39\n\nupdated_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tupdatedAt\x12:\n\x0b\x63ut_over_at\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tcutOverAt\x12;\n\x0b\x66inished_at\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.TimestampR\nfinishedAt\x12\x44\n\x0eknowledge_base\x18\x10 \x01(\x0b\x32\x1d.tokensvc.v1.KnowledgeBaseRefR\rknowledgeBase\x12\x46\n\x0fsource_chunking\x18\x11 \x01(\x0b\x32\x1d.tokensvc.v1.ChunkingStrategyR\x0esourceChunking\x12\x46\n\x0ftarget_chunking\x18\x12 \x01(\x0b\x32\x1d.tokensvc.v1.ChunkingStrategyR\x0etargetChunking\"\x83\x02\n\x11MigrationEstimate\x12\x12\n\x04rows\x18\x01 \x01(\x03R\x04rows\x12\x38\n\x06source\x18\x02 \x01(\x0b\x32 .tokensvc.v1.EmbedderDescriptionR\x06source\x12\x38\n\x06target\x18\x03 \x01(\x0b\x32 .tokensvc.v1.EmbedderDescriptionR\x06target\x12\x39\n\x19\x65mbedder_items_per_second\x18\x04 \x01(\x01R\x16\x65mbedderItemsPerSecond\x12+\n\x11\x65stimated_seconds\x18\x05 \x01(\x01R\x10\x65stimatedSeconds\"\xa4\x02\n\x1eStartEmbeddingMigrationRequest\x12@\n\x0cmemory_space\x18\x01 \x01(\x0b\x32\x1b.tokensvc.v1.MemorySpaceRefH\x00R\x0bmemorySpace\x12\x46\n\x0eknowledge_base\x18\x04 \x01(\x0b\x32\x1d.tokensvc.v1.KnowledgeBaseRefH\x00R\rknowledgeBase\x12\x1a\n\x08\x65mbedder\x18\x02 \x01(\tR\x08\x65mbedder\x12\x17\n\x07\x64ry_run\x18\x03 \x01(\x08R\x06\x64ryRun\x12\x39\n\x08\x63hunking\x18\x05 \x01(\x0b\x32\x1d.tokensvc.v1.ChunkingStrategyR\x08\x63hunkingB\x08\n\x06target\"\x9c\x01\n\x1fStartEmbeddingMigrationResponse\x12=\n\tmigration\x18\x01 \x01(\x0b\x32\x1f.tokensvc.v1.EmbeddingMigrationR\tmigration\x12:\n\x08\x65stimate\x18\x02 \x01(\x0b\x32\x1e.tokensvc.v1.MigrationEstimateR\x08\x65stimate\".\n\x1cGetEmbeddingMigrationRequest\x12\x0e\n\x02id\x18\x01 \x01(\tR\x02id\"^\n\x1dGetEmbeddingMigrationResponse\x12=\n\tmigration\x18\x01 \x01(\x0b\x32\x1f.tokensvc.v1.EmbeddingMigrationR\tmigration\"\\\n\x1eListEmbeddingMigrationsRequest\x12\x1b\n\tpage_size\x18\x01 \x01(\x05R\x08pageSize\x12\x1d\n\npage_token\x18\x02 \x01(\tR\tpageToken\"\x8a\x01\n\x1fListEmbeddingMigrationsResponse\x12?\n\nmigrations\x18\x01 \x03(\x0b\x32\x1f.tokensvc.v1.EmbeddingMigrationR\nmigrations\x12&\n\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"1\n\x1f\x43\x61ncelEmbeddingMigrationRequest\x12\x0e\n\x02id\x18\x01 \x01(\tR\x02id\"a\n CancelEmbeddingMigrationResponse\x12=\n\tmigration\x18\x01 \x01(\x0b\x32\x1f.tokensvc.v1.EmbeddingMigrationR\tmigration\"1\n\x1fResumeEmbeddingMigrationRequest\x12\x0e\n\x02id\x18\x01 \x01(\tR\x02id\"a\n ResumeEmbeddingMigrationResponse\x12=\n\tmigration\x18\x01 \x01(\x0b\x32\x1f.tokensvc.v1.EmbeddingMigrationR\tmigration*\xea\x01\n\x0eMigrationPhase\x12\x1f\n\x1bMIGRATION_PHASE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bMIGRATION_PHASE_BACKFILLING\x10\x01\x12\x1a\n\x16MIGRATION_PHASE_PAUSED\x10\x02\x12\x1c\n\x18MIGRATION_PHASE_RETIRING\x10\x03\x12\x1d\n\x19MIGRATION_PHASE_SUCCEEDED\x10\x04\x12\x1e\n\x1aMIGRATION_PHASE_CANCELLING\x10\x05\x12\x1d\n\x19MIGRATION_PHASE_CANCELLED\x10\x06\x32\xe0\x04\n\x10MigrationService\x12t\n\x17StartEmbeddingMigration\x12+.tokensvc.v1.StartEmbeddingMigrationRequest\x1a,.tokensvc.v1.StartEmbeddingMigrationResponse\x12n\n\x15GetEmbeddingMigration\x12).tokensvc.v1.GetEmbeddingMigrationRequest\x1a*.tokensvc.v1.GetEmbeddingMigrationResponse\x12t\n\x17ListEmbeddingMigrations\x12+.tokensvc.v1.ListEmbeddingMigrationsRequest\x1a,.tokensvc.v1.ListEmbeddingMigrationsResponse\x12w\n\x18\x43\x61ncelEmbeddingMigration\x12,.tokensvc.v1.CancelEmbeddingMigrationRequest\x1a-.tokensvc.v1.CancelEmbeddingMigrationResponse\x12w\n\x18ResumeEmbeddingMigration\x12,.tokensvc.v1.ResumeEmbeddingMigrationRequest\x1a-.tokensvc.v1.ResumeEmbeddingMigrationResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokensvc.v1.migration_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MIGRATIONPHASE']._serialized_start=2154
-  _globals['_MIGRATIONPHASE']._serialized_end=2388
+  _globals['_MIGRATIONPHASE']._serialized_start=2646
+  _globals['_MIGRATIONPHASE']._serialized_end=2880
   _globals['_MEMORYSPACEREF']._serialized_start=106
-  _globals['_MEMORYSPACEREF']._serialized_end=156
-  _globals['_KNOWLEDGEBASEREF']._serialized_start=158
-  _globals['_KNOWLEDGEBASEREF']._serialized_end=208
-  _globals['_EMBEDDERDESCRIPTION']._serialized_start=210
-  _globals['_EMBEDDERDESCRIPTION']._serialized_end=279
-  _globals['_EMBEDDINGMIGRATION']._serialized_start=282
-  _globals['_EMBEDDINGMIGRATION']._serialized_end=991
-  _globals['_MIGRATIONESTIMATE']._serialized_start=994
-  _globals['_MIGRATIONESTIMATE']._serialized_end=1189
-  _globals['_STARTEMBEDDINGMIGRATIONREQUEST']._serialized_start=1192
-  _globals['_STARTEMBEDDINGMIGRATIONREQUEST']._serialized_end=1428
-  _globals['_STARTEMBEDDINGMIGRATIONRESPONSE']._serialized_start=1431
-  _globals['_STARTEMBEDDINGMIGRATIONRESPONSE']._serialized_end=1566
-  _globals['_GETEMBEDDINGMIGRATIONREQUEST']._serialized_start=1568
-  _globals['_GETEMBEDDINGMIGRATIONREQUEST']._serialized_end=1610
-  _globals['_GETEMBEDDINGMIGRATIONRESPONSE']._serialized_start=1612
-  _globals['_GETEMBEDDINGMIGRATIONRESPONSE']._serialized_end=1695
-  _globals['_LISTEMBEDDINGMIGRATIONSREQUEST']._serialized_start=1697
-  _globals['_LISTEMBEDDINGMIGRATIONSREQUEST']._serialized_end=1768
-  _globals['_LISTEMBEDDINGMIGRATIONSRESPONSE']._serialized_start=1770
-  _globals['_LISTEMBEDDINGMIGRATIONSRESPONSE']._serialized_end=1881
-  _globals['_CANCELEMBEDDINGMIGRATIONREQUEST']._serialized_start=1883
-  _globals['_CANCELEMBEDDINGMIGRATIONREQUEST']._serialized_end=1928
-  _globals['_CANCELEMBEDDINGMIGRATIONRESPONSE']._serialized_start=1930
-  _globals['_CANCELEMBEDDINGMIGRATIONRESPONSE']._serialized_end=2016
-  _globals['_RESUMEEMBEDDINGMIGRATIONREQUEST']._serialized_start=2018
-  _globals['_RESUMEEMBEDDINGMIGRATIONREQUEST']._serialized_end=2063
-  _globals['_RESUMEEMBEDDINGMIGRATIONRESPONSE']._serialized_start=2065
-  _globals['_RESUMEEMBEDDINGMIGRATIONRESPONSE']._serialized_end=2151
-  _globals['_MIGRATIONSERVICE']._serialized_start=2391
-  _globals['_MIGRATIONSERVICE']._serialized_end=2999
+  _globals['_MEMORYSPACEREF']._serialized_end=174
+  _globals['_KNOWLEDGEBASEREF']._serialized_start=176
+  _globals['_KNOWLEDGEBASEREF']._serialized_end=242
+  _globals['_EMBEDDERDESCRIPTION']._serialized_start=244
+  _globals['_EMBEDDERDESCRIPTION']._serialized_end=337
+  _globals['_EMBEDDINGMIGRATION']._serialized_start=340
+  _globals['_EMBEDDINGMIGRATION']._serialized_end=1248
+  _globals['_MIGRATIONESTIMATE']._serialized_start=1251
+  _globals['_MIGRATIONESTIMATE']._serialized_end=1510
+  _globals['_STARTEMBEDDINGMIGRATIONREQUEST']._serialized_start=1513
+  _globals['_STARTEMBEDDINGMIGRATIONREQUEST']._serialized_end=1805
+  _globals['_STARTEMBEDDINGMIGRATIONRESPONSE']._serialized_start=1808
+  _globals['_STARTEMBEDDINGMIGRATIONRESPONSE']._serialized_end=1964
+  _globals['_GETEMBEDDINGMIGRATIONREQUEST']._serialized_start=1966
+  _globals['_GETEMBEDDINGMIGRATIONREQUEST']._serialized_end=2012
+  _globals['_GETEMBEDDINGMIGRATIONRESPONSE']._serialized_start=2014
+  _globals['_GETEMBEDDINGMIGRATIONRESPONSE']._serialized_end=2108
+  _globals['_LISTEMBEDDINGMIGRATIONSREQUEST']._serialized_start=2110
+  _globals['_LISTEMBEDDINGMIGRATIONSREQUEST']._serialized_end=2202
+  _globals['_LISTEMBEDDINGMIGRATIONSRESPONSE']._serialized_start=2205
+  _globals['_LISTEMBEDDINGMIGRATIONSRESPONSE']._serialized_end=2343
+  _globals['_CANCELEMBEDDINGMIGRATIONREQUEST']._serialized_start=2345
+  _globals['_CANCELEMBEDDINGMIGRATIONREQUEST']._serialized_end=2394
+  _globals['_CANCELEMBEDDINGMIGRATIONRESPONSE']._serialized_start=2396
+  _globals['_CANCELEMBEDDINGMIGRATIONRESPONSE']._serialized_end=2493
+  _globals['_RESUMEEMBEDDINGMIGRATIONREQUEST']._serialized_start=2495
+  _globals['_RESUMEEMBEDDINGMIGRATIONREQUEST']._serialized_end=2544
+  _globals['_RESUMEEMBEDDINGMIGRATIONRESPONSE']._serialized_start=2546
+  _globals['_RESUMEEMBEDDINGMIGRATIONRESPONSE']._serialized_end=2643
+  _globals['_MIGRATIONSERVICE']._serialized_start=2883
+  _globals['_MIGRATIONSERVICE']._serialized_end=3491
 # @@protoc_insertion_point(module_scope)

@@ -5,7 +5,7 @@ import warnings
 
 from tokensvc.v1 import migration_pb2 as tokensvc_dot_v1_dot_migration__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

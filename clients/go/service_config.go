@@ -1,0 +1,36 @@
+package tokensvc
+
+// serviceConfig retries the calls that are safe to send again (reads, derivations, searches) on
+// UNAVAILABLE, with backoff; the same set as the Python client's (tokensvc/client.py). Writes
+// are not in it: Remember is safe to send again only when every item carries an idempotency key,
+// which only the caller knows. grpc-go before 1.40 applies a retry policy only with
+// GRPC_GO_RETRY=on in the environment.
+const serviceConfig = `{
+  "methodConfig": [{
+    "name": [
+      {"service": "tokensvc.v1.CapabilityService", "method": "VerifyCapability"},
+      {"service": "tokensvc.v1.CapabilityService", "method": "DeriveSessionKey"},
+      {"service": "tokensvc.v1.CapabilityService", "method": "RevokeCapability"},
+      {"service": "tokensvc.v1.MemoryService", "method": "SearchMemories"},
+      {"service": "tokensvc.v1.MemoryService", "method": "GetMemory"},
+      {"service": "tokensvc.v1.MemoryService", "method": "ListMemories"},
+      {"service": "tokensvc.v1.KnowledgeService", "method": "GetKnowledgeBase"},
+      {"service": "tokensvc.v1.KnowledgeService", "method": "ListKnowledgeBases"},
+      {"service": "tokensvc.v1.KnowledgeService", "method": "GetDocument"},
+      {"service": "tokensvc.v1.KnowledgeService", "method": "ListDocuments"},
+      {"service": "tokensvc.v1.KnowledgeService", "method": "SearchKnowledge"},
+      {"service": "tokensvc.v1.AdminService", "method": "GetCredentialStatus"},
+      {"service": "tokensvc.v1.AdminService", "method": "ListAuditEvents"},
+      {"service": "tokensvc.v1.AdminService", "method": "ReloadTrustBundle"},
+      {"service": "tokensvc.v1.DataSubjectService", "method": "EraseEndUser"},
+      {"service": "tokensvc.v1.DataSubjectService", "method": "GetErasureReceipt"}
+    ],
+    "retryPolicy": {
+      "maxAttempts": 4,
+      "initialBackoff": "0.1s",
+      "maxBackoff": "2s",
+      "backoffMultiplier": 2,
+      "retryableStatusCodes": ["UNAVAILABLE"]
+    }
+  }]
+}`
