@@ -49,7 +49,7 @@ protolint: install  ## buf lint + format; buf breaking against the newest v1.* t
 	fi
 
 proto: install test-deps  ## Regenerate every client's code from protos/ (buf.gen.yaml: tokensvc/v1, clients/go/gen); never edit it by hand.
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/buf generate
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/buf generate
 
 bench: install  ## Benchmarks (bench/, docs/benchmarks.md); BENCH_ARGS=--quick / QUALITY_ARGS=--quick for smaller runs.
 	$(PY) -m pip install --quiet -e '.[bench]'

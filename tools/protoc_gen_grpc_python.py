@@ -34,7 +34,7 @@ def main() -> int:
             response.error = "grpc_tools.protoc could not generate the gRPC stubs"
         else:
             for path in sorted(p for p in out.rglob("*") if p.is_file()):
-                response.file.add(name=str(path.relative_to(out)), content=path.read_text())
+                response.file.add(name=str(path.relative_to(out)), content=path.read_text(encoding="utf-8"))
     sys.stdout.buffer.write(response.SerializeToString())
     return 0
 

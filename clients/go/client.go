@@ -66,6 +66,10 @@ func Dial(ctx context.Context, config Config) (*Client, error) {
 		return nil, errors.New("tokensvc: Config.Target is required")
 	}
 	transport := config.Credentials
+	if transport != nil && transport.Info().SecurityProtocol != "tls" {
+		return nil, fmt.Errorf("tokensvc: Config.Credentials speak %q: tokensvc takes mutual TLS only",
+			transport.Info().SecurityProtocol)
+	}
 	if transport == nil {
 		var err error
 		if transport, err = pemCredentials(config); err != nil {
@@ -128,10 +132,15 @@ func pemCredentials(config Config) (credentials.TransportCredentials, error) {
 	}), nil
 }
 
-// capabilityCredentials sends the run capability on every call; only over TLS.
+// capabilityCredentials sends the run capability on every call, and only on a TLS connection:
+// grpc-go checks RequireTransportSecurity once, when dialling, against the transport's kind, so the
+// connection each call actually runs on is checked here too.
 type capabilityCredentials func(context.Context) (string, error)
 
 func (c capabilityCredentials) GetRequestMetadata(ctx context.Context, _ ...string) (map[string]string, error) {
+	if info, ok := credentials.RequestInfoFromContext(ctx); !ok || info.AuthInfo == nil || info.AuthInfo.AuthType() != "tls" {
+		return nil, errors.New("tokensvc: refusing to send the run capability over a connection that is not TLS")
+	}
 	token, err := c(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("tokensvc: getting the run capability: %w", err)

@@ -12,7 +12,7 @@ import (
 // ErrorDomain is the google.rpc.ErrorInfo domain of every error tokensvc sends.
 const ErrorDomain = "tokensvc.ctxmesh.ai"
 
-// Error is a failed call: its gRPC code and, when tokensvc's handlers sent it, the ErrorInfo
+// Error is a call that tokensvc or the transport failed: its gRPC code and, when tokensvc's handlers sent it, the ErrorInfo
 // reason (a tokensvc.v1.ErrorReason name without its ERROR_REASON_ prefix, for example
 // "BINDING_MISMATCH") and the request field it names. Branch on Code, Reason and Field, never on
 // Message. An error without a Reason never reached tokensvc's handlers: the transport, a TLS
@@ -35,7 +35,12 @@ func (e *Error) Error() string {
 }
 
 // GRPCStatus lets status.FromError and status.Code read an *Error as the status it came from.
-func (e *Error) GRPCStatus() *status.Status { return e.status }
+func (e *Error) GRPCStatus() *status.Status {
+	if e.status == nil {
+		return status.New(e.Code, e.Message)
+	}
+	return e.status
+}
 
 // Retryable says whether the same call may succeed later: UNAVAILABLE (tokensvc's database or
 // embedder, or the connection) and RESOURCE_EXHAUSTED without a reason, a server's overload.
@@ -78,7 +83,9 @@ func fromError(err error) error {
 			if d.GetDomain() == ErrorDomain {
 				e.Reason = d.GetReason()
 				e.Metadata = d.GetMetadata()
-				e.Field = d.GetMetadata()["field"]
+				if field := d.GetMetadata()["field"]; field != "" {
+					e.Field = field
+				}
 				e.RequestID = d.GetMetadata()["request_id"]
 			}
 		case *errdetails.BadRequest:

@@ -12,6 +12,8 @@ package tokensvc_test
 //	                                the knowledge base TOKENSVC_KNOWLEDGE_BASE in its roster
 //	OTHER_AGENT_CAPABILITY          a capability for another agent (the certificate is dev-agent's)
 //	TOKENSVC_KNOWLEDGE_BASE         a knowledge base ref the test may create and delete
+//	TOKENSVC_SERVER_CERT, _KEY      the server's certificate and key (retry_test.go serves with them)
+//	GRPC_GO_RETRY=on                with grpc-go before 1.40 (retry_test.go)
 
 import (
 	"context"
@@ -111,9 +113,14 @@ func TestRememberAndSearchByMeaning(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Remember: %v", err)
 	}
+	if len(remembered.GetResults()) != 1 {
+		t.Fatalf("Remember answered %v", remembered.GetResults())
+	}
 	id := remembered.GetResults()[0].GetId()
 	t.Cleanup(func() {
-		client.Memory.Forget(context.Background(), &tokensvcv1.ForgetRequest{Ids: []string{id}})
+		if _, err := client.Memory.Forget(context.Background(), &tokensvcv1.ForgetRequest{Ids: []string{id}}); err != nil {
+			t.Errorf("Forget: %v", err)
+		}
 	})
 
 	// Found by meaning: a paraphrase sharing no content word but "meeting".
@@ -150,8 +157,10 @@ func TestKnowledgeUploadAndSearchWithCitation(t *testing.T) {
 		t.Fatalf("CreateKnowledgeBase: %v", err)
 	}
 	t.Cleanup(func() {
-		manager.Knowledge.DeleteKnowledgeBase(context.Background(),
-			&tokensvcv1.DeleteKnowledgeBaseRequest{Namespace: "default", Ref: ref})
+		if _, err := manager.Knowledge.DeleteKnowledgeBase(context.Background(),
+			&tokensvcv1.DeleteKnowledgeBaseRequest{Namespace: "default", Ref: ref}); err != nil {
+			t.Errorf("DeleteKnowledgeBase: %v", err)
+		}
 	})
 	document := strings.Join([]string{
 		"# Operations handbook", "",
@@ -187,17 +196,17 @@ func TestKnowledgeUploadAndSearchWithCitation(t *testing.T) {
 	if got := strings.Join(passage.GetHeadingPath(), " > "); got != "Operations handbook > Backups" {
 		t.Fatalf("heading path %q", got)
 	}
-	// The citation's offsets point into the extracted text GetDocument returns.
+	// The citation's offsets (in characters) point into the extracted text GetDocument returns.
 	stored, err := manager.Knowledge.GetDocument(ctx, &tokensvcv1.GetDocumentRequest{
 		Namespace: "default", KnowledgeBaseRef: ref, DocumentRef: "handbook.md", IncludeText: true,
 	})
 	if err != nil {
 		t.Fatalf("GetDocument: %v", err)
 	}
-	text := stored.GetDocument().GetText()
+	text := []rune(stored.GetDocument().GetText())
 	start, end := passage.GetStartOffset(), passage.GetEndOffset()
-	if start < 0 || end > int32(len(text)) || start >= end || !strings.Contains(text[start:end], "35 days") {
-		t.Fatalf("offsets [%d, %d) do not cite the passage in the %d-byte text", start, end, len(text))
+	if start < 0 || end > int32(len(text)) || start >= end || !strings.Contains(string(text[start:end]), "35 days") {
+		t.Fatalf("offsets [%d, %d) do not cite the passage in the %d-character text", start, end, len(text))
 	}
 }
 
@@ -249,16 +258,15 @@ func TestDeadlines(t *testing.T) {
 		t.Fatalf("a passed deadline is not retryable")
 	}
 
-	// The caller's own deadline wins over the default.
-	ctx, cancel := context.WithTimeout(context.Background(), time.Microsecond)
+	// The caller's own deadline wins over the default: the same client, given time, gets through.
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if _, err := hurried.Capability.VerifyCapability(ctx, &tokensvcv1.VerifyCapabilityRequest{}); err != nil {
+		t.Fatalf("VerifyCapability within the caller's 30 s: %v", err)
+	}
+	// And a caller's deadline that passes is DEADLINE_EXCEEDED, without a reason.
+	ctx, cancel = context.WithTimeout(context.Background(), time.Microsecond)
 	defer cancel()
 	_, err = launcher(t).Capability.VerifyCapability(ctx, &tokensvcv1.VerifyCapabilityRequest{})
 	expectError(t, err, codes.DeadlineExceeded, "")
-
-	// And a generous one lets the same call through.
-	ctx, cancel = context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if _, err := launcher(t).Capability.VerifyCapability(ctx, &tokensvcv1.VerifyCapabilityRequest{}); err != nil {
-		t.Fatalf("VerifyCapability: %v", err)
-	}
 }

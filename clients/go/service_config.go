@@ -1,10 +1,11 @@
 package tokensvc
 
-// serviceConfig retries the calls that are safe to send again (reads, derivations, searches) on
-// UNAVAILABLE, with backoff; the same set as the Python client's (tokensvc/client.py). Writes
-// are not in it: Remember is safe to send again only when every item carries an idempotency key,
-// which only the caller knows. grpc-go before 1.40 applies a retry policy only with
-// GRPC_GO_RETRY=on in the environment.
+// serviceConfig retries the calls that are safe to send again on UNAVAILABLE, with backoff: reads,
+// derivations, searches and the writes whose repetition changes nothing (RevokeCapability,
+// ReloadTrustBundle, EraseEndUser); the same set as the Python client's (tokensvc/client.py).
+// Remember is not in it: it is safe to send again only when every item carries an idempotency
+// key, which only the caller knows. grpc-go before 1.40 applies a retry policy only with
+// GRPC_GO_RETRY=on in the process's environment (read when the program starts).
 const serviceConfig = `{
   "methodConfig": [{
     "name": [

@@ -15,7 +15,8 @@ const UploadPartSize = 64 << 10
 // r in UploadPartSize parts. An admin (or control-plane) client's call; with
 // header.WaitUntilReady false it returns once the bytes are stored, the version PENDING, and
 // GetDocument follows its ingestion. ctx bounds the whole upload: give it a deadline that
-// covers sending the document (no default applies to streams).
+// covers sending the document (no default applies to streams), and with WaitUntilReady its
+// ingestion as well, or the call waits as long as ingestion takes.
 func (c *Client) UploadDocument(ctx context.Context, header *tokensvcv1.UploadDocumentHeader,
 	r io.Reader) (*tokensvcv1.UploadDocumentResponse, error) {
 	if header == nil {

@@ -2,7 +2,8 @@
 
 Runs `go test` in clients/go with the connection info in the environment (clients/go/live_test.go):
 remember and search by meaning, knowledge upload and search with a citation, a session key, a bad
-capability answering with its reason, a field error, deadlines. The Go libraries are Debian's
+capability answering with its reason, a field error, deadlines; and (clients/go/retry_test.go) the
+retry policy against a server that answers UNAVAILABLE, and no capability without TLS. The Go libraries are Debian's
 (golang-google-grpc-dev and friends, installed by tools/setup-test-deps), which live in a GOPATH
 tree: the module is linked into a temporary GOPATH and built there, not through the module proxy.
 """
@@ -34,8 +35,13 @@ EXPECTED_GO_TESTS = {
     "TestABadCapabilityIsRefusedWithItsReason",
     "TestInvalidArgumentNamesTheField",
     "TestDeadlines",
+    "TestRetriesUnavailableOnIdempotentCallsOnly",
+    "TestTheCapabilityIsNeverSentWithoutTLS",
 }
-SETUP = "run tools/setup-test-deps (as root), or install Debian's golang-go, golang-google-grpc-dev, golang-google-protobuf-dev and golang-google-genproto-dev"
+SETUP = (
+    "run tools/setup-test-deps (as root), or install Debian's golang-go, golang-google-grpc-dev, "
+    "golang-google-protobuf-dev, golang-google-genproto-dev and golang-github-golang-protobuf-1-5-dev"
+)
 
 
 def go_toolchain() -> str:
@@ -45,6 +51,12 @@ def go_toolchain() -> str:
     for library in ("google.golang.org/grpc", "google.golang.org/protobuf", "google.golang.org/genproto"):
         if not (DEBIAN_GOPATH / "src" / library).is_dir():
             pytest.fail(f"{library} is not under {DEBIAN_GOPATH}: {SETUP}", pytrace=False)
+    # github.com/golang/protobuf 1.3 (its table marshaller) crashes on generated v2 messages; 1.5
+    # wraps the v2 API and has no such file.
+    if (DEBIAN_GOPATH / "src/github.com/golang/protobuf/proto/table_marshal.go").exists():
+        pytest.fail(
+            f"github.com/golang/protobuf under {DEBIAN_GOPATH} is 1.3, not 1.5: {SETUP}", pytrace=False
+        )
     return go
 
 
@@ -73,6 +85,7 @@ async def test_go_client_against_a_live_server(
         "GO111MODULE": "off",
         "GOPATH": f"{tmp_path / 'gopath'}:{DEBIAN_GOPATH}",
         "GOFLAGS": "",
+        "GRPC_GO_RETRY": "on",  # grpc-go < 1.40 (Debian bookworm's 1.33) applies retry policies only so
         "PWD": str(module),  # go takes the import path from the linked directory, not its target
         "TOKENSVC_TARGET": f"127.0.0.1:{service.port}",
         "TOKENSVC_CA": str(dev.ca_cert),
@@ -85,6 +98,8 @@ async def test_go_client_against_a_live_server(
         ),
         "OTHER_AGENT_CAPABILITY": dev_capability(dev, agent="other-agent", long_term_memory=True),
         "TOKENSVC_KNOWLEDGE_BASE": knowledge_base,
+        "TOKENSVC_SERVER_CERT": str(dev.server_cert),  # retry_test.go's flaky server
+        "TOKENSVC_SERVER_KEY": str(dev.server_key),
     }
     code, output = await run(
         [go, "test", "-count=1", "-v", "./..."], cwd=module, env=env, time_limit=GO_TEST_TIMEOUT
