@@ -74,6 +74,7 @@ import asyncpg
 import grpc
 import numpy as np
 
+from bench import abstention
 from bench.env import AGENT, NAMESPACE, BenchEnv, bench_env, connect_as
 from bench.locomo_peer import LangGraphPeer, Mem0Input, run_mem0
 from bench.stats import latency_summary, percentile
@@ -90,6 +91,9 @@ K = 10
 KS = (5, 10)
 BATCH = 64
 MODES = ("vector", "text", "hybrid")
+# The min_score docs/api.md recommends per mode, judged here on absent questions; a mode without one
+# is judged at the best threshold of the run itself (an optimistic number, said so in the results).
+RECOMMENDED_MIN_SCORE: dict[str, float] = {"hybrid": 0.8, "vector": 0.8}
 LATENCY_MODES = ("hybrid", "vector")
 CONCURRENCY = (1, 16)
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
@@ -402,6 +406,8 @@ class LocomoClient:
         stub = self._stub()
         embedders: set[str] = set()
 
+        top_scores: dict[int, float] = {}
+
         async def call(i: int) -> list[tuple[str, str]]:
             token, text = queries[i]
             if vectors is None:
@@ -411,6 +417,7 @@ class LocomoClient:
             response = await stub.SearchMemories(
                 request, metadata=(("authorization", f"Bearer {token}"),), timeout=TIMEOUT
             )
+            top_scores[i] = response.results[0].score if response.results else 0.0
             out = []
             for result in response.results:
                 embedders.add(result.memory.embedder)
@@ -420,7 +427,12 @@ class LocomoClient:
             return out
 
         latencies, results = await _run_concurrently(call, len(queries), concurrency)
-        return {"latencies_ms": latencies, "results": results, "embedders": sorted(embedders)}
+        return {
+            "latencies_ms": latencies,
+            "results": results,
+            "embedders": sorted(embedders),
+            "top_scores": [top_scores[i] for i in range(len(queries))],  # 0 where nothing came back
+        }
 
     async def forget_all(self, *, tokens: list[str]) -> int:
         stub = self._stub()
@@ -680,7 +692,10 @@ async def measure_service(
     out["throughput"]["embedder_passage_items_per_s_batch64_1thread"] = local.passage_items_per_s
     clock.lap("remember_s")
     queries = [(tokens[q.conversation], q.text) for q in locomo.questions]
-    out["recall"], skipped_modes, embedders = await measure_recall(client, locomo, queries, modes, dia_ids_of)
+    out["recall"], skipped_modes, embedders, present = await measure_recall(
+        client, locomo, queries, modes, dia_ids_of
+    )
+    out["abstention"] = await measure_abstention(client, absent_queries(locomo, tokens), present)
     if skipped_modes:
         out["skipped_modes"] = skipped_modes
     out["embedder"] = {
@@ -822,9 +837,11 @@ async def measure_recall(
     queries: list[tuple[str, str]],
     modes: Sequence[str],
     dia_ids_of: Mapping[str, list[str]],
-) -> tuple[dict[str, Any], dict[str, str], list[str]]:
-    """Recall per mode; the modes skipped and why; the embedders named in the results."""
+) -> tuple[dict[str, Any], dict[str, str], list[str], dict[str, list[float]]]:
+    """Recall per mode; the modes skipped and why; the embedders named in the results; the best
+    result's score per question and mode (for the abstention measurement)."""
     recall: dict[str, Any] = {}
+    top_scores: dict[str, list[float]] = {}
     embedders: set[str] = set()
     skipped: dict[str, str] = {}
     for name in modes:
@@ -847,7 +864,34 @@ async def measure_recall(
         ]
         recall[name] = evidence_recall(locomo.questions, found)
         recall[name]["search_c1"] = latency_summary(got["latencies_ms"])
-    return recall, skipped, sorted(embedders)
+        top_scores[name] = got["top_scores"]
+    return recall, skipped, sorted(embedders), top_scores
+
+
+def absent_queries(locomo: LoCoMo, tokens: Mapping[str, str]) -> list[tuple[str, str]]:
+    """Every question asked in the next conversation's bucket (the last one's in the first's):
+    another end user's memories, where nothing answers it."""
+    order = [c.id for c in locomo.conversations]
+    elsewhere = {c: order[(i + 1) % len(order)] for i, c in enumerate(order)}
+    return [(tokens[elsewhere[q.conversation]], q.text) for q in locomo.questions]
+
+
+async def measure_abstention(
+    client: WorkerHandle,
+    queries: list[tuple[str, str]],
+    present: Mapping[str, list[float]],
+) -> dict[str, Any]:
+    """Per mode: the best result's score where the answer is stored (`present`, from the recall
+    run) against where it is not (`queries`, bench/abstention.py); at the threshold recommended in
+    docs/api.md when there is one, else at the best threshold of this run."""
+    out: dict[str, Any] = {}
+    for name, present_scores in present.items():
+        mode = search_mode(name)
+        assert mode is not None
+        log(f"abstention {name}: {len(queries)} questions in another conversation's bucket")
+        got = await client.call("search", queries=queries, mode=mode, top_k=1, concurrency=1)
+        out[name] = abstention.summary(present_scores, got["top_scores"], RECOMMENDED_MIN_SCORE.get(name))
+    return out
 
 
 async def measure_latency(
@@ -987,6 +1031,14 @@ def console_summary(results: Mapping[str, Any]) -> str:
         row(f"tokensvc {name}", summary)
     for name, reason in results.get("skipped_modes", {}).items():
         lines.append(f"{'tokensvc ' + name:<40} skipped: {reason}")
+    for name, a in results.get("abstention", {}).items():
+        point = a["at_threshold"]
+        chosen = "best here" if a["threshold_chosen_here"] else "recommended"
+        lines.append(
+            f"abstention {name}: AUROC {a['auroc']:.3f} (top-1 score median present {a['present_median']}, "
+            f"absent {a['absent_median']}); min_score {point['threshold']} ({chosen}): "
+            f"{point['present_answered']:.1%} present answered, {point['absent_abstained']:.1%} absent abstained"
+        )
     reference = results.get("reference_exact_e5", {})
     row("numpy exact e5 (query: prefix)", reference.get("query_as_query"))
     row("numpy exact e5 (passage: prefix)", reference.get("query_as_passage"))

@@ -82,3 +82,56 @@ async def test_paraphrased_questions_find_the_right_memory_first_with_the_defaul
                 )
                 assert found.results[0].memory.id == ids[index], (mode, question)
                 assert found.results[0].memory.embedder == "multilingual-e5-small"
+
+
+# The README's min_score example: six facts; unrelated questions and paraphrases.
+SIX_FACTS = [
+    "Priya is allergic to shellfish",
+    "The quarterly board meeting takes place in the Lisbon office.",
+    "Our production database is backed up every night at 02:00 UTC.",
+    "Maria from finance approves every purchase above five thousand euros.",
+    "The deploy window is Tuesday 14:00 UTC",
+    "Alice prefers answers in French",
+]
+UNRELATED = [
+    "What is the capital of Peru?",
+    "How many moons does Jupiter have?",
+    "Who painted the Mona Lisa?",
+]
+PARAPHRASES = {"when do the directors get together": 1, "what can't Priya eat": 0}
+RECOMMENDED_MIN_SCORE = 0.8  # docs/api.md, "Scores"
+
+
+async def test_the_default_mode_answers_nothing_relevant_with_the_recommended_min_score(
+    start_service,  # type: ignore[no-untyped-def]
+    dev: DevPaths,
+    tmp_path: Path,
+) -> None:
+    service = await start_service(memory_embedder=Settings().memory_embedder)
+    agent = f"e5-{uuid.uuid4().hex[:8]}"
+    cert, key = issue_client_certificate(dev, f"spiffe://dev.local/ns/default/sa/{agent}", tmp_path, agent)
+    metadata = (("authorization", f"Bearer {dev_capability(dev, agent=agent, long_term_memory=True)}"),)
+    async with mtls_channel(service.port, dev.ca_cert, cert, key) as channel:
+        stub = memory_pb2_grpc.MemoryServiceStub(channel)
+        stored = await stub.Remember(
+            memory_pb2.RememberRequest(items=[memory_pb2.RememberItem(content=f) for f in SIX_FACTS]),
+            metadata=metadata,
+            timeout=120,
+        )
+        ids = [result.id for result in stored.results]
+
+        async def search(question: str, min_score: float | None) -> list[memory_pb2.MemorySearchResult]:
+            request = memory_pb2.SearchMemoriesRequest(query_text=question, top_k=3)
+            if min_score is not None:
+                request.min_score = min_score
+            return list((await stub.SearchMemories(request, metadata=metadata, timeout=60)).results)
+
+        for question in UNRELATED:
+            # Without a threshold the least-bad memory still comes back, now with a low score.
+            best = (await search(question, None))[0]
+            assert best.score < RECOMMENDED_MIN_SCORE, (question, best.memory.content, best.score)
+            assert await search(question, RECOMMENDED_MIN_SCORE) == [], question
+        for question, index in PARAPHRASES.items():
+            found = await search(question, RECOMMENDED_MIN_SCORE)
+            assert found, question
+            assert found[0].memory.id == ids[index], (question, [r.score for r in found])

@@ -164,3 +164,41 @@ def test_text_mode_returns_only_text_matches_by_bm25() -> None:
 def test_weights_outside_zero_to_one_are_refused(vector: float, neighbour: float) -> None:
     with pytest.raises(ValueError, match="between 0 and 1"):
         FusionWeights(vector=vector, neighbour=neighbour)
+
+
+# --- HYBRID's scores: the fusion's order, scaled to the best match's cosine ---------------------
+
+
+@given(candidate_lists(), weights)
+def test_the_best_hybrid_score_is_the_best_cosine_and_the_others_keep_their_proportions(
+    candidates: list[Candidate[int]], w: FusionWeights
+) -> None:
+    ranked = fuse(candidates, w)
+    if not candidates or ranked[0].score == 0:
+        return
+    best_cosine = max(c.vector_score for c in candidates)
+    assert ranked[0].score == pytest.approx(max(0.0, best_cosine))
+    assert all(r.score <= ranked[0].score + 1e-12 for r in ranked)
+
+
+def _candidate(item: str, cosine: float, bm25: float, vector_rank: int, text_rank: int) -> Candidate[str]:
+    return Candidate(item, cosine, bm25, vector_rank, text_rank, None, None)
+
+
+def test_the_best_hybrid_score_does_not_depend_on_the_other_candidates() -> None:
+    # The same best match among close rivals and among poor ones: min-max scaling scored it 1.0 in
+    # both and said nothing of the match itself; now it is its cosine in both.
+    close = [_candidate("answer", 0.86, 4.0, 1, 1), _candidate("rival", 0.855, 3.0, 2, 2)]
+    poor = [_candidate("answer", 0.86, 4.0, 1, 1), _candidate("noise", 0.70, 0.0, 2, 0)]
+    for candidates in (close, poor):
+        best = fuse(candidates, FusionWeights())[0]
+        assert (best.item, best.score) == ("answer", pytest.approx(0.86))
+
+
+def test_min_score_answers_nothing_from_an_unrelated_bucket_and_keeps_the_match() -> None:
+    unrelated = [_candidate("allergy", 0.75, 0.0, 1, 0), _candidate("meeting", 0.74, 0.0, 2, 0)]
+    related = [_candidate("meeting", 0.85, 2.5, 1, 1), _candidate("allergy", 0.75, 0.0, 2, 0)]
+    search = {"top_k": 5, "min_score": 0.8}
+    assert apply_mode(SearchMode.HYBRID, unrelated, FusionWeights(), **search) == []
+    found = apply_mode(SearchMode.HYBRID, related, FusionWeights(), **search)
+    assert [(r.item, r.score) for r in found] == [("meeting", pytest.approx(0.85))]

@@ -17,6 +17,15 @@ neighbour term added about 0.04 recall@10 more:
 
 Ties break by vector rank, then text rank, then the candidates' given order, so equal input gives
 equal output.
+
+The scores returned keep that order but are scaled to the best match's cosine similarity:
+`score = max(0, best cosine) * fused / fused(best result)`. Scaling within the candidates hides
+whether anything relevant was there at all: the least-bad memory of an unrelated question fused to
+the same score as the answer to a good one (HYBRID's top-1 score told a question whose answer is
+stored from one whose answer is not with an AUROC of 0.77 on LoCoMo's development half). The best
+cosine carries that signal (0.99 there; docs/benchmarks.md, "Abstention"), so the best result's
+score is the same number in HYBRID as in VECTOR, whatever the other candidates are, and one
+`min_score` serves both modes (docs/api.md, "Scores").
 """
 
 from __future__ import annotations
@@ -68,7 +77,7 @@ class Ranked(Generic[T]):
 
 
 def fuse(candidates: Sequence[Candidate[T]], weights: FusionWeights) -> list[Ranked[T]]:
-    """Candidates by fused score, best first (see the module docstring)."""
+    """Candidates by fused score, best first, scaled to the best cosine (see the module docstring)."""
     if not candidates:
         return []
     low = min(c.vector_score for c in candidates)
@@ -88,7 +97,11 @@ def fuse(candidates: Sequence[Candidate[T]], weights: FusionWeights) -> list[Ran
         context = [base(*n) for n in (c.previous, c.next) if n is not None]
         lift = weights.neighbour * max(0.0, min(ceiling, max(context)) - own) if context else 0.0
         ranked.append(Ranked(c.item, own + lift, c.vector_rank, c.text_rank))
-    return _sorted(ranked)
+    ordered = _sorted(ranked)
+    best = min(1.0, max(0.0, *(c.vector_score for c in candidates)))
+    top = ordered[0].score
+    scale = best / top if top > 0 else 0.0
+    return [Ranked(r.item, r.score * scale, r.vector_rank, r.text_rank) for r in ordered]
 
 
 def rank_by_vector(candidates: Sequence[Candidate[T]]) -> list[Ranked[T]]:
