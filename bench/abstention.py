@@ -15,7 +15,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["auroc", "best_threshold", "operating_point", "summary"]
+__all__ = ["RECOMMENDED_MIN_SCORE", "auroc", "best_threshold", "operating_point", "summary"]
+
+# The min_score docs/api.md recommends per mode for the default model, judged on absent questions; a
+# mode without one is judged at the best threshold of the run itself (an optimistic number, which
+# the results say: `threshold_chosen_here`).
+RECOMMENDED_MIN_SCORE: dict[str, float] = {"hybrid": 0.8, "vector": 0.8}
 
 
 def auroc(present: Sequence[float], absent: Sequence[float]) -> float:

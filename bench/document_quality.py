@@ -49,6 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import abstention
+from bench.abstention import RECOMMENDED_MIN_SCORE
 from bench.document_pipelines import (
     E5_WINDOW_TOKENS,
     Retrieved,
@@ -77,6 +79,7 @@ from bench.knowledge_quality import (
 from bench.questions import Question, Span, covers, load_extracted, load_questions, locate_all
 from tokensvc.knowledge.chunking import DEFAULT_CHUNK_SIZE, ChunkingStrategy, chunk_document
 from tokensvc.knowledge.formats import ExtractedDocument, SpanIndex
+from tokensvc.v1 import common_pb2
 
 __all__ = ["QUESTIONS", "run_document_quality"]
 
@@ -239,7 +242,9 @@ async def measure_service(env: BenchEnv, corpus: Corpus) -> tuple[dict[str, Any]
         began = time.perf_counter()
         for name, document in corpus.documents.items():
             log(f"uploading {name} ({len(document.text):,} characters)")
-            stored = await upload(clients, ref, name, (ROOT / name).read_bytes(), document.media_type)
+            stored = await upload(
+                clients, ref, name, (ROOT / name).read_bytes(), document.media_type, {"source": name}
+            )
             local = len(chunk_document(document.text, strategy))
             chunks += stored
             if stored != local:
@@ -250,9 +255,10 @@ async def measure_service(env: BenchEnv, corpus: Corpus) -> tuple[dict[str, Any]
         text_mismatches: dict[str, dict[str, Any]] = {}
         gate = asyncio.Semaphore(CONCURRENCY)
 
-        async def ask(q: Question, mode: int) -> tuple[list[Retrieved], float]:
+        async def ask(q: Question, mode: int) -> tuple[list[Retrieved], float, float]:
             async with gate:
                 passages, latency = await search(clients, token, ref, q.question, mode)
+            best = passages[0].score if passages else 0.0
             returned = []
             for p in passages:
                 name = names_by_ref[p.document_ref]
@@ -262,15 +268,27 @@ async def measure_service(env: BenchEnv, corpus: Corpus) -> tuple[dict[str, Any]
                         "start": p.start_offset, "end": p.end_offset, "server": p.text[:120], "local": local[:120]
                     }  # fmt: skip
                 returned.append(Retrieved(name, p.start_offset, p.end_offset, p.location))
-            return returned, latency
+            return returned, latency, best
+
+        async def ask_elsewhere(q: Question, mode: int) -> float:
+            """The best score with the question's own document filtered out: the base then holds
+            no answer (abstention, as bench/locomo.py measures it for memories)."""
+            async with gate:
+                passages, _ = await search(clients, token, ref, q.question, mode, not_from(q.doc))
+            return passages[0].score if passages else 0.0
 
         modes = {}
         for mode, value in mode_values.items():
             log(f"service: {len(corpus.questions)} questions, {mode} mode")
             answered = await asyncio.gather(*(ask(q, value) for q in corpus.questions))
+            log(f"service: {len(corpus.questions)} questions, {mode} mode, without their documents")
+            absent = await asyncio.gather(*(ask_elsewhere(q, value) for q in corpus.questions))
             modes[mode] = {
-                **scored(corpus, judged(corpus, [returned for returned, _ in answered])),
-                "latency_ms_p50": round(statistics.median(latency for _, latency in answered), 1),
+                **scored(corpus, judged(corpus, [returned for returned, _, _ in answered])),
+                "latency_ms_p50": round(statistics.median(latency for _, latency, _ in answered), 1),
+                "abstention": abstention.summary(
+                    [best for _, _, best in answered], list(absent), RECOMMENDED_MIN_SCORE.get(mode)
+                ),
             }
     finally:
         await clients.close()
@@ -284,6 +302,16 @@ async def measure_service(env: BenchEnv, corpus: Corpus) -> tuple[dict[str, Any]
         "skipped_modes": skipped,
         "modes": modes,
     }, created.embedder
+
+
+def not_from(document: str) -> common_pb2.Filter:
+    """Every document but `document` (uploaded with metadata `source` = its name)."""
+    own = common_pb2.FieldFilter(
+        key="source",
+        operator=common_pb2.FILTER_OPERATOR_EQ,
+        value=common_pb2.MetadataValue(string_value=document),
+    )
+    return common_pb2.Filter(not_filter=common_pb2.Filter(field=own))
 
 
 # --- the offline pipelines ---------------------------------------------------------------------
@@ -431,6 +459,15 @@ def tables(results: dict[str, Any]) -> str:
             f"{name:<20} {_cell(m['cited@1'])}/{_cell(m['cited_when_hit'])}"
             + "".join(f"  {_cell(by[f]['cited@1'])}/{_cell(by[f]['cited_when_hit'])}" for f in formats)
         )
+    lines.append("")
+    for mode, m in results["service"]["modes"].items():
+        if "abstention" in m:
+            a, point = m["abstention"], m["abstention"]["at_threshold"]
+            lines.append(
+                f"abstention {mode}: AUROC {a['auroc']:.3f} (best score median with the answer's document "
+                f"{a['present_median']}, without {a['absent_median']}); min_score {point['threshold']}: "
+                f"{point['present_answered']:.1%} answered, {point['absent_abstained']:.1%} without an answer abstained"
+            )
     if results.get("study"):
         lines += ["", _study_table(results)]
     service = results["service"]

@@ -193,16 +193,22 @@ async def retrying(call: Callable[[], Awaitable[_T]]) -> _T:
 
 
 async def upload(
-    clients: Clients, kb_ref: str, name: str, text: str | bytes, content_type: str = CONTENT_TYPE
+    clients: Clients,
+    kb_ref: str,
+    name: str,
+    text: str | bytes,
+    content_type: str = CONTENT_TYPE,
+    metadata: dict[str, str] | None = None,
 ) -> int:
-    """Upload one document (its text as text/markdown, or its bytes as `content_type`) and wait
-    until it is READY; the chunk count the server reports."""
+    """Upload one document (its text as text/markdown, or its bytes as `content_type`) with string
+    `metadata` and wait until it is READY; the chunk count the server reports."""
     content = text.encode("utf-8") if isinstance(text, str) else text
     header = knowledge_pb2.UploadDocumentHeader(
         namespace=NAMESPACE,
         knowledge_base_ref=kb_ref,
         document_ref=doc_ref(name),
         content_type=content_type,
+        metadata={k: common_pb2.MetadataValue(string_value=v) for k, v in (metadata or {}).items()},
         wait_until_ready=True,
     )
     messages = [knowledge_pb2.UploadDocumentRequest(header=header)]
@@ -215,14 +221,21 @@ async def upload(
 
 
 async def search(
-    clients: Clients, token: str, kb_ref: str, query: str, mode: int
+    clients: Clients,
+    token: str,
+    kb_ref: str,
+    query: str,
+    mode: int,
+    filter_: common_pb2.Filter | None = None,
 ) -> tuple[list[knowledge_pb2.Passage], float]:
-    """The top passages of one knowledge base for `query`, and the call's latency in ms."""
+    """The top passages of one knowledge base for `query` (among the documents `filter_` keeps),
+    and the call's latency in ms."""
     request = knowledge_pb2.SearchKnowledgeRequest(
         knowledge_base_refs=[kb_ref],
         query_text=query,
         top_k=TOP_K,
         mode=common_pb2.SearchMode.ValueType(mode),
+        filter=filter_,
     )
     metadata = (("authorization", f"Bearer {token}"),)
     began = time.perf_counter()

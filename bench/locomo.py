@@ -91,9 +91,6 @@ K = 10
 KS = (5, 10)
 BATCH = 64
 MODES = ("vector", "text", "hybrid")
-# The min_score docs/api.md recommends per mode, judged here on absent questions; a mode without one
-# is judged at the best threshold of the run itself (an optimistic number, said so in the results).
-RECOMMENDED_MIN_SCORE: dict[str, float] = {"hybrid": 0.8, "vector": 0.8}
 LATENCY_MODES = ("hybrid", "vector")
 CONCURRENCY = (1, 16)
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
@@ -890,7 +887,9 @@ async def measure_abstention(
         assert mode is not None
         log(f"abstention {name}: {len(queries)} questions in another conversation's bucket")
         got = await client.call("search", queries=queries, mode=mode, top_k=1, concurrency=1)
-        out[name] = abstention.summary(present_scores, got["top_scores"], RECOMMENDED_MIN_SCORE.get(name))
+        out[name] = abstention.summary(
+            present_scores, got["top_scores"], abstention.RECOMMENDED_MIN_SCORE.get(name)
+        )
     return out
 
 

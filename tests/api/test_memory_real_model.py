@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,6 +46,42 @@ def words(text: str) -> set[str]:
     return set(re.findall(r"\w+", text.lower()))
 
 
+@dataclass
+class Agent:
+    """A fresh agent's memory space on a service running the product's default model."""
+
+    stub: memory_pb2_grpc.MemoryServiceStub
+    metadata: tuple[tuple[str, str], ...]
+    ids: list[str]  # of the facts remembered, in order
+
+    async def search(
+        self, question: str, *, mode: int = 0, min_score: float | None = None
+    ) -> list[memory_pb2.MemorySearchResult]:
+        request = memory_pb2.SearchMemoriesRequest(query_text=question, top_k=3, mode=mode)
+        if min_score is not None:
+            request.min_score = min_score
+        return list((await self.stub.SearchMemories(request, metadata=self.metadata, timeout=60)).results)
+
+
+@asynccontextmanager
+async def agent_remembering(
+    start_service: Any, dev: DevPaths, tmp_path: Path, facts: list[str]
+) -> AsyncIterator[Agent]:
+    # The suite's default is `hash`; this service runs on the product's default.
+    service = await start_service(memory_embedder=Settings().memory_embedder)
+    agent = f"e5-{uuid.uuid4().hex[:8]}"
+    cert, key = issue_client_certificate(dev, f"spiffe://dev.local/ns/default/sa/{agent}", tmp_path, agent)
+    metadata = (("authorization", f"Bearer {dev_capability(dev, agent=agent, long_term_memory=True)}"),)
+    async with mtls_channel(service.port, dev.ca_cert, cert, key) as channel:
+        stub = memory_pb2_grpc.MemoryServiceStub(channel)
+        stored = await stub.Remember(
+            memory_pb2.RememberRequest(items=[memory_pb2.RememberItem(content=fact) for fact in facts]),
+            metadata=metadata,
+            timeout=120,
+        )
+        yield Agent(stub, metadata, [result.id for result in stored.results])
+
+
 def test_a_new_memory_space_gets_the_embedded_model_when_nothing_is_configured() -> None:
     assert Settings().memory_embedder == DEFAULT_EMBEDDER == "multilingual-e5-small"
 
@@ -58,30 +98,12 @@ async def test_paraphrased_questions_find_the_right_memory_first_with_the_defaul
 ) -> None:
     for question, index in questions.items():
         assert not (words(question) & words(facts[index]) - STOP), question
-    # The suite's default is `hash`; this service runs on the product's default.
-    service = await start_service(memory_embedder=Settings().memory_embedder)
-
-    agent = f"e5-{uuid.uuid4().hex[:8]}"
-    cert, key = issue_client_certificate(dev, f"spiffe://dev.local/ns/default/sa/{agent}", tmp_path, agent)
-    token = dev_capability(dev, agent=agent, long_term_memory=True)
-    metadata = (("authorization", f"Bearer {token}"),)
-    async with mtls_channel(service.port, dev.ca_cert, cert, key) as channel:
-        stub = memory_pb2_grpc.MemoryServiceStub(channel)
-        stored = await stub.Remember(
-            memory_pb2.RememberRequest(items=[memory_pb2.RememberItem(content=fact) for fact in facts]),
-            metadata=metadata,
-            timeout=120,
-        )
-        ids = [result.id for result in stored.results]
+    async with agent_remembering(start_service, dev, tmp_path, facts) as agent:
         for mode in (common_pb2.SEARCH_MODE_UNSPECIFIED, common_pb2.SEARCH_MODE_VECTOR):
             for question, index in questions.items():
-                found = await stub.SearchMemories(
-                    memory_pb2.SearchMemoriesRequest(query_text=question, top_k=3, mode=mode),
-                    metadata=metadata,
-                    timeout=60,
-                )
-                assert found.results[0].memory.id == ids[index], (mode, question)
-                assert found.results[0].memory.embedder == "multilingual-e5-small"
+                found = await agent.search(question, mode=mode)
+                assert found[0].memory.id == agent.ids[index], (mode, question)
+                assert found[0].memory.embedder == "multilingual-e5-small"
 
 
 # The README's min_score example: six facts; unrelated questions and paraphrases.
@@ -107,31 +129,13 @@ async def test_the_default_mode_answers_nothing_relevant_with_the_recommended_mi
     dev: DevPaths,
     tmp_path: Path,
 ) -> None:
-    service = await start_service(memory_embedder=Settings().memory_embedder)
-    agent = f"e5-{uuid.uuid4().hex[:8]}"
-    cert, key = issue_client_certificate(dev, f"spiffe://dev.local/ns/default/sa/{agent}", tmp_path, agent)
-    metadata = (("authorization", f"Bearer {dev_capability(dev, agent=agent, long_term_memory=True)}"),)
-    async with mtls_channel(service.port, dev.ca_cert, cert, key) as channel:
-        stub = memory_pb2_grpc.MemoryServiceStub(channel)
-        stored = await stub.Remember(
-            memory_pb2.RememberRequest(items=[memory_pb2.RememberItem(content=f) for f in SIX_FACTS]),
-            metadata=metadata,
-            timeout=120,
-        )
-        ids = [result.id for result in stored.results]
-
-        async def search(question: str, min_score: float | None) -> list[memory_pb2.MemorySearchResult]:
-            request = memory_pb2.SearchMemoriesRequest(query_text=question, top_k=3)
-            if min_score is not None:
-                request.min_score = min_score
-            return list((await stub.SearchMemories(request, metadata=metadata, timeout=60)).results)
-
+    async with agent_remembering(start_service, dev, tmp_path, SIX_FACTS) as agent:
         for question in UNRELATED:
             # Without a threshold the least-bad memory still comes back, now with a low score.
-            best = (await search(question, None))[0]
+            best = (await agent.search(question))[0]
             assert best.score < RECOMMENDED_MIN_SCORE, (question, best.memory.content, best.score)
-            assert await search(question, RECOMMENDED_MIN_SCORE) == [], question
+            assert await agent.search(question, min_score=RECOMMENDED_MIN_SCORE) == [], question
         for question, index in PARAPHRASES.items():
-            found = await search(question, RECOMMENDED_MIN_SCORE)
+            found = await agent.search(question, min_score=RECOMMENDED_MIN_SCORE)
             assert found, question
-            assert found[0].memory.id == ids[index], (question, [r.score for r in found])
+            assert found[0].memory.id == agent.ids[index], (question, [r.score for r in found])
