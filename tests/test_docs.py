@@ -86,3 +86,15 @@ def test_every_document_question_quotes_its_document_once_where_its_location_say
         if covers(location, q) is False:
             misplaced.append((q.number, q.doc, q.page or q.slide or (q.sheet, q.row), location))
     assert not misplaced
+
+
+def test_the_go_clients_readme_example_is_the_example_go_test_compiles() -> None:
+    readme = (ROOT / "clients/go/README.md").read_text()
+    (block,) = re.findall(r"^## A launcher's Remember and Search\n\n```go\n(.*?)^```$", readme, re.M | re.S)
+    example = (ROOT / "clients/go/example_test.go").read_text()
+    (body,) = re.findall(r"^func Example\(\) \{\n(.*?)^\}$", example, re.M | re.S)
+    unindented = "".join(line.removeprefix("\t") for line in body.splitlines(keepends=True))
+    assert block == unindented, "clients/go/README.md's example differs from example_test.go's Example"
+    assert len(block.splitlines()) < 30, (
+        "the issue asked for a launcher's Remember + Search in under 30 lines"
+    )
