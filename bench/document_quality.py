@@ -33,6 +33,10 @@ document. `run_document_quality(env)` measures against a running `bench.env` ser
 bench/quality.py does); alone, the command starts its own world and writes
 bench/results/document-quality.json (rewritten after each part, so an interrupted run keeps what
 it measured), then prints the tables.
+
+Abstention (bench/abstention.py): every question is asked again with its source filtered out (its
+document and those made from the same text, `source_of`), where the base holds no answer; per mode
+the AUROC of the best score with against without, and what `min_score` 0.8 keeps and drops.
 """
 
 from __future__ import annotations
@@ -286,7 +290,7 @@ async def measure_service(env: BenchEnv, corpus: Corpus) -> tuple[dict[str, Any]
         for mode, value in mode_values.items():
             log(f"service: {len(corpus.questions)} questions, {mode} mode")
             answered = await asyncio.gather(*(ask(q, value) for q in corpus.questions))
-            log(f"service: {len(corpus.questions)} questions, {mode} mode, without their documents")
+            log(f"service: {len(corpus.questions)} questions, {mode} mode, without their sources")
             absent = await asyncio.gather(*(ask_elsewhere(q, value) for q in corpus.questions))
             modes[mode] = {
                 **scored(corpus, judged(corpus, [returned for returned, _, _ in answered])),

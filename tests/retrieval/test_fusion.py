@@ -170,7 +170,7 @@ def test_weights_outside_zero_to_one_are_refused(vector: float, neighbour: float
 
 
 @given(candidate_lists(), weights)
-def test_the_best_hybrid_score_is_the_best_cosine_and_the_others_keep_their_proportions(
+def test_the_best_hybrid_score_is_the_best_cosine_and_no_other_scores_higher(
     candidates: list[Candidate[int]], w: FusionWeights
 ) -> None:
     ranked = fuse(candidates, w)
