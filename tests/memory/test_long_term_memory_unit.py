@@ -575,5 +575,8 @@ async def test_a_search_runs_through_the_retrieval_engine_with_the_spaces_pins(
     assert [h.item.content for h in unfiltered] == ["the cellar key is under the mat"]
     (asked, _), (plain, _) = engine.searches
     assert (asked.text, asked.text_config, asked.dimension, asked.top_k) == ("cellar key", "english", 384, 3)
-    assert asked.vector is not None
+    # The query is embedded by the engine, with the space's pinned embedder.
+    assert asked.vector is None
+    assert asked.embedding is not None
+    assert (asked.embedding.text, asked.embedding.embedder.spec.name) == ("cellar key", "hash")
     assert (asked.filtered, plain.filtered) == (True, False)

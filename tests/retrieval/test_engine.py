@@ -8,7 +8,12 @@ That memory and knowledge search both go through it is checked with their servic
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from typing import Any
+
+import numpy as np
+import pytest
 
 from tests.storage.conformance.support import (
     SPACE,
@@ -18,16 +23,20 @@ from tests.storage.conformance.support import (
     new_tenant,
     unit,
 )
+from tokensvc.embedders import HashEmbedder, ScheduledEmbedder, WorkClass
+from tokensvc.errors import DatabaseUnavailable, EmbedderUnavailable
 from tokensvc.retrieval import (
     FusionWeights,
+    QueryEmbedding,
     Retrieval,
     RetrievalEngine,
     RoutedPlan,
     SearchMode,
     SearchTuning,
+    unit_vector,
 )
 from tokensvc.storage.inprocess import InProcessMemoryStore
-from tokensvc.storage.records import CandidateQuery, MemoryRecord, SearchOutcome
+from tokensvc.storage.records import CandidateQuery, MemoryRecord, SearchOutcome, Tenant
 
 DIM = SPACE.embedder.dimension
 
@@ -143,3 +152,128 @@ async def test_min_score_and_top_k_cut_the_fused_results() -> None:
     assert [h.item.content for h in everything] == [f"fact {i}" for i in range(5)]
     assert [h.item.content for h in cut] == ["fact 0", "fact 1", "fact 2"]
     assert [h.item.content for h in top] == ["fact 0", "fact 1"]
+
+
+# --- ranking by text while the query embeds -----------------------------------------------------
+
+
+class GatedEmbedder(HashEmbedder):
+    """The hashing embedder whose queries finish only when the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__("gated", DIM)
+        self.gate = asyncio.Event()
+
+    async def embed_query(self, text: str) -> np.ndarray:
+        await self.gate.wait()
+        return await super().embed_query(text)
+
+
+async def fruit_store() -> tuple[InProcessMemoryStore, Tenant, str]:
+    store = InProcessMemoryStore()
+    bucket = new_bucket()
+    tenant = new_tenant(bucket)
+    await store.pin_space(tenant, SPACE)
+    texts = ["apple pie", "apple crumble with cream", "pear tart", "plum jam", "apple and pear salad"]
+    await store.insert(
+        tenant, bucket, [memory(text, unit(np.arange(DIM) + i)) for i, text in enumerate(texts)]
+    )
+    return store, tenant, bucket
+
+
+def embedded(embedder: ScheduledEmbedder, mode: SearchMode = SearchMode.HYBRID) -> Retrieval:
+    return dataclasses.replace(
+        retrieval(mode, top_k=3), vector=None, embedding=QueryEmbedding(embedder, "apple", "ns", "agent")
+    )
+
+
+async def test_a_hybrid_search_by_text_ranks_by_text_while_its_query_embeds() -> None:
+    store, tenant, bucket = await fruit_store()
+    gated = GatedEmbedder()
+    embedder = ScheduledEmbedder(gated, tenant_queue_texts=8)
+    engine = RetrievalEngine()
+    pending_when_planned: list[bool] = []
+
+    async def fetch(plan: RoutedPlan) -> SearchOutcome[MemoryRecord]:
+        def noted(rows: int) -> CandidateQuery:
+            query = plan(rows)
+            assert query.vector is None
+            assert query.vector_later is not None
+            pending_when_planned.append(not gated.gate.is_set())
+            gated.gate.set()  # the store has its plan (and its snapshot): the embedding may finish
+            return query
+
+        return await store.search(
+            tenant, bucket, noted, count_cap=plan.count_cap, filter_=None, embedder="test"
+        )
+
+    hits = await engine.search(embedded(embedder), fetch)
+    vector = unit_vector(await embedder.embed_query("apple", "ns"), "query")
+    given = await engine.search(
+        dataclasses.replace(embedded(embedder), vector=vector, embedding=None),
+        lambda plan: store.search(
+            tenant, bucket, plan, count_cap=plan.count_cap, filter_=None, embedder="test"
+        ),
+    )
+
+    assert pending_when_planned == [True], "the store planned before the query's vector existed"
+    assert hits == given, "the same results as with the vector embedded first"
+
+
+async def test_a_search_embeds_first_in_vector_mode_and_when_queries_wait_for_the_embedder() -> None:
+    store, tenant, bucket = await fruit_store()
+    gated = GatedEmbedder()
+    embedder = ScheduledEmbedder(gated, tenant_queue_texts=8)
+    engine = RetrievalEngine()
+    planned: list[CandidateQuery] = []
+
+    def fetch(plan: RoutedPlan) -> Any:
+        def noted(rows: int) -> CandidateQuery:
+            planned.append(plan(rows))
+            return planned[-1]
+
+        return store.search(tenant, bucket, noted, count_cap=plan.count_cap, filter_=None, embedder="test")
+
+    # Other queries: they hold every slot of the embedder, and one more waits.
+    busy = embedder.capacity.slots + embedder.capacity.fast_slots + 1
+    others = [asyncio.ensure_future(embedder.embed_query(f"other {i}", "ns")) for i in range(busy)]
+    await asyncio.sleep(0)
+    assert embedder.scheduler.queued_texts(WorkClass.QUERY) == 1
+    queued = asyncio.ensure_future(engine.search(embedded(embedder), fetch))
+    await asyncio.sleep(0)
+    assert planned == [], "nothing is planned (no connection held) while the query waits"
+    gated.gate.set()
+    await asyncio.gather(*others, queued)
+    await engine.search(embedded(embedder, SearchMode.VECTOR), fetch)
+
+    assert [(q.vector is not None, q.vector_later) for q in planned] == [(True, None), (True, None)]
+
+
+async def test_a_failed_store_cancels_the_embedding_and_a_failed_embedding_fails_the_search() -> None:
+    store, tenant, bucket = await fruit_store()
+    gated = GatedEmbedder()
+    engine = RetrievalEngine()
+    seen: list[Any] = []
+
+    async def failing(plan: RoutedPlan) -> SearchOutcome[MemoryRecord]:
+        seen.append(plan.vector_later)
+        raise DatabaseUnavailable()
+
+    with pytest.raises(DatabaseUnavailable):
+        await engine.search(embedded(ScheduledEmbedder(gated, tenant_queue_texts=8)), failing)
+    assert isinstance(seen[0], asyncio.Future)
+    await asyncio.wait([seen[0]])
+    assert seen[0].cancelled(), "the embedding nobody waits for any more was cancelled"
+
+    class Broken(HashEmbedder):
+        async def embed_query(self, text: str) -> np.ndarray:
+            raise EmbedderUnavailable("the model failed")
+
+    broken = ScheduledEmbedder(Broken("broken", DIM), tenant_queue_texts=8)
+    with pytest.raises(EmbedderUnavailable, match="the model failed"):
+        await engine.search(
+            embedded(broken),
+            lambda plan: store.search(
+                tenant, bucket, plan, count_cap=plan.count_cap, filter_=None, embedder="test"
+            ),
+        )

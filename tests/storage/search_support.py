@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +15,28 @@ from tokensvc.storage.ports import MemoryStore
 from tokensvc.storage.postgres.memories import search_statement
 from tokensvc.storage.records import Candidate, CandidateQuery, MemoryRecord, Tenant
 
-__all__ = ["ScoredMemory", "bucket_size", "search_candidates", "vector_query", "vector_search", "vector_sql"]
+__all__ = [
+    "EmbeddedLater",
+    "ScoredMemory",
+    "bucket_size",
+    "search_candidates",
+    "vector_query",
+    "vector_search",
+    "vector_sql",
+]
+
+
+class EmbeddedLater:
+    """A query's vector still being embedded (`CandidateQuery.vector_later`): notes when the store
+    starts waiting for it; the test sets `vector`'s result."""
+
+    def __init__(self) -> None:
+        self.awaited = asyncio.Event()
+        self.vector: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+
+    def __await__(self) -> Generator[Any, None, np.ndarray]:
+        self.awaited.set()
+        return self.vector.__await__()
 
 
 @dataclass(frozen=True)

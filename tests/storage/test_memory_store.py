@@ -9,6 +9,7 @@ where a memory space is pinned, a fresh agent): the session database is shared b
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -22,7 +23,7 @@ import asyncpg
 import numpy as np
 import pytest
 
-from tests.storage.search_support import vector_search, vector_sql
+from tests.storage.search_support import EmbeddedLater, vector_search, vector_sql
 from tests.support import SharedDatabase, service_settings
 from tokensvc.app import locate_database
 from tokensvc.auth.devpki import DevPaths
@@ -245,3 +246,35 @@ async def test_ensure_vector_index_is_idempotent(store: PostgresMemoryStore, poo
             "SELECT count(*) FROM pg_indexes WHERE schemaname = 'tokensvc' AND indexname = 'memories_hnsw_256'"
         )
     assert count == 1
+
+
+@pytest.mark.parametrize(("exact", "held"), [(True, False), (False, True)])
+async def test_a_hybrid_search_waits_for_its_vector_holding_a_connection_only_when_not_read_whole(
+    store: PostgresMemoryStore, pool: asyncpg.Pool, rng: np.random.Generator, exact: bool, held: bool
+) -> None:
+    """A small exact search reads its rows whole and ends its transaction before it waits for its
+    query's vector (ranked in Python after); an approximate one ranks by text, then waits in its
+    transaction (one snapshot) and runs the candidate statement."""
+    bucket = new_bucket()
+    tenant = Tenant("store-tests", f"ahead-{uuid.uuid4().hex[:8]}", (bucket,))
+    assert await store.pin_space(tenant, MemorySpace(EmbedderSpec("test", "ahead", DIM, True), "simple"))
+    await store.insert(tenant, bucket, [memory(f"apple pie number {i}", unit(rng)) for i in range(12)])
+    later = EmbeddedLater()
+    query = candidate_query(
+        vector=None, text="apple pie", k=5, rows=12, exact=exact, neighbours=True, text_config="simple",
+        vector_later=later,
+    )  # fmt: skip
+    searching = asyncio.ensure_future(
+        store.search(
+            tenant, bucket, lambda _rows: query, row_count=12, count_cap=1, filter_=None, embedder="test"
+        )
+    )
+    await asyncio.wait_for(later.awaited.wait(), 30)
+
+    in_use = pool.get_size() - pool.get_idle_size()
+    later.vector.set_result(unit(rng))
+    found = (await searching).candidates
+
+    assert in_use == (1 if held else 0)
+    assert len([c for c in found if c.vector_rank]) == 5
+    assert all(c.text_rank or c.vector_rank for c in found)

@@ -40,12 +40,12 @@ from tokensvc.memory import Filter
 from tokensvc.memory.metadata import MetadataScalar
 from tokensvc.retrieval import (
     DEFAULT_TEXT_CONFIG,
+    QueryEmbedding,
     Ranked,
     Retrieval,
     RetrievalEngine,
     SearchMode,
     SearchTuning,
-    embed_query,
     validate_text_config,
 )
 from tokensvc.storage.ports import IngestionStore, KnowledgeStore, StaleKnowledgeBases
@@ -371,13 +371,14 @@ class KnowledgeBases:
         filter_: Filter | None,
         mode: SearchMode,
     ) -> list[Ranked[PassageRow]]:
-        vector = None
+        embedding = None
         if mode is not SearchMode.TEXT:
-            vector = await embed_query(self._embedder_for(spec), query, tenant.namespace, tenant.agent)
+            embedding = QueryEmbedding(self._embedder_for(spec), query, tenant.namespace, tenant.agent)
         retrieval = Retrieval(
             mode=mode,
             text=query,
-            vector=vector,
+            vector=None,
+            embedding=embedding,
             top_k=top_k,
             min_score=min_score,
             filtered=filter_ is not None,

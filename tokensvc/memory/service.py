@@ -50,12 +50,12 @@ from tokensvc.memory.paging import PageCursor
 from tokensvc.observability.metrics import observe_embedding
 from tokensvc.retrieval import (
     DEFAULT_TEXT_CONFIG,
+    QueryEmbedding,
     Ranked,
     Retrieval,
     RetrievalEngine,
     SearchMode,
     SearchTuning,
-    embed_query,
     unit_vector,
 )
 from tokensvc.storage.filter_language import Filter
@@ -447,7 +447,7 @@ class LongTermMemory:
             space = await self._space(scope, for_write=False)
             if space is None:
                 return []
-            vector = None if query.mode is SearchMode.TEXT else await self._query_vector(space, query)
+            vector, embedding = self._query_vector(space, query)
             retrieval = Retrieval(
                 mode=query.mode,
                 text=query.text,
@@ -457,6 +457,7 @@ class LongTermMemory:
                 filtered=query.filter is not None,
                 text_config=space.text_config,
                 dimension=space.spec.dimension,
+                embedding=embedding,
             )
             hits = await self._engine.search(
                 retrieval,
@@ -472,17 +473,21 @@ class LongTermMemory:
             span.set_attribute("tokensvc.result_count", len(hits))
             return hits
 
-    async def _query_vector(self, space: _Space, query: SearchQuery) -> np.ndarray:
+    def _query_vector(
+        self, space: _Space, query: SearchQuery
+    ) -> tuple[np.ndarray | None, QueryEmbedding | None]:
+        """The search's vector when given, or its text to embed (neither in TEXT mode)."""
+        if query.mode is SearchMode.TEXT:
+            return None, None
         if query.vector is not None:
             if query.vector.shape[0] != space.spec.dimension:
                 raise InvalidArgument(
                     "query_vector", f"must have {space.spec.dimension} dimensions (the pinned embedder's)"
                 )
-            return unit_vector(query.vector, "query_vector")
+            return unit_vector(query.vector, "query_vector"), None
         assert query.text is not None
-        return await embed_query(
-            self._require_embedder(space), query.text, space.tenant.namespace, space.tenant.agent
-        )
+        embedder = self._require_embedder(space)
+        return None, QueryEmbedding(embedder, query.text, space.tenant.namespace, space.tenant.agent)
 
     async def sweep_expired(self) -> int:
         total = 0

@@ -15,7 +15,14 @@ caches of row counts and pins are store decorators (`tokensvc.storage.caching`).
 from __future__ import annotations
 
 from tokensvc.retrieval.document_embedding import batch_size_of, embed_texts
-from tokensvc.retrieval.engine import Fetch, Retrieval, RetrievalEngine, RoutedPlan, embed_query
+from tokensvc.retrieval.engine import (
+    Fetch,
+    QueryEmbedding,
+    Retrieval,
+    RetrievalEngine,
+    RoutedPlan,
+    embed_query,
+)
 from tokensvc.retrieval.fusion import (
     Candidate,
     FusionWeights,
@@ -48,6 +55,7 @@ __all__ = [
     "Candidate",
     "Fetch",
     "FusionWeights",
+    "QueryEmbedding",
     "Ranked",
     "Retrieval",
     "RetrievalEngine",

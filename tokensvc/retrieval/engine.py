@@ -11,10 +11,20 @@ the searched rows' count, and that count is read inside the search's own transac
 snapshot, when no recent count is known (one round trip, and BM25's N of the rows it ranks). A
 caching decorator around the store (`tokensvc.storage.caching`) supplies recent counts; the engine
 never holds one.
+
+A HYBRID search by text ranks by text while its query is embedded: the plan carries the pending
+vector (`CandidateQuery.vector_later`) and the store runs the text ranker in the search's
+transaction, then the vector ranker and fusion in the same snapshot once the vector is there. On
+two cores the embedding takes one (the model runs single-threaded per query), so the text ranker's
+time, the transaction's start and the count come off the search's latency. It overlaps only when
+no other query is waiting for the embedder: a search queued behind others would hold a pooled
+connection idle for the whole wait, so under load the search embeds first, as before.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -22,7 +32,7 @@ from typing import TypeVar
 import numpy as np
 from opentelemetry import trace
 
-from tokensvc.embedders import ScheduledEmbedder, fair_share
+from tokensvc.embedders import ScheduledEmbedder, WorkClass, fair_share
 from tokensvc.observability.metrics import observe_embedding
 from tokensvc.retrieval.fusion import FusionWeights, Ranked, SearchMode, apply_mode
 from tokensvc.retrieval.planning import candidate_query
@@ -30,10 +40,28 @@ from tokensvc.retrieval.routing import SearchTuning
 from tokensvc.retrieval.vectors import unit_vector
 from tokensvc.storage.records import CandidateQuery, SearchOutcome
 
-__all__ = ["Fetch", "Retrieval", "RetrievalEngine", "RoutedPlan", "embed_query"]
+__all__ = ["Fetch", "QueryEmbedding", "Retrieval", "RetrievalEngine", "RoutedPlan", "embed_query"]
 
 T = TypeVar("T")
 _tracer = trace.get_tracer("tokensvc.retrieval")
+
+
+@dataclass(frozen=True)
+class QueryEmbedding:
+    """A query's text still to be embedded: by the corpus's pinned embedder, in the query class,
+    in the agent's fair share."""
+
+    embedder: ScheduledEmbedder
+    text: str
+    namespace: str
+    agent: str
+
+    async def vector(self) -> np.ndarray:
+        return await embed_query(self.embedder, self.text, self.namespace, self.agent)
+
+    def unqueued(self) -> bool:
+        """Whether no query waits for the embedder (this one is next)."""
+        return self.embedder.scheduler.queued_texts(WorkClass.QUERY) == 0
 
 
 @dataclass(frozen=True)
@@ -43,12 +71,19 @@ class Retrieval:
 
     mode: SearchMode
     text: str | None  # the query's text; None: a VECTOR search by a given vector
-    vector: np.ndarray | None  # unit length, the pinned embedder's; None in TEXT mode
+    vector: np.ndarray | None  # unit length, the pinned embedder's; None in TEXT mode or when...
     top_k: int
     min_score: float | None
     filtered: bool  # a metadata filter narrows the rows: exact scans reach further
     text_config: str  # the corpus's pinned text-search configuration
     dimension: int  # the pinned embedder's
+    embedding: QueryEmbedding | None = None  # ...the engine embeds the query itself
+
+    def __post_init__(self) -> None:
+        if self.vector is not None and self.embedding is not None:
+            raise ValueError("a search has a vector or a query to embed, not both")
+        if (self.mode is SearchMode.TEXT) != (self.vector is None and self.embedding is None):
+            raise ValueError("TEXT mode ranks by text alone; the other modes need a vector")
 
 
 @dataclass(frozen=True)
@@ -59,6 +94,7 @@ class RoutedPlan:
     retrieval: Retrieval
     tuning: SearchTuning
     neighbours: bool  # fetch neighbours' scores (HYBRID with a neighbour weight)
+    vector_later: Awaitable[np.ndarray] | None = None  # the query's vector, being embedded
 
     @property
     def count_cap(self) -> int:
@@ -78,6 +114,7 @@ class RoutedPlan:
             exact=exact,
             neighbours=self.neighbours,
             tuning=self.tuning,
+            vector_later=self.vector_later,
         )
 
 
@@ -93,13 +130,24 @@ class RetrievalEngine:
         self.tuning = tuning or SearchTuning()
         self.fusion = fusion or FusionWeights()
 
-    def plan(self, retrieval: Retrieval) -> RoutedPlan:
+    def plan(self, retrieval: Retrieval, vector_later: Awaitable[np.ndarray] | None = None) -> RoutedPlan:
         neighbours = retrieval.mode is SearchMode.HYBRID and self.fusion.neighbour > 0
-        return RoutedPlan(retrieval, self.tuning, neighbours)
+        return RoutedPlan(retrieval, self.tuning, neighbours, vector_later)
 
     async def search(self, retrieval: Retrieval, fetch: Fetch[T]) -> list[Ranked[T]]:
         """The search's results: at most `top_k`, at least `min_score`, best first."""
-        outcome = await fetch(self.plan(retrieval))
+        embedding = retrieval.embedding
+        if embedding is None:
+            outcome = await fetch(self.plan(retrieval))
+        elif retrieval.mode is SearchMode.HYBRID and embedding.unqueued():
+            pending = asyncio.ensure_future(embedding.vector())
+            try:
+                outcome = await fetch(self.plan(retrieval, vector_later=pending))
+            finally:
+                _settle(pending)
+        else:
+            vector = await embedding.vector()
+            outcome = await fetch(self.plan(dataclasses.replace(retrieval, vector=vector, embedding=None)))
         return apply_mode(
             retrieval.mode,
             outcome.candidates,
@@ -117,3 +165,12 @@ async def embed_query(embedder: ScheduledEmbedder, text: str, namespace: str, ag
             embedder.spec.name, embedder.embed_query(text, fair_share(namespace, agent))
         )
         return unit_vector(vector, "query_text")
+
+
+def _settle(pending: asyncio.Future[np.ndarray]) -> None:
+    """Cancel an embedding the store never awaited (it failed first), or take its exception, so
+    none is left running or reported as never retrieved."""
+    if not pending.done():
+        pending.cancel()
+    elif not pending.cancelled():
+        pending.exception()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+
 import numpy as np
 
 from tokensvc.retrieval.routing import SearchTuning
@@ -21,9 +23,10 @@ def candidate_query(
     neighbours: bool = False,
     text_config: str = "simple",
     tuning: SearchTuning | None = None,
+    vector_later: Awaitable[np.ndarray] | None = None,
 ) -> CandidateQuery:
     """The query of a search: a vector ranker when `vector` is given, a text ranker over the words
-    of `text` when it is; `rows` is the searched rows' count (BM25's N); `exact` and `tuning` say
+    of `text` when it is (`vector_later`: the vector, still being embedded); `rows` is the searched rows' count (BM25's N); `exact` and `tuning` say
     how the vector ranker scans."""
     tuning = tuning or SearchTuning()
     return CandidateQuery(
@@ -39,4 +42,5 @@ def candidate_query(
         bm25_b=BM25_B,
         ef_search=tuning.ef_search_for(k),
         max_scan_tuples=tuning.max_scan_tuples,
+        vector_later=vector_later,
     )

@@ -6,10 +6,11 @@ them. They live below the domain so that storage never imports `memory/` or `kno
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Generic, Literal, TypeVar
@@ -371,6 +372,15 @@ class CandidateQuery:
     bm25_b: float
     ef_search: int = 100  # the approximate scan's candidate list
     max_scan_tuples: int = 20_000  # the approximate scan's bound on visited tuples
+    # The vector ranker's query while it is still being embedded (`vector` is then None): a store
+    # may rank by text meanwhile, in the same snapshot, and awaits it before the vector ranker.
+    vector_later: Awaitable[np.ndarray] | None = None
+
+    async def with_vector(self) -> CandidateQuery:
+        """This query with its vector once embedded (itself when nothing is pending)."""
+        if self.vector_later is None:
+            return self
+        return dataclasses.replace(self, vector=await self.vector_later, vector_later=None)
 
 
 SearchPlan = Callable[[int], CandidateQuery]

@@ -9,7 +9,9 @@ where PostgreSQL's parser and the in-process tokeniser see the same terms.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import dataclasses
 import hashlib
 import math
 import os
@@ -20,6 +22,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import numpy as np
+import pytest
 
 from tests.storage.search_support import search_candidates
 from tokensvc.retrieval import BM25_B, BM25_K1, SearchTuning, candidate_query, query_words
@@ -176,11 +179,55 @@ def text_query(
     )
 
 
+def embedded_later(query: CandidateQuery) -> CandidateQuery:
+    """`query` with its vector still being embedded: the store may rank by text meanwhile."""
+    assert query.vector is not None
+    pending: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+    pending.set_result(query.vector)
+    return dataclasses.replace(query, vector=None, vector_later=pending)
+
+
+def _same(got: Sequence[Candidate[T]], expected: Sequence[Candidate[T]]) -> None:
+    """The same candidates with the same ranks, neighbours and scores (in any order: the order of
+    a statement's rows means nothing, fusion sorts them). Scores agree to 1e-6: a small search
+    read whole is ranked in Python (float64 cosines; pgvector's are float32)."""
+
+    def shape(c: Candidate[T]) -> tuple[Any, ...]:
+        return (
+            repr(c.item),
+            c.vector_rank,
+            c.text_rank,
+            c.previous_key,
+            c.next_key,
+            c.previous is None,
+            c.next is None,
+        )
+
+    def scores(c: Candidate[T]) -> list[float]:
+        return [c.vector_score, c.text_score, *(c.previous or ()), *(c.next or ())]
+
+    assert sorted(map(shape, got)) == sorted(map(shape, expected))
+    expected_scores = {shape(c): scores(c) for c in expected}
+    for c in got:
+        assert scores(c) == pytest.approx(expected_scores[shape(c)], abs=1e-6)
+
+
+def _hybrid(query: CandidateQuery) -> bool:
+    return query.vector is not None and query.text is not None
+
+
 async def search(
     store: MemoryStore, tenant: Tenant, bucket: str, query: CandidateQuery, filter_: Filter | None = None
 ) -> list[Candidate[MemoryRecord]]:
-    """The candidates of `query` with its row count given (no counting)."""
-    return await search_candidates(store, tenant, bucket, query, filter_=filter_, embedder=EMBEDDER)
+    """The candidates of `query` with its row count given (no counting). A HYBRID query is also
+    run with its vector pending (the text ranker runs first): the candidates must be the same."""
+    found = await search_candidates(store, tenant, bucket, query, filter_=filter_, embedder=EMBEDDER)
+    if _hybrid(query):
+        later = embedded_later(query)
+        _same(
+            await search_candidates(store, tenant, bucket, later, filter_=filter_, embedder=EMBEDDER), found
+        )
+    return found
 
 
 async def counted_rows(
@@ -279,6 +326,16 @@ async def search_chunks(
     refs: Sequence[str],
     query: CandidateQuery,
     filter_: Filter | None = None,
+) -> list[Candidate[PassageRow]]:
+    """As `search`, for chunks (a HYBRID query also with its vector pending, the same result)."""
+    found = await _chunk_candidates(store, tenant, refs, query, filter_)
+    if _hybrid(query):
+        _same(await _chunk_candidates(store, tenant, refs, embedded_later(query), filter_), found)
+    return found
+
+
+async def _chunk_candidates(
+    store: KnowledgeStore, tenant: Tenant, refs: Sequence[str], query: CandidateQuery, filter_: Filter | None
 ) -> list[Candidate[PassageRow]]:
     outcome = await store.search(
         tenant,

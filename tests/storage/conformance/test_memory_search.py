@@ -3,6 +3,9 @@ bucket count up to the cap, BM25 values, and neighbours (the bucket's adjacent m
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -23,6 +26,7 @@ from tests.storage.conformance.support import (
     unit,
     vector_query,
 )
+from tests.storage.search_support import EmbeddedLater, search_candidates
 from tokensvc.storage.filter_language import Condition, Operator
 from tokensvc.storage.ports import MemoryStore
 from tokensvc.storage.records import CandidateQuery, NewMemory, Tenant
@@ -321,3 +325,36 @@ async def test_neighbours_are_the_adjacent_searchable_memories_with_both_their_s
             else:
                 assert got is not None
                 assert got == pytest.approx(scores(row), abs=1e-5)
+
+
+# --- ranking by text while the query embeds ---------------------------------------------------
+
+
+@pytest.mark.parametrize("exact", EXACTNESS)
+async def test_a_memory_written_while_the_query_embeds_is_not_seen_one_snapshot(
+    memories: MemoryStore, tenant: Tenant, bucket: str, rng: np.random.Generator, exact: bool
+) -> None:
+    rows = [memory(f"apple note {i}", random_unit(rng)) for i in range(12)]
+    await store_rows(memories, tenant, bucket, rows)
+    vector = random_unit(rng)
+    later = EmbeddedLater()
+    query = dataclasses.replace(
+        text_query("apple", k=5, row_count=12, exact=exact, neighbours=True), vector_later=later
+    )
+    searching = asyncio.ensure_future(
+        search_candidates(memories, tenant, bucket, query, filter_=None, embedder=EMBEDDER)
+    )
+
+    await asyncio.wait_for(later.awaited.wait(), 30)
+    # Best for both rankers, written (and committed) while the search waits for its vector.
+    newcomer = memory("apple apple apple", vector)
+    await memories.insert(tenant, bucket, [newcomer])
+    later.vector.set_result(vector)
+    found = await searching
+
+    assert {c.item.id for c in found} <= {row.id for row in rows}, "the search read before the write"
+    assert len([c for c in found if c.vector_rank]) == 5
+    again = await search(
+        memories, tenant, bucket, text_query("apple", k=5, row_count=13, vector=vector, exact=exact)
+    )
+    assert newcomer.id in {c.item.id for c in again}, "a search after the write sees it"

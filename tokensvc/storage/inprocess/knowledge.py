@@ -351,7 +351,9 @@ class InProcessKnowledgeStore:
             row_count = min(count_cap, sum(len(chunks) for _, chunks in versions))
         query = plan(row_count)
         wanted = [(v, c) for v, c in versions if filter_ is None or matches(filter_, v.document.metadata)]
-        return SearchOutcome(query.row_count, candidates(list(_indexed(wanted)), query))
+        # The chunks as they are now, before a pending vector is awaited: one snapshot.
+        indexed = list(_indexed(wanted))
+        return SearchOutcome(query.row_count, candidates(indexed, await query.with_vector()))
 
 
 def stored_chunk(document: DocumentRow, chunk: ChunkRow) -> _Chunk:

@@ -416,8 +416,9 @@ class InProcessMemoryStore:
         if row_count is None:
             row_count = min(count_cap, len(self._bucket(tenant, bucket)))
         query = plan(row_count)
-        rows = self._searchable(tenant, bucket, filter_)
-        found = candidates(list(_indexed(rows, embedder, _slot(tenant))), query)
+        # The rows as they are now, before a pending vector is awaited: one snapshot, as PostgreSQL.
+        indexed = list(_indexed(self._searchable(tenant, bucket, filter_), embedder, _slot(tenant)))
+        found = candidates(indexed, await query.with_vector())
         return SearchOutcome(query.row_count, found)
 
 

@@ -24,7 +24,6 @@ from tokensvc.storage.postgres.locations import location_from, location_json, sp
 from tokensvc.storage.postgres.ranking import (
     Corpus,
     TextIndex,
-    candidates_from,
     fetch_candidates,
 )
 from tokensvc.storage.postgres.tenant import literal, tenant_transaction
@@ -71,6 +70,7 @@ _CORPUS = Corpus(
         "heading_path",
         "location",
     ),
+    key_types=("text", "text", "text", "integer", "bigint", "integer"),
 )
 
 
@@ -498,6 +498,7 @@ class PostgresKnowledgeStore:
                 _CORPUS,
                 plan,
                 where,
+                _passage,
                 row_count=row_count,
                 count_cap=count_cap,
                 checks=() if expect is None else (_expectation(expect),),
@@ -507,7 +508,7 @@ class PostgresKnowledgeStore:
             if exc.sqlstate == _STALE_PINS:
                 raise StaleKnowledgeBases() from None
             raise
-        return SearchOutcome(rows, candidates_from(found, _passage))
+        return SearchOutcome(rows, found)
 
 
 _STALE_PINS = "TS001"  # raised by tokensvc.expect_knowledge_bases (functions/knowledge.sql)

@@ -17,7 +17,6 @@ from tokensvc.storage.postgres.errors import translate_errors
 from tokensvc.storage.postgres.filter_sql import compile_filter
 from tokensvc.storage.postgres.ranking import (
     Corpus,
-    candidates_from,
     fetch_candidates,
     search_settings,
 )
@@ -51,6 +50,7 @@ _CORPUS = Corpus(
     local="id",
     order=("created_at", "id"),
     columns=("id", "content", "metadata", "created_at", "updated_at", "expires_at"),
+    key_types=("text", "uuid"),
 )
 # The vector slots (migration 0014): a space reads and writes the one of its generation.
 _SLOTS = (_CORPUS, replace(_CORPUS, vector="embedding_b", dimension="dimension_b"))
@@ -478,7 +478,9 @@ class PostgresMemoryStore:
             _slot(tenant),
             plan,
             _bucket_predicate(bucket, filter_),
+            lambda row: memory_record(row, embedder),
+            str,
             row_count=row_count,
             count_cap=count_cap,
         )
-        return SearchOutcome(rows, candidates_from(found, lambda row: memory_record(row, embedder), str))
+        return SearchOutcome(rows, found)

@@ -6,6 +6,13 @@ ranker, and (when asked) the scores of its two neighbours, in one statement, so 
 `vector_statement` is the plain VECTOR search (no text, no neighbours). Fusion happens in
 `tokensvc.retrieval`.
 
+A HYBRID search whose vector is still being embedded ranks by text meanwhile, in one snapshot. A
+small exact one (at most WHOLE_READ_ROWS rows) reads every searchable row with its vector and BM25
+score in one statement (`whole_statement`), ends its transaction, and is ranked in Python once
+the vector is there (`tokensvc.storage.scoring`, the candidate statement's semantics); a larger
+one runs `text_statement` and then the candidate statement with its rows as parameters, in one
+REPEATABLE READ transaction.
+
 BM25 per candidate row d and query term t, over the rows the query matches:
 `idf(t) * tf(t, d) * (k1 + 1) / (tf(t, d) + k1 * (1 - b + b * |d| / avg|d|))`,
 `idf(t) = ln(1 + (N - df(t) + 0.5) / (df(t) + 0.5))` where N is the bucket's (or the corpora's)
@@ -21,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import asyncpg
 import numpy as np
@@ -29,6 +36,7 @@ from opentelemetry import trace
 
 from tokensvc.storage.postgres.tenant import declare, is_distributed, tenant_transaction
 from tokensvc.storage.records import Candidate, CandidateQuery, SearchPlan, Tenant
+from tokensvc.storage.scoring import RowSet, Searchable, TextRanking
 
 __all__ = [
     "Corpus",
@@ -41,10 +49,18 @@ __all__ = [
     "search_settings",
     "search_statement",
     "short",
+    "text_statement",
     "vector_statement",
+    "whole_statement",
 ]
 
 T = TypeVar("T")
+_tracer = trace.get_tracer("tokensvc.storage")
+
+# An exact HYBRID search of at most this many rows (the default exact threshold) that runs ahead of
+# its query's embedding reads them whole and is ranked in Python (`whole_statement`): reading 1,000
+# rows with their vectors takes a few milliseconds, hidden behind the embedding's ~20.
+WHOLE_READ_ROWS = 1_000
 
 # The text ranker scores at most this many matching rows: a very common term in a very large
 # bucket would otherwise make every search unnest every row. Past it, BM25 ranks the first rows the
@@ -61,12 +77,17 @@ class Corpus:
     local: str  # ...and this column identifies a row among them (key = partition + local)...
     order: tuple[str, ...]  # ...in which order rows are adjacent
     columns: tuple[str, ...]  # what a result carries
+    key_types: tuple[str, ...]  # the SQL types of `key`'s columns (text rows travel as arrays)
     # The vector and its dimension: a memory space reads the slot of its generation.
     vector: str = "embedding"
     dimension: str = "dimension"
     # Whether BM25 statistics are kept for it (`text_statistics` and `common_lexemes`, keyed as
     # the rows the search's scope selects): knowledge chunks, whose bases grow large.
     statistics: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.key_types) != len(self.key):
+            raise ValueError("one SQL type per key column")
 
     @property
     def key(self) -> tuple[str, ...]:
@@ -335,7 +356,21 @@ def _pruned_bm25_parts(
     ]
 
 
-def candidate_statement(
+def _text_parts(
+    corpus: Corpus,
+    where: str,
+    p: _Params,
+    query: CandidateQuery,
+    k: str,
+    scope: str | None,
+    index: TextIndex | None,
+) -> list[str]:
+    if scope is not None:
+        return _pruned_bm25_parts(corpus, where, scope, p, query, k, index)
+    return _bm25_parts(corpus, where, p, query, k, index)
+
+
+def text_statement(
     corpus: Corpus,
     where: str,
     params: list[Any],
@@ -344,12 +379,102 @@ def candidate_statement(
     scope: str | None = None,
     index: TextIndex | None = None,
 ) -> str:
+    """The text ranker alone, run while the query is embedded: every row it scored (`bm25`) with
+    its key, score and rank among the top k (`by_text`; 0 past it). The candidate statement then
+    takes these rows as parameters (`text_rows`) in the same snapshot."""
+    p = _Params(params)
+    k = p.add(query.k)
+    parts = _text_parts(corpus, where, p, query, k, scope, index)
+    return (
+        f"WITH {'RECURSIVE ' if scope is not None else ''}{', '.join(parts)} "
+        f"SELECT {', '.join(corpus.key)}, b.score, coalesce(t.rank, 0) AS rank "
+        f"FROM bm25 b LEFT JOIN by_text t USING ({', '.join(corpus.key)})"
+    )
+
+
+def whole_statement(
+    corpus: Corpus,
+    where: str,
+    params: list[Any],
+    query: CandidateQuery,
+    *,
+    scope: str | None = None,
+    index: TextIndex | None = None,
+) -> str:
+    """Every searchable row with what a result carries, its key, order, vector (`row_vector`),
+    BM25 score (`text_score`, NULL where the query matches nothing) and rank among the text
+    ranker's top k (`text_rank`, 0 past it), in partition and order: a small exact search read
+    while its query embeds, ranked in Python (`tokensvc.storage.scoring`)."""
+    p = _Params(params)
+    k = p.add(query.k)
+    parts = _text_parts(corpus, where, p, query, k, scope, index)
+    key = ", ".join(corpus.key)
+    carried = [*corpus.columns, *(c for c in (*corpus.key, *corpus.order) if c not in corpus.columns)]
+    return (
+        f"WITH {'RECURSIVE ' if scope is not None else ''}{', '.join(parts)} "
+        f"SELECT {_cols('m', carried)}, m.{corpus.vector} AS row_vector, b.score AS text_score, "
+        f"coalesce(t.rank, 0) AS text_rank FROM {_scoped(corpus, where)} m "
+        f"LEFT JOIN bm25 b USING ({key}) LEFT JOIN by_text t USING ({key}) "
+        f"ORDER BY {_cols('m', (*corpus.partition, *corpus.order))}"
+    )
+
+
+def _read_whole(
+    corpus: Corpus, rows: Sequence[asyncpg.Record], local: Callable[[Any], Any], *, neighbours: bool
+) -> RowSet[asyncpg.Record]:
+    """The rows `whole_statement` read, prepared for ranking (their records as the items: only the
+    candidates' become results)."""
+    searchable = [
+        Searchable(
+            row,
+            tuple(row[c] for c in corpus.key),
+            tuple(row[c] for c in corpus.partition),
+            tuple(row[c] for c in corpus.order),
+            local(row[corpus.local]),
+            row["row_vector"].to_numpy(),
+        )
+        for row in rows
+    ]
+    scores = {i: float(row["text_score"]) for i, row in enumerate(rows) if row["text_score"] is not None}
+    top = sorted((i for i, row in enumerate(rows) if row["text_rank"]), key=lambda i: rows[i]["text_rank"])
+    return RowSet(searchable, TextRanking(scores, top), neighbours=neighbours)
+
+
+def _given_text_parts(corpus: Corpus, p: _Params, rows: Sequence[Any]) -> list[str]:
+    """`bm25` and `by_text` from the rows `text_statement` returned, passed as arrays."""
+    key = ", ".join(corpus.key)
+    arrays = [
+        f"{p.add([row[name] for row in rows])}::{kind}[]"
+        for name, kind in zip(corpus.key, corpus.key_types, strict=True)
+    ]
+    arrays += [
+        f"{p.add([row['score'] for row in rows])}::float8[]",
+        f"{p.add([row['rank'] for row in rows])}::bigint[]",
+    ]
+    return [
+        f"given AS (SELECT * FROM unnest({', '.join(arrays)}) AS g({key}, score, rank))",
+        f"bm25 AS (SELECT {key}, score FROM given)",
+        f"by_text AS (SELECT {key}, score, rank FROM given WHERE rank > 0)",
+    ]
+
+
+def candidate_statement(
+    corpus: Corpus,
+    where: str,
+    params: list[Any],
+    query: CandidateQuery,
+    *,
+    scope: str | None = None,
+    index: TextIndex | None = None,
+    text_rows: Sequence[Any] | None = None,
+) -> str:
     """TEXT or HYBRID mode: both rankers' candidates with both scores (see the module docstring).
 
     `where` selects the searchable rows (tenant, liveness, filter) with unqualified column names;
     it is applied to every part, neighbours included, so nothing outside it lends a score.
     `scope` (a corpus with statistics) selects the statistics of the searched rows' corpora;
-    `index` reads the rows matching the query's terms (else `where` and a scan do).
+    `index` reads the rows matching the query's terms (else `where` and a scan do);
+    `text_rows`: the text ranker's rows, already ranked by `text_statement` in this snapshot.
     """
     p = _Params(params)
     key = ", ".join(corpus.key)
@@ -368,10 +493,11 @@ def candidate_statement(
             f"ORDER BY {distance if not query.exact else f'{distance}, {key}'} LIMIT {k}) v)"
         )
         vector_score = f"-(%s.{corpus.vector} <#> {q})"
-    if query.text is not None and scope is not None:
-        parts += _pruned_bm25_parts(corpus, where, scope, p, query, k, index)
+    if query.text is not None and text_rows is not None:
+        parts += _given_text_parts(corpus, p, text_rows)
+        scope = None
     elif query.text is not None:
-        parts += _bm25_parts(corpus, where, p, query, k, index)
+        parts += _text_parts(corpus, where, p, query, k, scope, index)
     rankers = [
         name
         for name, on in (("by_vector", query.vector is not None), ("by_text", query.text is not None))
@@ -579,27 +705,36 @@ async def fetch_candidates(
     corpus: Corpus,
     plan: SearchPlan,
     where: Callable[[list[Any], bool], str],
+    item: Callable[[asyncpg.Record], T],
+    local: Callable[[Any], Any] = lambda value: value,
     *,
     row_count: int | None,
     count_cap: int,
     checks: Sequence[str] = (),
     text_index: TextIndex | None = None,
-) -> tuple[int, list[asyncpg.Record]]:
+) -> tuple[int, list[Candidate[T]]]:
     """Run one search in one tenant transaction: count the searched rows first (up to
     `count_cap`) unless `row_count` is known, then the statement `plan(row_count)` asks for.
 
     `where(params, searchable)` appends its parameters and returns the predicate of the tenant's
     rows (`searchable=False`: what is counted) or of the searchable ones (liveness and filter
-    too); `checks` run with the transaction's start (`tenant_transaction`); `text_index` is how
-    the text ranker finds its rows, when the corpus has one. An approximate search
-    that comes back short (a selective filter in a big index) re-runs
-    exactly in the same transaction, so results stay complete. Returns the row count the plan was
-    given (the query's `row_count`) and the rows.
+    too); `item(row)` builds a result's record and `local(value)` a neighbour's local key;
+    `checks` run with the transaction's start (`tenant_transaction`); `text_index` is how the text
+    ranker finds its rows, when the corpus has one. A query whose vector is still being embedded
+    (`vector_later`) ranks by text first and awaits the vector after (the module docstring). An
+    approximate search that comes back short (a selective filter in a big index) re-runs exactly
+    in the same transaction, so results stay complete. Every statement reads the transaction's
+    one snapshot (REPEATABLE READ; on Citus, where nothing runs ahead of the embedding, the
+    statement is the only one after the count). Returns the row count the plan was given (the
+    query's `row_count`) and the candidates.
     """
     query = None if row_count is None else plan(row_count)
     settings = None if query is None else search_settings(query)
-    async with tenant_transaction(pool, tenant, settings=settings, checks=checks) as conn:
-        if is_distributed(conn):
+    async with tenant_transaction(
+        pool, tenant, isolation="one_snapshot", settings=settings, checks=checks
+    ) as conn:
+        distributed = is_distributed(conn)
+        if distributed:
             # Citus runs the statement on the shard's worker, where a function reading the
             # distributed table would be a distributed query nested in a shard's, which it refuses:
             # there the text ranker reads the scope's rows (docs/scaling.md).
@@ -615,13 +750,39 @@ async def fetch_candidates(
             query = plan(int(counted))
             if settings := search_settings(query):
                 await declare(conn, settings)
-        sql, params = search_statement(corpus, where, query, text_index)
-        rows = await conn.fetch(sql, *params)
-        if not query.exact and (len(rows) < query.k if plain_vector(query) else short(rows, query)):
-            trace.get_current_span().set_attribute("tokensvc.search.exact_fallback", True)
-            sql, params = search_statement(corpus, where, dataclasses.replace(query, exact=True), text_index)
+        ahead = query.vector_later is not None and query.text is not None and not distributed
+        whole = None
+        text_rows = None
+        if ahead and query.exact and query.row_count <= WHOLE_READ_ROWS:
+            sql, params = search_statement(corpus, where, query, text_index, ahead="whole")
+            whole = await conn.fetch(sql, *params)
+        elif ahead:
+            with _tracer.start_as_current_span("text_ranker", record_exception=False):
+                sql, params = search_statement(corpus, where, query, text_index, ahead="text")
+                text_rows = await conn.fetch(sql, *params)
+        if whole is None:
+            query = await query.with_vector()
+            sql, params = search_statement(corpus, where, query, text_index, text_rows=text_rows)
             rows = await conn.fetch(sql, *params)
-    return query.row_count, list(rows)
+            if not query.exact and (len(rows) < query.k if plain_vector(query) else short(rows, query)):
+                trace.get_current_span().set_attribute("tokensvc.search.exact_fallback", True)
+                exact = dataclasses.replace(query, exact=True)
+                sql, params = search_statement(corpus, where, exact, text_index, text_rows=text_rows)
+                rows = await conn.fetch(sql, *params)
+    if whole is not None:
+        # Read whole, the transaction is over (its connection back in the pool): prepared while
+        # the query embeds, ranked in Python once its vector is there.
+        prepared = _read_whole(corpus, whole, local, neighbours=query.neighbours)
+        query = await query.with_vector()
+        found = [
+            Candidate(
+                item(c.item), c.vector_score, c.text_score, c.vector_rank, c.text_rank,
+                c.previous, c.next, c.previous_key, c.next_key,
+            )
+            for c in prepared.candidates(query)
+        ]  # fmt: skip
+        return query.row_count, found
+    return query.row_count, candidates_from(rows, item, local)
 
 
 def search_statement(
@@ -629,16 +790,34 @@ def search_statement(
     where: Callable[[list[Any], bool], str],
     query: CandidateQuery,
     text_index: TextIndex | None = None,
+    *,
+    ahead: Literal["text", "whole"] | None = None,
+    text_rows: Sequence[Any] | None = None,
 ) -> tuple[str, list[Any]]:
     """The statement a search runs and its parameters: the plain VECTOR one when it answers the
-    query, else the candidate statement (EXPLAIN tests and the bench run exactly this)."""
+    query, else the candidate statement (EXPLAIN tests and the bench run exactly this); `ahead`:
+    the statement run while the query embeds (`text_statement` or `whole_statement`);
+    `text_rows`: what `text_statement` returned."""
     params: list[Any] = []
-    predicate = where(params, True)
+    if ahead == "text" and text_index is not None and not text_index.filtered:
+        # The index function reads the rows by its own scope; the predicate would go unused, and
+        # PostgreSQL cannot type a parameter no part of the statement names.
+        predicate = "false"
+    else:
+        predicate = where(params, True)
     if plain_vector(query):
         assert query.vector is not None
         return vector_statement(corpus, predicate, params, query.vector, k=query.k, exact=query.exact), params
-    scope = where(params, False) if corpus.statistics and query.text is not None else None
-    return candidate_statement(corpus, predicate, params, query, scope=scope, index=text_index), params
+    ranks_text = query.text is not None and text_rows is None
+    scope = where(params, False) if corpus.statistics and ranks_text else None
+    if ahead == "text":
+        return text_statement(corpus, predicate, params, query, scope=scope, index=text_index), params
+    if ahead == "whole":
+        return whole_statement(corpus, predicate, params, query, scope=scope, index=text_index), params
+    statement = candidate_statement(
+        corpus, predicate, params, query, scope=scope, index=text_index, text_rows=text_rows
+    )
+    return statement, params
 
 
 def candidates_from(rows: Sequence[Any], item: Any, local: Any = None) -> list[Candidate[Any]]:

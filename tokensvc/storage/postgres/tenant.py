@@ -72,6 +72,15 @@ def literal(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
+def _isolation(isolation: str, *, distributed: bool) -> str:
+    """The isolation level named; `one_snapshot`: every statement reads the transaction's first
+    snapshot (REPEATABLE READ, which a read-only transaction gets without serialization
+    failures), or on Citus READ COMMITTED, whose callers run one statement after a count."""
+    if isolation == "one_snapshot":
+        return _ISOLATION["read_committed" if distributed else "repeatable_read"]
+    return _ISOLATION[isolation]
+
+
 def _begin(
     tenant: Tenant,
     isolation: str,
@@ -100,7 +109,8 @@ def _begin(
     if timeout_ms is not None:
         values["statement_timeout"] = str(max(1, timeout_ms))
     begin = (
-        f"BEGIN ISOLATION LEVEL {_ISOLATION[isolation]}; {declare_settings(values, distributed=distributed)}"
+        f"BEGIN ISOLATION LEVEL {_isolation(isolation, distributed=distributed)}; "
+        f"{declare_settings(values, distributed=distributed)}"
     )
     after = list(checks)
     if lock is not None:
@@ -148,7 +158,8 @@ async def tenant_transaction(
     HNSW scan's) and `lock` names a transaction-scoped advisory lock to wait for, both in the
     same message, so they cost no extra round trip; so are `checks`, statements of this package
     (their values written with `literal`) that fail the transaction's start when an expectation
-    of the caller no longer holds.
+    of the caller no longer holds. `isolation`: read_committed, repeatable_read, serializable,
+    or one_snapshot (`_isolation`).
 
     Commits when the block ends normally, rolls back when it raises (or is cancelled); a
     connection whose rollback fails is closed, never returned to the pool mid-transaction.
