@@ -33,6 +33,8 @@ def candidate_lists(draw: st.DrawFn) -> list[Candidate[int]]:
             by_text.index(i) + 1 if i in by_text else 0,
             draw(neighbour),
             draw(neighbour),
+            second_previous=draw(neighbour),
+            second_next=draw(neighbour),
         )
         for i in range(count)
     ]
@@ -42,6 +44,7 @@ weights = st.builds(
     FusionWeights,
     vector=st.floats(min_value=0.0, max_value=1.0),
     neighbour=st.floats(min_value=0.0, max_value=1.0),
+    second_neighbour=st.floats(min_value=0.0, max_value=1.0),
 )
 
 
@@ -91,13 +94,19 @@ def test_a_candidate_better_on_every_score_ranks_at_least_as_high(
         return
     a, b = data.draw(st.lists(st.sampled_from(range(len(candidates))), min_size=2, max_size=2, unique=True))
     ca, cb = candidates[a], candidates[b]
-    context = [n for n in (cb.previous, cb.next) if n is not None]
+
+    def covered(n: tuple[float, float] | None, by: tuple[tuple[float, float] | None, ...]) -> bool:
+        return n is None or any(p is not None and p[0] >= n[0] and p[1] >= n[1] for p in by)
+
+    adjacent = (ca.previous, ca.next)
+    # b's adjacent neighbours by a's adjacent ones; b's second ones (discounted) by any of a's.
     dominates = (
         ca.vector_score >= cb.vector_score
         and ca.text_score >= cb.text_score
+        and all(covered(n, adjacent) for n in (cb.previous, cb.next))
         and all(
-            any(p is not None and p[0] >= n[0] and p[1] >= n[1] for p in (ca.previous, ca.next))
-            for n in context
+            covered(n, (*adjacent, ca.second_previous, ca.second_next))
+            for n in (cb.second_previous, cb.second_next)
         )
     )
     if not dominates:
@@ -117,13 +126,28 @@ def test_a_neighbour_of_a_strong_match_outranks_an_equal_candidate_without_one()
     assert [r.item for r in ranked] == ["best", "befriended", "lonely"]
 
 
+def test_a_second_neighbour_lends_discounted_context_and_none_when_turned_off() -> None:
+    best = Candidate("best", 0.9, 4.0, 1, 1)
+    near = Candidate("near", 0.5, 0.0, 3, 0, previous=(0.9, 4.0))
+    far = Candidate("far", 0.5, 0.0, 2, 0, second_previous=(0.9, 4.0))
+    lonely = Candidate("lonely", 0.5, 0.0, 4, 0)
+
+    ranked = fuse([lonely, far, near, best], FusionWeights())
+    adjacent_only = fuse([lonely, far, near, best], FusionWeights(second_neighbour=0.0))
+
+    assert [r.item for r in ranked] == ["best", "near", "far", "lonely"]
+    assert ranked[2].score > ranked[3].score, "two places away still lifts"
+    assert [r.item for r in adjacent_only] == ["best", "near", "far", "lonely"]
+    assert adjacent_only[2].score == adjacent_only[3].score, "far equals lonely without the second"
+
+
 @given(candidate_lists(), weights)
 def test_neighbours_never_move_the_best_base_score_from_first_place(
     candidates: list[Candidate[int]], w: FusionWeights
 ) -> None:
     if not candidates or w.neighbour >= 1.0:
         return
-    without = fuse(candidates, FusionWeights(vector=w.vector, neighbour=0.0))
+    without = fuse(candidates, FusionWeights(vector=w.vector, neighbour=0.0, second_neighbour=0.0))
     with_context = fuse(candidates, w)
     assert with_context[0].score == pytest.approx(without[0].score)
 

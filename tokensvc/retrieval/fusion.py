@@ -10,7 +10,9 @@ neighbour term added about 0.04 recall@10 more:
 - neighbours lend context: a memory remembered right before or after a strong match (or the chunk
   next to it in its document) is often the other half of the answer. A candidate whose better
   neighbour scores higher than itself is lifted towards it: `score = base + n * max(0,
-  base(neighbour) - base)`, `n` = `neighbour_weight` < 1, neighbours scaled like candidates. So a
+  base(neighbour) - base)`, `n` = `neighbour_weight` < 1, neighbours scaled like candidates. The
+  rows two places away count too, their base discounted by `second_neighbour` (0.8: +0.018
+  recall@10 on LoCoMo, no category down; docs/benchmarks.md, "Recall attempts"). So a
   neighbour never overtakes the match that lifts it, and the best base score stays first: context
   reorders what follows the best match, never the best match itself. Neighbours are never results
   themselves. Scores stay within [0, 1].
@@ -62,9 +64,11 @@ class SearchMode(StrEnum):
 class FusionWeights:
     vector: float = 0.5
     neighbour: float = 0.7
+    # A second neighbour's base counts this much of itself as context (0: the adjacent ones only).
+    second_neighbour: float = 0.8
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.vector <= 1.0 or not 0.0 <= self.neighbour <= 1.0:
+        if not all(0.0 <= w <= 1.0 for w in (self.vector, self.neighbour, self.second_neighbour)):
             raise ValueError("fusion weights must be between 0 and 1")
 
 
@@ -93,8 +97,11 @@ def fuse(candidates: Sequence[Candidate[T]], weights: FusionWeights) -> list[Ran
     # A neighbour outside the candidates may score above all of them: it lifts to the best, no more.
     ceiling = max(bases)
     ranked = []
+    second = weights.second_neighbour
     for c, own in zip(candidates, bases, strict=True):
         context = [base(*n) for n in (c.previous, c.next) if n is not None]
+        if second > 0:
+            context += [second * base(*n) for n in (c.second_previous, c.second_next) if n is not None]
         lift = weights.neighbour * max(0.0, min(ceiling, max(context)) - own) if context else 0.0
         ranked.append(Ranked(c.item, own + lift, c.vector_rank, c.text_rank))
     ordered = _sorted(ranked)

@@ -346,6 +346,11 @@ class Candidate(Generic[T]):
     # The neighbours' local keys (within the candidate's partition), when fetched.
     previous_key: Any = None
     next_key: Any = None
+    # The rows two places before and after (context too, discounted), and their local keys.
+    second_previous: tuple[float, float] | None = None
+    second_next: tuple[float, float] | None = None
+    second_previous_key: Any = None
+    second_next_key: Any = None
 
 
 @dataclass(frozen=True)

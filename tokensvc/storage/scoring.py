@@ -3,7 +3,8 @@
 `candidates` is the candidate statement of `tokensvc.storage.postgres.ranking` in Python: the
 vector ranker's top k by inner product, the text ranker's top k (scored by the caller), their
 union with both scores, 1-based ranks in each ranker (0: not among its top k) and, when asked,
-both scores of each candidate's neighbours (the adjacent rows of its partition among `rows`).
+both scores of each candidate's neighbours (the rows one and two places before and after it in
+its partition, among `rows`).
 Ties break by the row's key, as the statements do (`ORDER BY score DESC, key`).
 
 Two callers: the in-process stores, for every search (their BM25 is `tokensvc.storage.inprocess.text`),
@@ -107,9 +108,15 @@ class RowSet(Generic[T]):
         def both(i: int) -> tuple[float, float]:
             return (0.0 if vector is None else float(vector[i])), scores.get(i, 0.0)
 
+        def scores_of(i: int | None) -> tuple[float, float] | None:
+            return None if i is None else both(i)
+
+        def local_of(i: int | None) -> Any:
+            return None if i is None else rows[i].local
+
         out: list[Candidate[T]] = []
         for i in dict.fromkeys([*by_vector, *by_text]):
-            previous, following = links.get(i, (None, None))
+            previous, following, second_previous, second_next = links.get(i, (None, None, None, None))
             vector_score, text_score = both(i)
             out.append(
                 Candidate(
@@ -118,25 +125,37 @@ class RowSet(Generic[T]):
                     text_score,
                     vector_rank.get(i, 0),
                     text_rank.get(i, 0),
-                    None if previous is None else both(previous),
-                    None if following is None else both(following),
-                    None if previous is None else rows[previous].local,
-                    None if following is None else rows[following].local,
+                    scores_of(previous),
+                    scores_of(following),
+                    local_of(previous),
+                    local_of(following),
+                    scores_of(second_previous),
+                    scores_of(second_next),
+                    local_of(second_previous),
+                    local_of(second_next),
                 )
             )
         return out
 
 
-def _neighbours(rows: Sequence[Searchable[Any]]) -> dict[int, tuple[int | None, int | None]]:
-    """Each row's previous and next row (indexes into `rows`) in its partition's order."""
+_Links = tuple[int | None, int | None, int | None, int | None]
+
+
+def _neighbours(rows: Sequence[Searchable[Any]]) -> dict[int, _Links]:
+    """Each row's neighbours (indexes into `rows`) in its partition's order: the previous and next
+    row, then the rows two places before and after."""
     partitions: dict[tuple[Any, ...], list[int]] = {}
     for i, row in enumerate(rows):
         partitions.setdefault(row.partition, []).append(i)
-    links: dict[int, tuple[int | None, int | None]] = {}
+    links: dict[int, _Links] = {}
     for members in partitions.values():
         members.sort(key=lambda i: rows[i].order)
-        for position, i in enumerate(members):
-            previous = members[position - 1] if position > 0 else None
-            following = members[position + 1] if position + 1 < len(members) else None
-            links[i] = (previous, following)
+        padded = [None, None, *members, None, None]
+        for position, i in enumerate(members, 2):
+            links[i] = (
+                padded[position - 1],
+                padded[position + 1],
+                padded[position - 2],
+                padded[position + 2],
+            )
     return links

@@ -193,18 +193,13 @@ def _same(got: Sequence[Candidate[T]], expected: Sequence[Candidate[T]]) -> None
     read whole is ranked in Python (float64 cosines; pgvector's are float32)."""
 
     def shape(c: Candidate[T]) -> tuple[Any, ...]:
-        return (
-            repr(c.item),
-            c.vector_rank,
-            c.text_rank,
-            c.previous_key,
-            c.next_key,
-            c.previous is None,
-            c.next is None,
-        )
+        keys = (c.previous_key, c.next_key, c.second_previous_key, c.second_next_key)
+        present = tuple(n is None for n in (c.previous, c.next, c.second_previous, c.second_next))
+        return (repr(c.item), c.vector_rank, c.text_rank, keys, present)
 
     def scores(c: Candidate[T]) -> list[float]:
-        return [c.vector_score, c.text_score, *(c.previous or ()), *(c.next or ())]
+        neighbours = (c.previous, c.next, c.second_previous, c.second_next)
+        return [c.vector_score, c.text_score, *(score for n in neighbours for score in n or ())]
 
     assert sorted(map(shape, got)) == sorted(map(shape, expected))
     expected_scores = {shape(c): scores(c) for c in expected}

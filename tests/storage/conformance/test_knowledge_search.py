@@ -151,7 +151,7 @@ async def test_search_counts_the_chunks_of_the_searched_bases_up_to_the_cap(
 
 
 @pytest.mark.parametrize("exact", EXACTNESS)
-async def test_neighbours_are_the_adjacent_chunks_of_the_same_document_version(
+async def test_neighbours_are_the_chunks_one_and_two_places_away_in_the_same_document_version(
     knowledge: KnowledgeStore, rng: np.random.Generator, exact: bool
 ) -> None:
     ns, vectors = await corpus(knowledge, rng)
@@ -170,9 +170,14 @@ async def test_neighbours_are_the_adjacent_chunks_of_the_same_document_version(
     for c in found:
         kb, doc, i = c.item.kb_ref, c.item.doc_ref, c.item.chunk_index
         size = len(DOCS[kb][doc])
-        assert c.previous_key == (i - 1 if i > 0 else None)
-        assert c.next_key == (i + 1 if i + 1 < size else None)
-        for got, j in ((c.previous, i - 1), (c.next, i + 1)):
+        neighbours = [
+            (c.previous, c.previous_key, i - 1),
+            (c.next, c.next_key, i + 1),
+            (c.second_previous, c.second_previous_key, i - 2),
+            (c.second_next, c.second_next_key, i + 2),
+        ]
+        for got, key, j in neighbours:
+            assert key == (j if 0 <= j < size else None)
             if not 0 <= j < size:
                 assert got is None
             else:

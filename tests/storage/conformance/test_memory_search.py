@@ -278,7 +278,7 @@ NEIGHBOUR_SHAPES = {
 
 @pytest.mark.parametrize("shape", NEIGHBOUR_SHAPES)
 @pytest.mark.parametrize("exact", EXACTNESS)
-async def test_neighbours_are_the_adjacent_searchable_memories_with_both_their_scores(
+async def test_neighbours_are_the_searchable_memories_one_and_two_places_away_with_both_their_scores(
     memories: MemoryStore, tenant: Tenant, bucket: str, rng: np.random.Generator, shape: str, exact: bool
 ) -> None:
     # Remembered in this order; `hidden` rows are filtered out, the expired one is dead: neither
@@ -313,13 +313,20 @@ async def test_neighbours_are_the_adjacent_searchable_memories_with_both_their_s
 
     assert found, "the fixture has candidates in every shape"
     position = {row.id: i for i, row in enumerate(searchable)}
+
+    def at(i: int) -> NewMemory | None:
+        return searchable[i] if 0 <= i < len(searchable) else None
+
     for memory_id, c in found.items():
         i = position[memory_id]
-        before = searchable[i - 1] if i > 0 else None
-        after = searchable[i + 1] if i + 1 < len(searchable) else None
-        assert c.previous_key == (None if before is None else before.id)
-        assert c.next_key == (None if after is None else after.id)
-        for got, row in ((c.previous, before), (c.next, after)):
+        neighbours = [
+            (c.previous, c.previous_key, at(i - 1)),
+            (c.next, c.next_key, at(i + 1)),
+            (c.second_previous, c.second_previous_key, at(i - 2)),
+            (c.second_next, c.second_next_key, at(i + 2)),
+        ]
+        for got, key, row in neighbours:
+            assert key == (None if row is None else row.id)
             if row is None:
                 assert got is None
             else:

@@ -171,8 +171,7 @@ def vector_statement(
     # slightly out of order, and a window over the index order would number them as they came.
     return (
         f"SELECT *, row_number() OVER (ORDER BY {outer}) AS vector_rank, 0::bigint AS text_rank, "
-        "NULL::float8 AS prev_vector, NULL::float8 AS prev_text, NULL::float8 AS next_vector, "
-        f"NULL::float8 AS next_text, NULL AS prev_local, NULL AS next_local FROM (SELECT {', '.join(corpus.columns)}, -({distance}) AS vector_score, "
+        f"{_NO_NEIGHBOURS} FROM (SELECT {', '.join(corpus.columns)}, -({distance}) AS vector_score, "
         f"0::float8 AS text_score FROM {corpus.table} WHERE {where} ORDER BY {inner} LIMIT {limit}) s "
         f"ORDER BY {outer}"
     )
@@ -537,9 +536,14 @@ def candidate_statement(
     )
 
 
-_NO_NEIGHBOURS = (
-    "NULL::float8 AS prev_vector, NULL::float8 AS prev_text, NULL::float8 AS next_vector, "
-    "NULL::float8 AS next_text, NULL AS prev_local, NULL AS next_local"
+# A candidate's neighbours, by the prefix of their columns: the rows 1 and 2 places before and after
+# it in its partition's order (`Candidate.previous`, `.next`, `.second_previous`, `.second_next`),
+# with the offset and direction that reach each.
+_SIDES = (("prev", 1, "lag"), ("next", 1, "lead"), ("prev2", 2, "lag"), ("next2", 2, "lead"))
+
+_NO_NEIGHBOURS = ", ".join(
+    f"NULL::float8 AS {side}_vector, NULL::float8 AS {side}_text, NULL AS {side}_local"
+    for side, _, _ in _SIDES
 )
 
 
@@ -547,7 +551,7 @@ def _hood_neighbours(corpus: Corpus, joins: list[str], *, text: bool) -> str:
     """Neighbour columns from `hood` (exact scans); appends its joins to `joins`."""
     joins.append(f"JOIN hood h USING ({', '.join(corpus.key)})")
     columns = []
-    for side in ("prev", "next"):
+    for side, _, _ in _SIDES:
         text_of = "0::float8"
         if text:
             on = " AND ".join(
@@ -590,7 +594,8 @@ def _linked_neighbours(corpus: Corpus, where: str, joins: list[str], vector_scor
     """Neighbour columns from `links` (approximate scans: rows fetched by key); appends joins."""
     joins.append(f"JOIN links l USING ({', '.join(corpus.key)})")
     columns = []
-    for alias, side in (("pn", "prev"), ("nn", "next")):
+    for side, _, _ in _SIDES:
+        alias = f"{side}_n"
         on = " AND ".join(
             [*(f"{alias}.{c} = l.{c}" for c in corpus.partition), f"{alias}.{corpus.local} = l.{side}_local"]
         )
@@ -622,9 +627,12 @@ def _exact_scored(corpus: Corpus, where: str, q: str, k: str) -> list[str]:
         f"WHERE {where})",
         f"by_vector AS (SELECT {key}, rank FROM (SELECT {key}, row_number() OVER "
         f"(ORDER BY vs DESC, {key}) AS rank FROM scored) r WHERE rank <= {k})",
-        f"hood AS (SELECT {key}, vs, lag({corpus.local}) OVER w AS prev_local, lag(vs) OVER w AS prev_vs, "
-        f"lead({corpus.local}) OVER w AS next_local, lead(vs) OVER w AS next_vs FROM scored "
-        f"WINDOW w AS (PARTITION BY {part} ORDER BY {order}))",
+        f"hood AS (SELECT {key}, vs, "
+        + ", ".join(
+            f"{step}({corpus.local}, {offset}) OVER w AS {side}_local, {step}(vs, {offset}) OVER w AS {side}_vs"
+            for side, offset, step in _SIDES
+        )
+        + f" FROM scored WINDOW w AS (PARTITION BY {part} ORDER BY {order}))",
     ]
 
 
@@ -639,19 +647,28 @@ def _links(corpus: Corpus, where: str, *, exact: bool) -> str:
     part = ", ".join(corpus.partition)
     order = ", ".join(corpus.order)
     if exact:
+        locals_ = ", ".join(f"w.{side}_local" for side, _, _ in _SIDES)
+        steps = ", ".join(
+            f"{step}({corpus.local}, {offset}) OVER w AS {side}_local" for side, offset, step in _SIDES
+        )
         return (
-            f"links AS (SELECT {_cols('c', corpus.key)}, w.prev_local, w.next_local FROM pool c JOIN "
-            f"(SELECT {key}, lag({corpus.local}) OVER w AS prev_local, lead({corpus.local}) OVER w AS next_local "
+            f"links AS (SELECT {_cols('c', corpus.key)}, {locals_} FROM pool c JOIN "
+            f"(SELECT {key}, {steps} "
             f"FROM {corpus.table} WHERE {where} WINDOW w AS (PARTITION BY {part} ORDER BY {order})) w "
             f"USING ({key}))"
         )
     same = " AND ".join(f"n.{c} = m.{c}" for c in corpus.partition)
-    lookups = [
-        f"(SELECT n.{corpus.local} FROM {corpus.table} n WHERE {where} AND {same} AND "
-        f"({_cols('n', corpus.order)}) {op} ({_cols('m', corpus.order)}) "
-        f"ORDER BY {', '.join(f'n.{c} {direction}' for c in corpus.order)} LIMIT 1) AS {side}_local"
-        for side, op, direction in (("prev", "<", "DESC"), ("next", ">", "ASC"))
-    ]
+
+    def lookup(side: str, offset: int, step: str) -> str:
+        op, direction = ("<", "DESC") if step == "lag" else (">", "ASC")
+        return (
+            f"(SELECT n.{corpus.local} FROM {corpus.table} n WHERE {where} AND {same} AND "
+            f"({_cols('n', corpus.order)}) {op} ({_cols('m', corpus.order)}) "
+            f"ORDER BY {', '.join(f'n.{c} {direction}' for c in corpus.order)} "
+            f"LIMIT 1 OFFSET {offset - 1}) AS {side}_local"
+        )
+
+    lookups = [lookup(*side) for side in _SIDES]
     return (
         f"links AS (SELECT {_cols('m', corpus.key)}, {', '.join(lookups)} "
         f"FROM pool c JOIN {_fetched(corpus, where, 'c', corpus.key)} m USING ({key}))"
@@ -774,13 +791,11 @@ async def fetch_candidates(
         # the query embeds, ranked in Python once its vector is there.
         prepared = _read_whole(corpus, whole, local, neighbours=query.neighbours)
         query = await query.with_vector()
+        # Only the candidates' records become results: the others are never built.
+        rest = [f.name for f in dataclasses.fields(Candidate)][1:]
         found = [
-            Candidate(
-                item(c.item), c.vector_score, c.text_score, c.vector_rank, c.text_rank,
-                c.previous, c.next, c.previous_key, c.next_key,
-            )
-            for c in prepared.candidates(query)
-        ]  # fmt: skip
+            Candidate(item(c.item), *(getattr(c, name) for name in rest)) for c in prepared.candidates(query)
+        ]
         return query.row_count, found
     return query.row_count, candidates_from(rows, item, local)
 
@@ -825,9 +840,16 @@ def candidates_from(rows: Sequence[Any], item: Any, local: Any = None) -> list[C
     `local(value)` the neighbours' local keys (as they are; `str` for uuids)."""
     local = local or (lambda value: value)
     out = []
+
+    def scores(row: Any, side: str) -> tuple[float, float] | None:
+        vector = row[f"{side}_vector"]
+        return None if vector is None else (float(vector), float(row[f"{side}_text"]))
+
+    def key(row: Any, side: str) -> Any:
+        value = row[f"{side}_local"]
+        return None if value is None else local(value)
+
     for row in rows:
-        prev = None if row["prev_vector"] is None else (float(row["prev_vector"]), float(row["prev_text"]))
-        nxt = None if row["next_vector"] is None else (float(row["next_vector"]), float(row["next_text"]))
         out.append(
             Candidate(
                 item(row),
@@ -835,10 +857,14 @@ def candidates_from(rows: Sequence[Any], item: Any, local: Any = None) -> list[C
                 float(row["text_score"]),
                 int(row["vector_rank"]),
                 int(row["text_rank"]),
-                prev,
-                nxt,
-                None if row["prev_local"] is None else local(row["prev_local"]),
-                None if row["next_local"] is None else local(row["next_local"]),
+                scores(row, "prev"),
+                scores(row, "next"),
+                key(row, "prev"),
+                key(row, "next"),
+                scores(row, "prev2"),
+                scores(row, "next2"),
+                key(row, "prev2"),
+                key(row, "next2"),
             )
         )
     return out
