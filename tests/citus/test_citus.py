@@ -4,6 +4,7 @@ over the workers stay apart."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -12,6 +13,7 @@ from dataclasses import replace
 import asyncpg
 import pytest
 
+from tests.storage.search_support import EmbeddedLater
 from tests.storage.test_memory_rls import NAMESPACE, SEARCH_KINDS, new_bucket, open_pool, rows
 from tests.support import service_settings, superuser
 from tokensvc.app import locate_database
@@ -19,7 +21,7 @@ from tokensvc.auth.devpki import DevPaths
 from tokensvc.retrieval import candidate_query
 from tokensvc.storage.postgres import PLACEMENTS, schema_migrations
 from tokensvc.storage.postgres.memories import PostgresMemoryStore, search_statement
-from tokensvc.storage.postgres.tenant import tenant_transaction
+from tokensvc.storage.postgres.tenant import distributed_pool, tenant_transaction
 from tokensvc.storage.records import Tenant
 
 # Tables that stay plain tables of the coordinator.
@@ -212,3 +214,38 @@ async def test_users_spread_over_both_workers_and_each_sees_only_their_own(
         async with tenant_transaction(pool, tenant) as conn:
             contents = [r[0] for r in await conn.fetch("SELECT content FROM memories")]  # no bucket predicate
         assert sorted(c.split()[0] for c in contents) == [f"user{index}"] * 2, contents
+
+
+@pytest.mark.parametrize("exact", [True, False])
+async def test_a_search_waits_for_its_query_before_its_transaction(pool: asyncpg.Pool, exact: bool) -> None:
+    """On one node a HYBRID search ranks by text while its query embeds, in one snapshot; on Citus
+    each statement reads each worker's own snapshot, so the search embeds first and holds no
+    connection meanwhile (docs/scaling.md): a memory written during the wait is then seen."""
+    assert distributed_pool(pool)
+    store = PostgresMemoryStore(pool)
+    tenant = Tenant(NAMESPACE, f"agent-{uuid.uuid4().hex[:12]}", (new_bucket(),))
+    await store.insert(tenant, tenant.buckets[0], rows(6, "memory"))
+    later = EmbeddedLater()
+    query = candidate_query(
+        vector=None, text="memory", k=5, rows=6, exact=exact, neighbours=True, vector_later=later
+    )
+    searching = asyncio.ensure_future(
+        store.search(
+            tenant,
+            tenant.buckets[0],
+            lambda _rows: query,
+            row_count=6,
+            count_cap=1,
+            filter_=None,
+            embedder="t",
+        )
+    )
+    await asyncio.wait_for(later.awaited.wait(), 30)
+    in_use = pool.get_size() - pool.get_idle_size()
+    (newcomer,) = rows(1, "memory newcomer")
+    await store.insert(tenant, tenant.buckets[0], [newcomer])
+    later.vector.set_result(newcomer.embedding)
+    found = (await searching).candidates
+
+    assert in_use == 0
+    assert newcomer.id in {c.item.id for c in found}

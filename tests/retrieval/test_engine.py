@@ -198,8 +198,8 @@ async def test_a_hybrid_search_by_text_ranks_by_text_while_its_query_embeds() ->
         def noted(rows: int) -> CandidateQuery:
             query = plan(rows)
             assert query.vector is None
-            assert query.vector_later is not None
-            pending_when_planned.append(not gated.gate.is_set())
+            assert isinstance(query.vector_later, asyncio.Future)
+            pending_when_planned.append(not query.vector_later.done())
             gated.gate.set()  # the store has its plan (and its snapshot): the embedding may finish
             return query
 

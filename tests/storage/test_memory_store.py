@@ -30,7 +30,8 @@ from tokensvc.auth.devpki import DevPaths
 from tokensvc.retrieval.planning import candidate_query
 from tokensvc.storage.filter_language import Condition, Operator
 from tokensvc.storage.postgres.memories import PostgresMemoryStore, search_statement
-from tokensvc.storage.postgres.tenant import tenant_transaction
+from tokensvc.storage.postgres.ranking import WHOLE_READ_ROWS
+from tokensvc.storage.postgres.tenant import distributed_pool, tenant_transaction
 from tokensvc.storage.records import EmbedderSpec, MemorySpace, NewMemory, Tenant
 
 DIM = 384
@@ -275,6 +276,47 @@ async def test_a_hybrid_search_waits_for_its_vector_holding_a_connection_only_wh
     later.vector.set_result(unit(rng))
     found = (await searching).candidates
 
+    assert not distributed_pool(pool)  # one node: the search ranks ahead (tests/citus: it does not)
     assert in_use == (1 if held else 0)
     assert len([c for c in found if c.vector_rank]) == 5
     assert all(c.text_rank or c.vector_rank for c in found)
+
+
+async def test_a_search_told_too_small_a_count_reads_no_more_than_the_whole_read_limit(
+    store: PostgresMemoryStore, pool: asyncpg.Pool, rng: np.random.Generator
+) -> None:
+    """A cached or capped count can say a bucket is small when it no longer is: the whole read
+    stops one row past its limit and the search ranks by text instead, in its transaction."""
+    bucket = new_bucket()
+    tenant = Tenant("store-tests", f"stale-{uuid.uuid4().hex[:8]}", (bucket,))
+    assert await store.pin_space(tenant, MemorySpace(EmbedderSpec("test", "stale", DIM, True), "simple"))
+    size = WHOLE_READ_ROWS + 20
+    vectors = rng.standard_normal((size, DIM)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    for start in range(0, size, 500):
+        await store.insert(
+            tenant,
+            bucket,
+            [memory(f"pear note {i}", vectors[i]) for i in range(start, min(size, start + 500))],
+        )
+    later = EmbeddedLater()
+    query = candidate_query(
+        vector=None, text="pear", k=5, rows=10, exact=True, neighbours=True, text_config="simple",
+        vector_later=later,
+    )  # fmt: skip
+    searching = asyncio.ensure_future(
+        store.search(
+            tenant, bucket, lambda _rows: query, row_count=10, count_cap=1, filter_=None, embedder="test"
+        )
+    )
+    await asyncio.wait_for(later.awaited.wait(), 30)
+
+    in_use = pool.get_size() - pool.get_idle_size()
+    target = vectors[7]
+    later.vector.set_result(target)
+    found = (await searching).candidates
+
+    assert in_use == 1, "ranked by text and waiting in its transaction, not read whole"
+    by_vector = sorted((c for c in found if c.vector_rank), key=lambda c: c.vector_rank)
+    assert len(by_vector) == 5
+    assert by_vector[0].item.content == "pear note 7"

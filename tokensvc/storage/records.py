@@ -53,6 +53,7 @@ __all__ = [
     "StoredChunk",
     "StoredRef",
     "Tenant",
+    "pending_vector",
 ]
 
 T = TypeVar("T")
@@ -390,6 +391,13 @@ class CandidateQuery:
 
 SearchPlan = Callable[[int], CandidateQuery]
 """Given the searched rows' count (capped), the query to run: routing is the domain's choice."""
+
+
+def pending_vector(plan: SearchPlan) -> Awaitable[np.ndarray] | None:
+    """The query vector a plan's queries will carry once embedded (`vector_later`), when the plan
+    says so before it is called (the retrieval engine's plans do); else None."""
+    pending: Awaitable[np.ndarray] | None = getattr(plan, "vector_later", None)
+    return pending
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ ranker, and (when asked) the scores of its two neighbours, in one statement, so 
 
 A HYBRID search whose vector is still being embedded ranks by text meanwhile, in one snapshot. A
 small exact one (at most WHOLE_READ_ROWS rows) reads every searchable row with its vector and BM25
-score in one statement (`whole_statement`), ends its transaction, and is ranked in Python once
+score in one statement (`ahead_statement`), ends its transaction, and is ranked in Python once
 the vector is there (`tokensvc.storage.scoring`, the candidate statement's semantics); a larger
-one runs `text_statement` and then the candidate statement with its rows as parameters, in one
+one runs `ahead_statement` and then the candidate statement with its rows as parameters, in one
 REPEATABLE READ transaction.
 
 BM25 per candidate row d and query term t, over the rows the query matches:
@@ -34,13 +34,15 @@ import asyncpg
 import numpy as np
 from opentelemetry import trace
 
-from tokensvc.storage.postgres.tenant import declare, is_distributed, tenant_transaction
-from tokensvc.storage.records import Candidate, CandidateQuery, SearchPlan, Tenant
+from tokensvc.observability.deadlines import remaining_ms
+from tokensvc.storage.postgres.tenant import declare, distributed_pool, is_distributed, tenant_transaction
+from tokensvc.storage.records import Candidate, CandidateQuery, SearchPlan, Tenant, pending_vector
 from tokensvc.storage.scoring import RowSet, Searchable, TextRanking
 
 __all__ = [
     "Corpus",
     "TextIndex",
+    "ahead_statement",
     "candidate_statement",
     "candidates_from",
     "fetch_candidates",
@@ -49,18 +51,20 @@ __all__ = [
     "search_settings",
     "search_statement",
     "short",
-    "text_statement",
     "vector_statement",
-    "whole_statement",
 ]
 
 T = TypeVar("T")
 _tracer = trace.get_tracer("tokensvc.storage")
 
 # An exact HYBRID search of at most this many rows (the default exact threshold) that runs ahead of
-# its query's embedding reads them whole and is ranked in Python (`whole_statement`): reading 1,000
+# its query's embedding reads them whole and is ranked in Python (`ahead_statement`): reading 1,000
 # rows with their vectors takes a few milliseconds, hidden behind the embedding's ~20.
 WHOLE_READ_ROWS = 1_000
+
+# Past this many rows the text ranker's rows are not sent back with the candidate statement (the
+# statement ranks by text again): decoding and re-encoding them would cost more than the ranking.
+MAX_GIVEN_TEXT_ROWS = 2_000
 
 # The text ranker scores at most this many matching rows: a very common term in a very large
 # bucket would otherwise make every search unnest every row. Past it, BM25 ranks the first rows the
@@ -369,64 +373,55 @@ def _text_parts(
     return _bm25_parts(corpus, where, p, query, k, index)
 
 
-def text_statement(
+def ahead_statement(
     corpus: Corpus,
     where: str,
     params: list[Any],
     query: CandidateQuery,
     *,
+    whole: bool,
     scope: str | None = None,
     index: TextIndex | None = None,
 ) -> str:
-    """The text ranker alone, run while the query is embedded: every row it scored (`bm25`) with
-    its key, score and rank among the top k (`by_text`; 0 past it). The candidate statement then
-    takes these rows as parameters (`text_rows`) in the same snapshot."""
-    p = _Params(params)
-    k = p.add(query.k)
-    parts = _text_parts(corpus, where, p, query, k, scope, index)
-    return (
-        f"WITH {'RECURSIVE ' if scope is not None else ''}{', '.join(parts)} "
-        f"SELECT {', '.join(corpus.key)}, b.score, coalesce(t.rank, 0) AS rank "
-        f"FROM bm25 b LEFT JOIN by_text t USING ({', '.join(corpus.key)})"
-    )
+    """The statement a HYBRID search runs while its query is embedded.
 
-
-def whole_statement(
-    corpus: Corpus,
-    where: str,
-    params: list[Any],
-    query: CandidateQuery,
-    *,
-    scope: str | None = None,
-    index: TextIndex | None = None,
-) -> str:
-    """Every searchable row with what a result carries, its key, order, vector (`row_vector`),
-    BM25 score (`text_score`, NULL where the query matches nothing) and rank among the text
-    ranker's top k (`text_rank`, 0 past it), in partition and order: a small exact search read
-    while its query embeds, ranked in Python (`tokensvc.storage.scoring`)."""
+    `whole=False`: the text ranker alone, every row it scored (`bm25`) with its key, `score` and
+    `rank` among the top k (`by_text`; 0 past it); the candidate statement then takes these rows
+    as parameters (`text_rows`) in the same snapshot. `whole=True`: every searchable row with what
+    a result carries, its key, order, vector (`row_vector`), BM25 score (`text_score`, NULL where
+    the query matches nothing) and `text_rank`, in partition and order: a small exact search,
+    ranked in Python once the vector is there (`tokensvc.storage.scoring`).
+    """
     p = _Params(params)
     k = p.add(query.k)
     parts = _text_parts(corpus, where, p, query, k, scope, index)
     key = ", ".join(corpus.key)
+    ranked = f"WITH {'RECURSIVE ' if scope is not None else ''}{', '.join(parts)} "
+    if not whole:
+        return (
+            ranked
+            + f"SELECT {key}, b.score, coalesce(t.rank, 0) AS rank FROM bm25 b LEFT JOIN by_text t USING ({key})"
+        )
     carried = [*corpus.columns, *(c for c in (*corpus.key, *corpus.order) if c not in corpus.columns)]
-    return (
-        f"WITH {'RECURSIVE ' if scope is not None else ''}{', '.join(parts)} "
+    # `key_order`: the row's place in key order, the ties' order as the statements break them (the
+    # database's collation, not Python's code points). One row past the limit tells a stale count.
+    return ranked + (
         f"SELECT {_cols('m', carried)}, m.{corpus.vector} AS row_vector, b.score AS text_score, "
-        f"coalesce(t.rank, 0) AS text_rank FROM {_scoped(corpus, where)} m "
-        f"LEFT JOIN bm25 b USING ({key}) LEFT JOIN by_text t USING ({key}) "
-        f"ORDER BY {_cols('m', (*corpus.partition, *corpus.order))}"
+        f"coalesce(t.rank, 0) AS text_rank, row_number() OVER (ORDER BY {_cols('m', corpus.key)}) AS key_order "
+        f"FROM {_scoped(corpus, where)} m LEFT JOIN bm25 b USING ({key}) LEFT JOIN by_text t USING ({key}) "
+        f"ORDER BY {_cols('m', (*corpus.partition, *corpus.order))} LIMIT {p.add(WHOLE_READ_ROWS + 1)}"
     )
 
 
 def _read_whole(
     corpus: Corpus, rows: Sequence[asyncpg.Record], local: Callable[[Any], Any], *, neighbours: bool
 ) -> RowSet[asyncpg.Record]:
-    """The rows `whole_statement` read, prepared for ranking (their records as the items: only the
+    """The rows `ahead_statement` read, prepared for ranking (their records as the items: only the
     candidates' become results)."""
     searchable = [
         Searchable(
             row,
-            tuple(row[c] for c in corpus.key),
+            (row["key_order"],),
             tuple(row[c] for c in corpus.partition),
             tuple(row[c] for c in corpus.order),
             local(row[corpus.local]),
@@ -440,7 +435,7 @@ def _read_whole(
 
 
 def _given_text_parts(corpus: Corpus, p: _Params, rows: Sequence[Any]) -> list[str]:
-    """`bm25` and `by_text` from the rows `text_statement` returned, passed as arrays."""
+    """`bm25` and `by_text` from the rows `ahead_statement` returned, passed as arrays."""
     key = ", ".join(corpus.key)
     arrays = [
         f"{p.add([row[name] for row in rows])}::{kind}[]"
@@ -473,7 +468,7 @@ def candidate_statement(
     it is applied to every part, neighbours included, so nothing outside it lends a score.
     `scope` (a corpus with statistics) selects the statistics of the searched rows' corpora;
     `index` reads the rows matching the query's terms (else `where` and a scan do);
-    `text_rows`: the text ranker's rows, already ranked by `text_statement` in this snapshot.
+    `text_rows`: the text ranker's rows, already ranked by `ahead_statement` in this snapshot.
     """
     p = _Params(params)
     key = ", ".join(corpus.key)
@@ -746,6 +741,16 @@ async def fetch_candidates(
     query's `row_count`) and the candidates.
     """
     query = None if row_count is None else plan(row_count)
+    pending = pending_vector(plan) if query is None else query.vector_later
+    if pending is not None and distributed_pool(pool):
+        # Citus: nothing runs ahead (docs/scaling.md), so no transaction waits for the embedding.
+        vector = await pending
+        routed = plan
+
+        def plan(rows: int) -> CandidateQuery:
+            return dataclasses.replace(routed(rows), vector=vector, vector_later=None)
+
+        query = None if row_count is None else plan(row_count)
     settings = None if query is None else search_settings(query)
     async with tenant_transaction(
         pool, tenant, isolation="one_snapshot", settings=settings, checks=checks
@@ -773,12 +778,20 @@ async def fetch_candidates(
         if ahead and query.exact and query.row_count <= WHOLE_READ_ROWS:
             sql, params = search_statement(corpus, where, query, text_index, ahead="whole")
             whole = await conn.fetch(sql, *params)
-        elif ahead:
+            if len(whole) > WHOLE_READ_ROWS:
+                # The count was capped or cached: more rows than it said. Rank by text instead.
+                whole = None
+        if ahead and whole is None:
             with _tracer.start_as_current_span("text_ranker", record_exception=False):
                 sql, params = search_statement(corpus, where, query, text_index, ahead="text")
                 text_rows = await conn.fetch(sql, *params)
+            if len(text_rows) > MAX_GIVEN_TEXT_ROWS:
+                text_rows = None  # cheaper ranked again in the statement than sent back
         if whole is None:
             query = await query.with_vector()
+            if ahead and (left := remaining_ms()) is not None:
+                # The deadline moved on while the query embedded; so does the statements' timeout.
+                await declare(conn, {"statement_timeout": str(max(1, left))})
             sql, params = search_statement(corpus, where, query, text_index, text_rows=text_rows)
             rows = await conn.fetch(sql, *params)
             if not query.exact and (len(rows) < query.k if plain_vector(query) else short(rows, query)):
@@ -811,8 +824,8 @@ def search_statement(
 ) -> tuple[str, list[Any]]:
     """The statement a search runs and its parameters: the plain VECTOR one when it answers the
     query, else the candidate statement (EXPLAIN tests and the bench run exactly this); `ahead`:
-    the statement run while the query embeds (`text_statement` or `whole_statement`);
-    `text_rows`: what `text_statement` returned."""
+    the statement run while the query embeds (`ahead_statement`, whole or text only);
+    `text_rows`: what `ahead_statement` returned."""
     params: list[Any] = []
     if ahead == "text" and text_index is not None and not text_index.filtered:
         # The index function reads the rows by its own scope; the predicate would go unused, and
@@ -825,10 +838,11 @@ def search_statement(
         return vector_statement(corpus, predicate, params, query.vector, k=query.k, exact=query.exact), params
     ranks_text = query.text is not None and text_rows is None
     scope = where(params, False) if corpus.statistics and ranks_text else None
-    if ahead == "text":
-        return text_statement(corpus, predicate, params, query, scope=scope, index=text_index), params
-    if ahead == "whole":
-        return whole_statement(corpus, predicate, params, query, scope=scope, index=text_index), params
+    if ahead is not None:
+        whole = ahead == "whole"
+        return ahead_statement(
+            corpus, predicate, params, query, whole=whole, scope=scope, index=text_index
+        ), params
     statement = candidate_statement(
         corpus, predicate, params, query, scope=scope, index=text_index, text_rows=text_rows
     )

@@ -35,7 +35,15 @@ from tokensvc.observability.deadlines import remaining_ms
 from tokensvc.storage.postgres.errors import database_errors
 from tokensvc.storage.records import Tenant
 
-__all__ = ["DistributedConnection", "declare", "declare_settings", "literal", "tenant_transaction"]
+__all__ = [
+    "DistributedConnection",
+    "declare",
+    "declare_settings",
+    "distributed_pool",
+    "is_distributed",
+    "literal",
+    "tenant_transaction",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -57,6 +65,13 @@ class DistributedConnection(asyncpg.Connection):
     """A connection to a Citus coordinator: tenant settings are declared so the workers see them."""
 
     distributed = True
+
+
+def distributed_pool(pool: asyncpg.Pool) -> bool:
+    """Whether a pool's connections reach a Citus coordinator (`Database` opens such a pool with
+    `DistributedConnection`; asyncpg keeps the class on the pool, not public)."""
+    connection_class = getattr(pool, "_connection_class", asyncpg.Connection)
+    return isinstance(connection_class, type) and issubclass(connection_class, DistributedConnection)
 
 
 def is_distributed(conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy) -> bool:
