@@ -226,3 +226,12 @@ def test_min_score_answers_nothing_from_an_unrelated_bucket_and_keeps_the_match(
     assert apply_mode(SearchMode.HYBRID, unrelated, FusionWeights(), **search) == []
     found = apply_mode(SearchMode.HYBRID, related, FusionWeights(), **search)
     assert [(r.item, r.score) for r in found] == [("meeting", pytest.approx(0.85))]
+
+
+def test_text_mode_scores_are_bm25_over_the_score_no_row_reaches() -> None:
+    full = Candidate("full", 0.0, 6.0, 0, 1, text_ideal=8.0)
+    partial = Candidate("partial", 0.0, 2.0, 0, 2, text_ideal=8.0)
+
+    ranked = apply_mode(SearchMode.TEXT, [partial, full], FusionWeights(), top_k=5, min_score=0.5)
+
+    assert [(r.item, r.score) for r in ranked] == [("full", 0.75)]

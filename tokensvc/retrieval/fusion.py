@@ -117,8 +117,17 @@ def rank_by_vector(candidates: Sequence[Candidate[T]]) -> list[Ranked[T]]:
 
 
 def rank_by_text(candidates: Sequence[Candidate[T]]) -> list[Ranked[T]]:
-    """TEXT mode: BM25 only (text ranks reported); rows no query term matched are not results."""
-    return _sorted([Ranked(c.item, c.text_score, 0, c.text_rank) for c in candidates if c.text_rank])
+    """TEXT mode: by BM25 (text ranks reported); rows no query term matched are not results. The
+    score is BM25 over the score no row reaches for the query (`Candidate.text_ideal`: every query
+    term, its frequency saturated), in [0, 1): the idf-weighted share of the query a row matches,
+    comparable across queries where raw BM25 is not (docs/api.md, "Scores")."""
+    return _sorted([Ranked(c.item, _scaled_text(c), 0, c.text_rank) for c in candidates if c.text_rank])
+
+
+def _scaled_text(c: Candidate[T]) -> float:
+    if c.text_ideal is None or c.text_ideal <= 0:
+        return c.text_score  # a store that does not say (none of tokensvc's)
+    return min(1.0, c.text_score / c.text_ideal)
 
 
 def _sorted(ranked: list[Ranked[T]], *, report: bool = True) -> list[Ranked[T]]:

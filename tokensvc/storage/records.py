@@ -352,6 +352,8 @@ class Candidate(Generic[T]):
     second_next: tuple[float, float] | None = None
     second_previous_key: Any = None
     second_next_key: Any = None
+    # The BM25 score no row reaches for this query (every term, saturated): TEXT mode's scale.
+    text_ideal: float | None = None
 
 
 @dataclass(frozen=True)

@@ -54,11 +54,14 @@ class TextRanking:
 
     scores: Mapping[int, float]
     top: Sequence[int]
+    ideal: float | None = None  # the BM25 score no row reaches (`Candidate.text_ideal`)
 
 
-def top_by_text(rows: Sequence[Searchable[Any]], scores: Mapping[int, float], k: int) -> TextRanking:
+def top_by_text(
+    rows: Sequence[Searchable[Any]], scores: Mapping[int, float], k: int, ideal: float | None = None
+) -> TextRanking:
     """The text ranker's top k of `scores`, ties broken by key."""
-    return TextRanking(scores, heapq.nsmallest(k, scores, key=lambda i: (-scores[i], rows[i].key)))
+    return TextRanking(scores, heapq.nsmallest(k, scores, key=lambda i: (-scores[i], rows[i].key)), ideal)
 
 
 def candidates(
@@ -133,6 +136,7 @@ class RowSet(Generic[T]):
                     scores_of(second_next),
                     local_of(second_previous),
                     local_of(second_next),
+                    None if self.text is None else self.text.ideal,
                 )
             )
         return out

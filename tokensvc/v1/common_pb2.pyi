@@ -385,15 +385,19 @@ class _SearchModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SearchMode
     """SEARCH_MODE_HYBRID fuses the vector ranking with the full-text ranking (BM25 over the query's
     stemmed terms, any of which may match) by score: base = 0.5 times the cosine similarity scaled
     min-max over the candidates plus 0.5 times the BM25 score divided by the best candidate's;
-    then an item whose better neighbour (the memory remembered just before or after it; the chunk
-    next to it in its document) has a higher base is lifted 0.7 of the way towards it. The score
-    is from 0 to 1, higher is better; each result reports its rank in each ranker. The weights are
-    server settings (search_vector_weight, search_neighbour_weight).
+    then an item whose better neighbour (the memories remembered one and two places before or
+    after it; the chunks one and two places away in its document, the second ones' base times
+    0.8) has a higher base is lifted 0.7 of the way towards it. The order is the fused one; the
+    best result's score is its cosine similarity (0 when negative) and every other result's that
+    times its fused score over the best one's, so one min_score serves HYBRID and VECTOR. Each
+    result reports its rank in each ranker. The weights are server settings
+    (search_vector_weight, search_neighbour_weight).
     """
     SEARCH_MODE_TEXT: _SearchMode.ValueType  # 3
     """SEARCH_MODE_TEXT ranks by full-text relevance only (BM25, as in HYBRID); the score is the
-    BM25 score, higher is better; items matching no query term are not returned; the query is
-    not embedded.
+    BM25 score over the score no item could reach for the query (every query term, its
+    frequency saturated), from 0 to 1, higher is better; items matching no query term are not
+    returned; the query is not embedded.
     """
 
 class SearchMode(_SearchMode, metaclass=_SearchModeEnumTypeWrapper):
@@ -413,15 +417,19 @@ SEARCH_MODE_HYBRID: SearchMode.ValueType  # 2
 """SEARCH_MODE_HYBRID fuses the vector ranking with the full-text ranking (BM25 over the query's
 stemmed terms, any of which may match) by score: base = 0.5 times the cosine similarity scaled
 min-max over the candidates plus 0.5 times the BM25 score divided by the best candidate's;
-then an item whose better neighbour (the memory remembered just before or after it; the chunk
-next to it in its document) has a higher base is lifted 0.7 of the way towards it. The score
-is from 0 to 1, higher is better; each result reports its rank in each ranker. The weights are
-server settings (search_vector_weight, search_neighbour_weight).
+then an item whose better neighbour (the memories remembered one and two places before or
+after it; the chunks one and two places away in its document, the second ones' base times
+0.8) has a higher base is lifted 0.7 of the way towards it. The order is the fused one; the
+best result's score is its cosine similarity (0 when negative) and every other result's that
+times its fused score over the best one's, so one min_score serves HYBRID and VECTOR. Each
+result reports its rank in each ranker. The weights are server settings
+(search_vector_weight, search_neighbour_weight).
 """
 SEARCH_MODE_TEXT: SearchMode.ValueType  # 3
 """SEARCH_MODE_TEXT ranks by full-text relevance only (BM25, as in HYBRID); the score is the
-BM25 score, higher is better; items matching no query term are not returned; the query is
-not embedded.
+BM25 score over the score no item could reach for the query (every query term, its
+frequency saturated), from 0 to 1, higher is better; items matching no query term are not
+returned; the query is not embedded.
 """
 Global___SearchMode: _TypeAlias = SearchMode  # noqa: Y015
 

@@ -1025,7 +1025,8 @@ class SearchKnowledgeRequest(_message.Message):
     """How many passages to return at most, over all searched knowledge bases, 1 to 100; 0 means 10."""
     min_score: _builtins.float
     """Passages scoring below this are dropped; unset means no threshold. In VECTOR mode the score is
-    a cosine similarity (-1 to 1), in HYBRID and TEXT mode a fused or BM25 score (see SearchMode).
+    a cosine similarity (-1 to 1), in HYBRID mode from 0 to 1 with the best result's score its
+    cosine, in TEXT mode from 0 to 1 (see SearchMode and docs/api.md, "Scores").
     """
     mode: _common_pb2.SearchMode.ValueType
     """The ranking mode; unspecified means HYBRID."""

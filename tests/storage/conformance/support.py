@@ -275,6 +275,17 @@ def reference_bm25(
     return scores
 
 
+def reference_ideal(texts: Mapping[Any, str], query: str, *, row_count: int, k1: float = BM25_K1) -> float:
+    """The BM25 score no text reaches for `query`: every query word (one no text holds too) with
+    its idf over the matching texts, its frequency saturated (`k1 + 1`)."""
+    words = set(query_words(query))
+    bags = [Counter(text.split()) for text in texts.values()]
+    matched = [bag for bag in bags if words & bag.keys()]
+    n = max(row_count, len(matched))
+    dfs = [sum(1 for bag in matched if word in bag) for word in words]
+    return sum(math.log(1 + (n - df + 0.5) / (df + 0.5)) for df in dfs) * (k1 + 1)
+
+
 def ranks(scores: Mapping[Any, float], k: int) -> dict[Any, int]:
     """1-based ranks of the top k by score, ties by key (what both rankers promise)."""
     ordered = sorted(scores, key=lambda key: (-scores[key], key))[:k]

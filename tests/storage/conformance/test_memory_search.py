@@ -21,6 +21,7 @@ from tests.storage.conformance.support import (
     random_unit,
     ranks,
     reference_bm25,
+    reference_ideal,
     search,
     text_query,
     unit,
@@ -185,8 +186,11 @@ async def test_text_candidates_score_bm25_over_the_rows_matching_any_query_word(
         )
 
         assert set(found) == set(ranks(expected, 3)), "the top 3 by BM25"
+        ideal = reference_ideal(texts, "Red apple?", row_count=row_count)
         for memory_id, c in found.items():
             assert c.text_score == pytest.approx(expected[memory_id], rel=1e-9)
+            assert c.text_ideal == pytest.approx(ideal, rel=1e-9)
+            assert c.text_score < c.text_ideal
             assert c.text_rank == ranks(expected, 3)[memory_id]
             assert (c.vector_score, c.vector_rank, c.previous, c.next) == (0.0, 0, None, None)
 
@@ -365,3 +369,22 @@ async def test_a_memory_written_while_the_query_embeds_is_not_seen_one_snapshot(
         memories, tenant, bucket, text_query("apple", k=5, row_count=13, vector=vector, exact=exact)
     )
     assert newcomer.id in {c.item.id for c in again}, "a search after the write sees it"
+
+
+async def test_a_query_word_no_memory_holds_lowers_every_text_score_against_its_ideal(
+    memories: MemoryStore, tenant: Tenant, bucket: str, rng: np.random.Generator
+) -> None:
+    rows = [memory(text, random_unit(rng)) for text in TEXTS]
+    await store_rows(memories, tenant, bucket, rows)
+    texts = {row.id: row.content for row in rows}
+
+    plain = await search(memories, tenant, bucket, text_query("apple", k=3, row_count=7))
+    padded = await search(memories, tenant, bucket, text_query("apple kiwi", k=3, row_count=7))
+
+    assert [c.text_ideal for c in padded] == pytest.approx(
+        [reference_ideal(texts, "apple kiwi", row_count=7)] * 3
+    )
+    assert [c.text_score for c in padded] == [c.text_score for c in plain], "kiwi matches nothing"
+    assert all(
+        p.text_score / p.text_ideal < c.text_score / c.text_ideal for p, c in zip(padded, plain, strict=True)
+    )

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from tokensvc.storage.inprocess.text import bm25_scores
+from tokensvc.storage.inprocess.text import bm25_ideal, bm25_scores
 from tokensvc.storage.records import Candidate, CandidateQuery
 from tokensvc.storage.scoring import Searchable, top_by_text
 from tokensvc.storage.scoring import candidates as scored_candidates
@@ -34,5 +34,12 @@ def candidates(rows: Sequence[Searchable[T]], query: CandidateQuery) -> list[Can
             k1=query.bm25_k1,
             b=query.bm25_b,
         )
-        text = top_by_text(rows, scores, query.k)
+        ideal = bm25_ideal(
+            [row.terms for row in rows],
+            query.text,
+            query.or_text,
+            row_count=query.row_count,
+            k1=query.bm25_k1,
+        )
+        text = top_by_text(rows, scores, query.k, ideal)
     return scored_candidates(rows, query, text)

@@ -23,7 +23,7 @@ import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-__all__ = ["Terms", "bm25_scores", "terms_of"]
+__all__ = ["Terms", "bm25_ideal", "bm25_scores", "terms_of"]
 
 Terms = Mapping[str, int]
 """A text's terms with their frequencies (what a tsvector holds, positions aside)."""
@@ -46,14 +46,10 @@ def bm25_scores(
     `or_text` selects the matching rows (any of its alternatives), `text` gives the scored terms;
     the domain builds both from the same words, so every matching row has a score.
     """
-    alternatives = set(terms_of(or_text)) - {_OR}
-    terms = set(terms_of(text))
-    matched = [i for i, row in enumerate(rows) if not alternatives.isdisjoint(row)]
+    terms, matched, n, df = _statistics(rows, text, or_text, row_count)
     if not matched or not terms:
         return {}
-    n = max(float(row_count), float(len(matched)))
     avgdl = sum(len(rows[i]) for i in matched) / len(matched)
-    df = Counter(t for i in matched for t in terms if t in rows[i])
     scores: dict[int, float] = {}
     for i in matched:
         row = rows[i]
@@ -61,8 +57,28 @@ def bm25_scores(
         if not found:
             continue
         norm = k1 * (1 - b + b * len(row) / avgdl)
-        scores[i] = sum(
-            math.log(1 + (n - df[t] + 0.5) / (df[t] + 0.5)) * row[t] * (k1 + 1) / (row[t] + norm)
-            for t in found
-        )
+        scores[i] = sum(_idf(n, df[t]) * row[t] * (k1 + 1) / (row[t] + norm) for t in found)
     return scores
+
+
+def bm25_ideal(rows: Sequence[Terms], text: str, or_text: str, *, row_count: int, k1: float) -> float:
+    """The BM25 score no row reaches: every query term, its frequency saturated (`k1 + 1`), with
+    the idf the scores use (a term no row holds counts too). The statements' `ideal`."""
+    terms, _, n, df = _statistics(rows, text, or_text, row_count)
+    return sum(_idf(n, df[t]) for t in terms) * (k1 + 1)
+
+
+def _statistics(
+    rows: Sequence[Terms], text: str, or_text: str, row_count: int
+) -> tuple[set[str], list[int], float, Counter[str]]:
+    """The query's terms, the matching rows, N and each term's df among the matching rows."""
+    alternatives = set(terms_of(or_text)) - {_OR}
+    terms = set(terms_of(text))
+    matched = [i for i, row in enumerate(rows) if not alternatives.isdisjoint(row)]
+    n = max(float(row_count), float(len(matched)))
+    df = Counter(t for i in matched for t in terms if t in rows[i])
+    return terms, matched, n, df
+
+
+def _idf(n: float, df: int) -> float:
+    return math.log(1 + (n - df + 0.5) / (df + 0.5))

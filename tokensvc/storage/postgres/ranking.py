@@ -175,7 +175,7 @@ def vector_statement(
     # slightly out of order, and a window over the index order would number them as they came.
     return (
         f"SELECT *, row_number() OVER (ORDER BY {outer}) AS vector_rank, 0::bigint AS text_rank, "
-        f"{_NO_NEIGHBOURS} FROM (SELECT {', '.join(corpus.columns)}, -({distance}) AS vector_score, "
+        f"{_NO_NEIGHBOURS}, NULL::float8 AS text_ideal FROM (SELECT {', '.join(corpus.columns)}, -({distance}) AS vector_score, "
         f"0::float8 AS text_score FROM {corpus.table} WHERE {where} ORDER BY {inner} LIMIT {limit}) s "
         f"ORDER BY {outer}"
     )
@@ -248,6 +248,9 @@ def _bm25_parts(
         "df AS (SELECT lexeme, count(*) AS n FROM postings GROUP BY lexeme)",
         f"stats AS (SELECT greatest({n}::float8, count(*)) AS n, "
         "coalesce(avg(dl), 1)::float8 AS avgdl FROM matched)",
+        # The score no row reaches: every query term (one no row holds too), saturated.
+        "ideal AS (SELECT coalesce(sum(ln(1 + (s.n - coalesce(d.n, 0) + 0.5) / (coalesce(d.n, 0) + 0.5))), 0) "
+        f"* ({k1}::float8 + 1) AS score FROM terms t LEFT JOIN df d USING (lexeme) CROSS JOIN stats s)",
         f"bm25 AS (SELECT {_cols('p', corpus.key)}, sum(ln(1 + (s.n - df.n + 0.5) / (df.n + 0.5)) "
         f"* p.tf * ({k1}::float8 + 1) / (p.tf + {k1}::float8 * (1 - {b}::float8 + {b}::float8 "
         f"* p.dl / s.avgdl))) AS score FROM postings p JOIN df USING (lexeme) CROSS JOIN stats s "
@@ -326,6 +329,7 @@ def _pruned_bm25_parts(
         "FROM listed l LEFT JOIN rare_counts r USING (lexeme) CROSS JOIN s "
         "CROSS JOIN LATERAL (SELECT coalesce(l.chunks, r.chunks, 0)::float8 AS chunks) d)",
         scored("rare"),
+        f"ideal AS (SELECT coalesce(sum(idf), 0) * ({k1}::float8 + 1) AS score FROM weights)",
         "floor AS (SELECT coalesce((SELECT score FROM rare_scored ORDER BY score DESC "
         f"LIMIT 1 OFFSET {rank} - 1), 0) AS score)",
         # A row holding no rare term scores at most the bounds of the common terms it holds. The
@@ -520,13 +524,14 @@ def candidate_statement(
             corpus, where, joins, vector_score, text=query.text is not None
         )
     vector_found = "(SELECT count(*) FROM by_vector)" if query.vector is not None else "0::bigint"
+    ideal = "(SELECT score FROM ideal)" if query.text is not None and text_rows is None else "NULL::float8"
     return (
         f"WITH {'RECURSIVE ' if scope is not None and query.text is not None else ''}{', '.join(parts)} "
         f"SELECT {_cols('m', corpus.columns)}, {vector_score.replace('%s', 'm')} AS vector_score, "
         f"{text_score} AS text_score, "
         f"{'coalesce(v.rank, 0)' if query.vector is not None else '0::bigint'} AS vector_rank, "
         f"{'coalesce(t.rank, 0)' if query.text is not None else '0::bigint'} AS text_rank, "
-        f"{neighbour_columns}, {vector_found} AS vector_found "
+        f"{neighbour_columns}, {vector_found} AS vector_found, {ideal} AS text_ideal "
         f"FROM pool {' '.join(joins)}"
     )
 
@@ -744,12 +749,7 @@ async def fetch_candidates(
     pending = pending_vector(plan) if query is None else query.vector_later
     if pending is not None and distributed_pool(pool):
         # Citus: nothing runs ahead (docs/scaling.md), so no transaction waits for the embedding.
-        vector = await pending
-        routed = plan
-
-        def plan(rows: int) -> CandidateQuery:
-            return dataclasses.replace(routed(rows), vector=vector, vector_later=None)
-
+        plan = _embedded(plan, await pending)
         query = None if row_count is None else plan(row_count)
     settings = None if query is None else search_settings(query)
     async with tenant_transaction(
@@ -800,17 +800,33 @@ async def fetch_candidates(
                 sql, params = search_statement(corpus, where, exact, text_index, text_rows=text_rows)
                 rows = await conn.fetch(sql, *params)
     if whole is not None:
-        # Read whole, the transaction is over (its connection back in the pool): prepared while
-        # the query embeds, ranked in Python once its vector is there.
-        prepared = _read_whole(corpus, whole, local, neighbours=query.neighbours)
-        query = await query.with_vector()
-        # Only the candidates' records become results: the others are never built.
-        rest = [f.name for f in dataclasses.fields(Candidate)][1:]
-        found = [
-            Candidate(item(c.item), *(getattr(c, name) for name in rest)) for c in prepared.candidates(query)
-        ]
-        return query.row_count, found
+        # Read whole, the transaction is over (its connection back in the pool).
+        return query.row_count, await _ranked_whole(corpus, whole, query, item, local)
     return query.row_count, candidates_from(rows, item, local)
+
+
+def _embedded(plan: SearchPlan, vector: np.ndarray) -> SearchPlan:
+    """`plan` with its pending vector already embedded."""
+
+    def embedded(rows: int) -> CandidateQuery:
+        return dataclasses.replace(plan(rows), vector=vector, vector_later=None)
+
+    return embedded
+
+
+async def _ranked_whole(
+    corpus: Corpus,
+    rows: Sequence[asyncpg.Record],
+    query: CandidateQuery,
+    item: Callable[[asyncpg.Record], T],
+    local: Callable[[Any], Any],
+) -> list[Candidate[T]]:
+    """The candidates among rows read whole: prepared while the query embeds, ranked in Python
+    once its vector is there; only the candidates' records become results."""
+    prepared = _read_whole(corpus, rows, local, neighbours=query.neighbours)
+    found = prepared.candidates(await query.with_vector())
+    rest = [f.name for f in dataclasses.fields(Candidate)][1:]
+    return [Candidate(item(c.item), *(getattr(c, name) for name in rest)) for c in found]
 
 
 def search_statement(
@@ -879,6 +895,7 @@ def candidates_from(rows: Sequence[Any], item: Any, local: Any = None) -> list[C
                 scores(row, "next2"),
                 key(row, "prev2"),
                 key(row, "next2"),
+                row["text_ideal"],
             )
         )
     return out

@@ -1944,7 +1944,8 @@ type SearchKnowledgeRequest struct {
 	// How many passages to return at most, over all searched knowledge bases, 1 to 100; 0 means 10.
 	TopK int32 `protobuf:"varint,3,opt,name=top_k,json=topK,proto3" json:"top_k,omitempty"`
 	// Passages scoring below this are dropped; unset means no threshold. In VECTOR mode the score is
-	// a cosine similarity (-1 to 1), in HYBRID and TEXT mode a fused or BM25 score (see SearchMode).
+	// a cosine similarity (-1 to 1), in HYBRID mode from 0 to 1 with the best result's score its
+	// cosine, in TEXT mode from 0 to 1 (see SearchMode and docs/api.md, "Scores").
 	MinScore *float32 `protobuf:"fixed32,4,opt,name=min_score,json=minScore,proto3,oneof" json:"min_score,omitempty"`
 	// Only passages of documents whose metadata match this filter are searched; unset means all.
 	Filter *Filter `protobuf:"bytes,5,opt,name=filter,proto3" json:"filter,omitempty"`
