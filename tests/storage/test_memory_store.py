@@ -32,7 +32,7 @@ from tokensvc.storage.filter_language import Condition, Operator
 from tokensvc.storage.postgres.memories import PostgresMemoryStore, search_statement
 from tokensvc.storage.postgres.ranking import WHOLE_READ_ROWS
 from tokensvc.storage.postgres.tenant import distributed_pool, tenant_transaction
-from tokensvc.storage.records import EmbedderSpec, MemorySpace, NewMemory, Tenant
+from tokensvc.storage.records import Candidate, EmbedderSpec, MemoryRecord, MemorySpace, NewMemory, Tenant
 
 DIM = 384
 EMBEDDER = "test"
@@ -250,6 +250,35 @@ async def test_ensure_vector_index_is_idempotent(store: PostgresMemoryStore, poo
     assert count == 1
 
 
+async def search_ahead(
+    store: PostgresMemoryStore,
+    pool: asyncpg.Pool,
+    tenant: Tenant,
+    text: str,
+    *,
+    exact: bool,
+    rows: int,
+    vector: np.ndarray,
+) -> tuple[int, list[Candidate[MemoryRecord]]]:
+    """A HYBRID search (top 5, neighbours) told the bucket has `rows` rows, its vector given only
+    once the store waits for it: the connections in use at that moment, and the candidates."""
+    later = EmbeddedLater()
+    query = candidate_query(
+        vector=None, text=text, k=5, rows=rows, exact=exact, neighbours=True, text_config="simple",
+        vector_later=later,
+    )  # fmt: skip
+    bucket = tenant.buckets[0]
+    searching = asyncio.ensure_future(
+        store.search(
+            tenant, bucket, lambda _rows: query, row_count=rows, count_cap=1, filter_=None, embedder="test"
+        )
+    )
+    await asyncio.wait_for(later.awaited.wait(), 30)
+    in_use = pool.get_size() - pool.get_idle_size()
+    later.vector.set_result(vector)
+    return in_use, (await searching).candidates
+
+
 @pytest.mark.parametrize(("exact", "held"), [(True, False), (False, True)])
 async def test_a_hybrid_search_waits_for_its_vector_holding_a_connection_only_when_not_read_whole(
     store: PostgresMemoryStore, pool: asyncpg.Pool, rng: np.random.Generator, exact: bool, held: bool
@@ -261,21 +290,9 @@ async def test_a_hybrid_search_waits_for_its_vector_holding_a_connection_only_wh
     tenant = Tenant("store-tests", f"ahead-{uuid.uuid4().hex[:8]}", (bucket,))
     assert await store.pin_space(tenant, MemorySpace(EmbedderSpec("test", "ahead", DIM, True), "simple"))
     await store.insert(tenant, bucket, [memory(f"apple pie number {i}", unit(rng)) for i in range(12)])
-    later = EmbeddedLater()
-    query = candidate_query(
-        vector=None, text="apple pie", k=5, rows=12, exact=exact, neighbours=True, text_config="simple",
-        vector_later=later,
-    )  # fmt: skip
-    searching = asyncio.ensure_future(
-        store.search(
-            tenant, bucket, lambda _rows: query, row_count=12, count_cap=1, filter_=None, embedder="test"
-        )
+    in_use, found = await search_ahead(
+        store, pool, tenant, "apple pie", exact=exact, rows=12, vector=unit(rng)
     )
-    await asyncio.wait_for(later.awaited.wait(), 30)
-
-    in_use = pool.get_size() - pool.get_idle_size()
-    later.vector.set_result(unit(rng))
-    found = (await searching).candidates
 
     assert not distributed_pool(pool)  # one node: the search ranks ahead (tests/citus: it does not)
     assert in_use == (1 if held else 0)
@@ -300,22 +317,7 @@ async def test_a_search_told_too_small_a_count_reads_no_more_than_the_whole_read
             bucket,
             [memory(f"pear note {i}", vectors[i]) for i in range(start, min(size, start + 500))],
         )
-    later = EmbeddedLater()
-    query = candidate_query(
-        vector=None, text="pear", k=5, rows=10, exact=True, neighbours=True, text_config="simple",
-        vector_later=later,
-    )  # fmt: skip
-    searching = asyncio.ensure_future(
-        store.search(
-            tenant, bucket, lambda _rows: query, row_count=10, count_cap=1, filter_=None, embedder="test"
-        )
-    )
-    await asyncio.wait_for(later.awaited.wait(), 30)
-
-    in_use = pool.get_size() - pool.get_idle_size()
-    target = vectors[7]
-    later.vector.set_result(target)
-    found = (await searching).candidates
+    in_use, found = await search_ahead(store, pool, tenant, "pear", exact=True, rows=10, vector=vectors[7])
 
     assert in_use == 1, "ranked by text and waiting in its transaction, not read whole"
     by_vector = sorted((c for c in found if c.vector_rank), key=lambda c: c.vector_rank)
