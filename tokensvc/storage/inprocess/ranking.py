@@ -26,20 +26,9 @@ def candidates(rows: Sequence[Searchable[T]], query: CandidateQuery) -> list[Can
     """The candidates of `query` among `rows` (already limited to tenant, liveness and filter)."""
     text = None
     if query.text is not None and rows:
-        scores = bm25_scores(
-            [row.terms for row in rows],
-            query.text,
-            query.or_text,
-            row_count=query.row_count,
-            k1=query.bm25_k1,
-            b=query.bm25_b,
-        )
-        ideal = bm25_ideal(
-            [row.terms for row in rows],
-            query.text,
-            query.or_text,
-            row_count=query.row_count,
-            k1=query.bm25_k1,
-        )
+        terms = [row.terms for row in rows]
+        row_count, k1 = query.row_count, query.bm25_k1
+        scores = bm25_scores(terms, query.text, query.or_text, row_count=row_count, k1=k1, b=query.bm25_b)
+        ideal = bm25_ideal(terms, query.text, query.or_text, row_count=row_count, k1=k1)
         text = top_by_text(rows, scores, query.k, ideal)
     return scored_candidates(rows, query, text)
